@@ -1,0 +1,170 @@
+"""One validated, frozen configuration object for the whole engine.
+
+Built from CLI flags (:func:`from_args`) or keyword arguments
+(:func:`make_config`, used by ``fdx.LLM``).  Each field knows its flag, so a
+bad value produces a one-line :class:`ConfigError` that names the flag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import attrs
+
+from fdx.core.errors import ConfigError
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _positive(inst: Any, att: attrs.Attribute, value: Any) -> None:
+    if value is not None and value <= 0:
+        raise ConfigError(f"{_flag(att.name)} must be > 0, got {value}")
+
+
+def _non_negative(inst: Any, att: attrs.Attribute, value: Any) -> None:
+    if value is not None and value < 0:
+        raise ConfigError(f"{_flag(att.name)} must be >= 0, got {value}")
+
+
+def _port(inst: Any, att: attrs.Attribute, value: int) -> None:
+    if not 0 <= value <= 65535:
+        raise ConfigError(f"{_flag(att.name)} must be a TCP port (0-65535), got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """Everything the engine and the server need to start."""
+
+    # model
+    model: str = "smollm2"
+    served_model_name: str | None = None
+    dtype: str = "float32"
+    max_model_len: int | None = attrs.field(default=None, validator=_positive)
+    seed: int = 0
+
+    # server
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=8000, validator=_port)
+    api_key: str | None = None
+    max_waiting: int = attrs.field(default=1024, validator=_positive)
+    max_logprobs: int = attrs.field(default=20, validator=_non_negative)
+    request_timeout: float = attrs.field(default=600.0, validator=_positive)
+
+    # scheduling
+    max_num_seqs: int = attrs.field(default=64, validator=_positive)
+    max_num_batched_tokens: int = attrs.field(default=512, validator=_positive)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    # KV cache
+    block_size: int = attrs.field(default=16, validator=_positive)
+    num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)
+    kv_cache_memory: int = attrs.field(default=2 << 30, validator=_positive)  # bytes
+
+    # components (chosen by name from the registries)
+    scheduler: str = "v1"
+    token_processor: str = "default"
+    cache_backend: str | None = None
+    cache_backend_config: dict[str, Any] = attrs.field(factory=dict)
+    device: str = "cpu"
+    num_threads: int | None = attrs.field(default=None, validator=_positive)
+    disable_plugins: tuple[str, ...] = ()
+
+    # plumbing
+    ipc_dir: str | None = None
+    heartbeat_interval: float = attrs.field(default=0.5, validator=_positive)
+    heartbeat_timeout: float = attrs.field(default=3.0, validator=_positive)
+    log_level: str = "info"
+    log_stats_interval: float = 10.0
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return make_config(**{**attrs.asdict(self, recurse=False), **changes})
+
+
+FIELDS = {a.name for a in attrs.fields(EngineConfig)}
+
+
+def make_config(**kwargs: Any) -> EngineConfig:
+    """Build a config from keyword arguments; unknown keys are an error."""
+    unknown = set(kwargs) - FIELDS
+    if unknown:
+        raise ConfigError(f"unknown config option(s): {', '.join(sorted(unknown))}")
+    if isinstance(kwargs.get("cache_backend_config"), str):
+        raw = kwargs["cache_backend_config"]
+        try:
+            kwargs["cache_backend_config"] = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--cache-backend-config is not valid JSON: {exc}") from None
+        if not isinstance(kwargs["cache_backend_config"], dict):
+            raise ConfigError("--cache-backend-config must be a JSON object")
+    if isinstance(kwargs.get("disable_plugins"), list):
+        kwargs["disable_plugins"] = tuple(kwargs["disable_plugins"])
+    if isinstance(kwargs.get("kv_cache_memory"), str):
+        kwargs["kv_cache_memory"] = parse_bytes(kwargs["kv_cache_memory"], "--kv-cache-memory")
+    try:
+        cfg = EngineConfig(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.max_num_batched_tokens < cfg.block_size:
+        raise ConfigError(
+            f"--max-num-batched-tokens ({cfg.max_num_batched_tokens}) must be >= --block-size ({cfg.block_size})"
+        )
+    return cfg
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """``"2G"``, ``"512MiB"``, ``"1000000"`` -> bytes."""
+    t = text.strip().upper().replace("IB", "").replace("B", "")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
+            break
+    try:
+        value = int(float(t) * mult)
+    except ValueError:
+        raise ConfigError(f"{flag} must be a size like 2G or 512M, got {text!r}") from None
+    if value <= 0:
+        raise ConfigError(f"{flag} must be > 0, got {text!r}")
+    return value
+
+
+def from_args(args: Any) -> EngineConfig:
+    """Build the config from an ``argparse.Namespace``; only known fields
+    are taken, and ``None`` values keep the defaults (environment variables
+    ``FDX_<FIELD>`` fill flags that were not given)."""
+    values: dict[str, Any] = {}
+    for name in FIELDS:
+        env = os.environ.get("FDX_" + name.upper())
+        if env is not None:
+            values[name] = _coerce_env(name, env)
+        v = getattr(args, name, None)
+        if v is not None:
+            values[name] = v
+    return make_config(**values)
+
+
+def _coerce_env(name: str, value: str) -> Any:
+    field = attrs.fields_dict(EngineConfig)[name]
+    default = field.default
+    if isinstance(default, bool):
+        return value.lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int) and not isinstance(default, bool):
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"FDX_{name.upper()} must be an integer, got {value!r}") from None
+    if isinstance(default, float):
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"FDX_{name.upper()} must be a number, got {value!r}") from None
+    return value

@@ -1,0 +1,210 @@
+"""The hook specifications of fdx: every way a plugin can extend the engine.
+
+A plugin is any module or object with functions decorated by
+``fdx.hookimpl``.  Installed packages expose plugins through the entry-point
+group ``fdx.plugins``; tests register them with ``pm.register(obj)``.
+
+Two families of hooks:
+
+* **Registry hooks** (``fdx_register_*``) are called exactly once, at start-up,
+  while :mod:`fdx.core.plugins` collects the named factories of each component
+  kind.  After start-up the engine calls the chosen components' plain methods:
+  pluggy is never dispatched per token.
+* **Extension hooks** are called on rare events (a request's life-cycle, app
+  or parser construction, config finalisation).  They are called in the
+  front-end (API server / offline ``LLM``) process.
+
+Hooks grow by new keyword arguments only; an implementation may accept any
+subset of the documented arguments (pluggy passes by name).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pluggy
+
+PROJECT = "fdx"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+#: ``register(name, factory, *, description="")`` -- the callable passed to
+#: every registry hook.  ``factory`` is called later with keyword arguments
+#: that depend on the kind (see each hook); heavy imports belong inside it.
+Register = Callable[..., None]
+
+
+# --------------------------------------------------------------------------
+# Registry hooks: one per component kind
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def fdx_register_schedulers(register: Register) -> None:
+    """Contribute schedulers, selected with ``--scheduler NAME``.
+
+    Called once at start-up, in the engine process (and in ``fdx plugins``).
+
+    :param register: call ``register(name, factory)`` for each scheduler.
+        ``factory(config, kv_manager)`` must return a
+        :class:`fdx.core.interfaces.Scheduler`; ``config`` is the frozen
+        :class:`fdx.core.config.EngineConfig` and ``kv_manager`` the
+        :class:`fdx.core.kv_cache.KVCacheManager` that owns the block pool.
+
+    Return nothing.  Registering a name twice (from any two plugins) is an
+    error that names both plugins.
+    """
+
+
+@hookspec
+def fdx_register_token_processors(register: Register) -> None:
+    """Contribute token processors, selected with ``--token-processor NAME``.
+
+    A token processor turns the token ids a request produces into text,
+    incrementally, and detects stop strings.  It runs in the front-end
+    process (next to the tokenizer), never in the engine loop.
+
+    Called once at start-up.
+
+    :param register: call ``register(name, factory)``.  ``factory(tokenizer,
+        config)`` returns a :class:`fdx.core.interfaces.TokenProcessor`.
+
+    Return nothing.
+    """
+
+
+@hookspec
+def fdx_register_cache_backends(register: Register) -> None:
+    """Contribute KV storage backends, selected with ``--cache-backend NAME``.
+
+    Called once at start-up, in the engine process.
+
+    :param register: call ``register(name, factory)``.  ``factory(options)``
+        receives the parsed ``--cache-backend-config`` JSON object (a dict,
+        possibly empty) and returns a :class:`fdx.core.interfaces.CacheBackend`.
+
+    Return nothing.
+    """
+
+
+@hookspec
+def fdx_register_devices(register: Register) -> None:
+    """Contribute device backends, selected with ``--device NAME``.
+
+    Called once at start-up, in every process that needs a device (and in
+    ``fdx plugins``).  Must not import Paddle: a device sets its environment
+    (threads, CPU type) before Paddle is first imported.
+
+    :param register: call ``register(name, factory)``.  ``factory()`` returns a
+        :class:`fdx.core.interfaces.Device`.
+
+    Return nothing.
+    """
+
+
+# --------------------------------------------------------------------------
+# Extension hooks
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def fdx_add_cli_options(parser: Any) -> None:
+    """Add options to ``fdx serve`` (and ``fdx.LLM`` ignores them).
+
+    Called once while the ``serve`` argument parser is built, before the
+    command line is parsed.
+
+    :param parser: the :class:`argparse.ArgumentParser` of ``fdx serve``.
+        Add an option group; plugin options should start with the plugin's
+        name to avoid clashes.
+
+    Return nothing.  The parsed values are visible to
+    :func:`fdx_adjust_config` as ``args``.
+    """
+
+
+@hookspec
+def fdx_adjust_config(config: Any, args: Any) -> dict[str, Any] | None:
+    """Adjust the engine config after the command line is parsed.
+
+    Called once, in the front-end process, after the config is built and
+    validated.
+
+    :param config: the frozen :class:`fdx.core.config.EngineConfig`.
+    :param args: the :class:`argparse.Namespace` (or ``None`` for ``fdx.LLM``).
+
+    Return a dict of field overrides, or ``None`` for no change.  All
+    non-``None`` results are applied in registration order (last one wins
+    per field); the result is validated again.
+    """
+
+
+@hookspec
+def fdx_add_routes(app: Any, client: Any) -> None:
+    """Add HTTP routes to the OpenAI-compatible server.
+
+    Called once, in the API-server process, after fdx's own routes exist.
+
+    :param app: the :class:`fastapi.FastAPI` application.
+    :param client: the :class:`fdx.server.client.EngineClient`, through which
+        a route can submit requests or control calls to the engine.
+
+    Return nothing.
+    """
+
+
+@hookspec
+def fdx_request_added(request_id: str, num_prompt_tokens: int, params: Any, time: float) -> None:
+    """A request was accepted and sent to the engine.
+
+    Called in the front-end process once per request (per choice when
+    ``n > 1``).
+
+    :param request_id: the engine-level request id.
+    :param num_prompt_tokens: prompt length in tokens.
+    :param params: the :class:`fdx.core.messages.SamplingParams`.
+    :param time: ``time.time()`` at arrival.
+
+    Return nothing.
+    """
+
+
+@hookspec
+def fdx_request_first_token(request_id: str, ttft: float) -> None:
+    """A request received its first generated token.
+
+    Called in the front-end process once per request.
+
+    :param ttft: seconds from arrival to the first token.
+
+    Return nothing.
+    """
+
+
+@hookspec
+def fdx_request_finished(
+    request_id: str, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int, e2e: float
+) -> None:
+    """A request finished normally (``stop`` or ``length``).
+
+    Called in the front-end process once per request.
+
+    :param finish_reason: ``"stop"`` or ``"length"``.
+    :param e2e: seconds from arrival to the last token.
+
+    Return nothing.
+    """
+
+
+@hookspec
+def fdx_request_aborted(request_id: str, reason: str, num_output_tokens: int) -> None:
+    """A request ended without finishing: client disconnect, abort call,
+    pause, engine error or engine death.
+
+    Called in the front-end process once per request.
+
+    :param reason: a short human-readable reason.
+
+    Return nothing.
+    """

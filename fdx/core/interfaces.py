@@ -1,0 +1,350 @@
+"""The component interfaces the kernel calls directly.
+
+Plugins implement these ABCs; the kernel resolves one implementation of each
+kind by name at start-up and then calls plain methods (no pluggy dispatch on
+the hot path).  Docstrings state the invariants implementations must keep.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
+
+import attrs
+import numpy as np
+
+from fdx.core.messages import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from fdx.core.config import EngineConfig
+    from fdx.core.kv_cache import KVCacheManager
+    from fdx.core.request import Request
+
+
+# --------------------------------------------------------------------------
+# Step data
+# --------------------------------------------------------------------------
+
+
+@attrs.define
+class ScheduledSeq:
+    """``num_new_tokens`` tokens of ``request`` run this step, starting at
+    position ``request.num_computed_tokens`` (read before the step)."""
+
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so the
+        model samples the request's next token."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens >= r.num_tokens
+
+
+@attrs.define
+class ScheduledBatch:
+    """What one step runs.
+
+    ``seqs`` run in the forward pass.  ``preempted`` lost their blocks this
+    step (they will be recomputed later).  ``failed`` were ended by the
+    scheduler without running (``finish_reason`` and ``extra['error']`` set,
+    blocks already freed), e.g. v0 running out of blocks.
+    """
+
+    seqs: list[ScheduledSeq] = attrs.field(factory=list)
+    preempted: list[Request] = attrs.field(factory=list)
+    failed: list[Request] = attrs.field(factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+@attrs.define
+class ModelOutput:
+    """Result of one forward pass.
+
+    ``token_ids[i]`` is the token sampled for ``batch.seqs[i]``, or ``-1``
+    when that seq did not sample (a non-final prefill chunk).
+    ``logprobs[i]`` is set only for seqs that sampled and asked for logprobs.
+    """
+
+    token_ids: np.ndarray
+    logprobs: list[TokenLogprob | None] | None = None
+
+
+# --------------------------------------------------------------------------
+# Scheduler
+# --------------------------------------------------------------------------
+
+
+class Scheduler(abc.ABC):
+    """Decides which tokens run each step, and owns the requests' KV blocks
+    through the shared :class:`~fdx.core.kv_cache.KVCacheManager`.
+
+    Invariants:
+
+    * a KV block is owned by at most one running request (or shared
+      read-only through the prefix cache by reference count);
+    * once every request is finished or aborted, all blocks are free or
+      cached-evictable;
+    * every request added is eventually returned finished by :meth:`update`,
+      returned by :meth:`abort` / :meth:`preempt_all`, or put in
+      ``ScheduledBatch.failed`` -- none is lost;
+    * at most ``config.max_num_seqs`` requests run in one step, and a step's
+      ``num_tokens`` is at most ``config.max_num_batched_tokens``.
+    """
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+
+    @abc.abstractmethod
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING)."""
+
+    @abc.abstractmethod
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's work and allocate its blocks."""
+
+    @abc.abstractmethod
+    def update(self, batch: ScheduledBatch, output: ModelOutput) -> list[Request]:
+        """Apply a step's results: advance ``num_computed_tokens``, append
+        sampled tokens (``Request.append_token``), free the blocks of
+        requests that finished, and return those finished requests."""
+
+    @abc.abstractmethod
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Remove these requests (any state) and free their blocks at once.
+        Unknown ids are ignored.  Returns the removed requests."""
+
+    @abc.abstractmethod
+    def preempt_all(self) -> list[Request]:
+        """Remove every running and waiting request, freeing all their
+        blocks (used by pause).  Returns them."""
+
+    @abc.abstractmethod
+    def get(self, request_id: str) -> Request | None:
+        """The live request with this id, if any."""
+
+    @abc.abstractmethod
+    def request_ids(self) -> list[str]:
+        """Ids of every live (waiting or running) request."""
+
+    @property
+    @abc.abstractmethod
+    def num_running(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def num_waiting(self) -> int: ...
+
+    def has_work(self) -> bool:
+        return self.num_running + self.num_waiting > 0
+
+    def stats(self) -> dict[str, int]:
+        """Counters for /metrics: at least ``num_preemptions``."""
+        return {}
+
+
+# --------------------------------------------------------------------------
+# Model runner (built by the kernel from the device)
+# --------------------------------------------------------------------------
+
+
+class ModelRunner(abc.ABC):
+    """Runs forward passes over the paged KV cache and samples.
+
+    Invariant: attention reads keys/values only through each request's
+    ``block_ids``; a request's sampling depends only on its own params,
+    tokens and seed, never on the rest of the batch.
+    """
+
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+    weights_version: str
+
+    @abc.abstractmethod
+    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+        """Run one mixed prefill/decode step and sample."""
+
+    @abc.abstractmethod
+    def kv_fingerprint(self) -> str:
+        """Identity of the KV layout + weights (model, version, dtype, block
+        size, layer/head geometry); storage keys are salted with it."""
+
+    @abc.abstractmethod
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Copy whole blocks (all layers, K and V) out as bytes."""
+
+    @abc.abstractmethod
+    def write_kv_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+        """Inverse of :meth:`read_kv_blocks`."""
+
+    @abc.abstractmethod
+    def release(self, tags: Sequence[str]) -> None:
+        """Free memory for ``tags`` (``weight``, ``kv_cache``) -- sleep."""
+
+    @abc.abstractmethod
+    def restore(self, tags: Sequence[str]) -> None:
+        """Reload what :meth:`release` freed -- wakeup."""
+
+    @abc.abstractmethod
+    def load_weights(self, path: str, version: str) -> None:
+        """Swap weights for a checkpoint of identical architecture/shapes."""
+
+
+# --------------------------------------------------------------------------
+# Device
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class KVCacheSpec:
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+class Device(abc.ABC):
+    """A device backend (cpu, cuda, xpu, iluvatar) over Paddle.
+
+    :meth:`configure_env` runs before Paddle is imported in the process;
+    everything else may import Paddle.
+    """
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def is_available(self) -> bool:
+        """Whether this device can run here (must not raise)."""
+
+    def configure_env(self, num_threads: int | None = None) -> None:
+        """Set environment variables (threads, vendor switches) before Paddle
+        is imported.  Default: nothing."""
+
+    @abc.abstractmethod
+    def paddle_place(self) -> str:
+        """The Paddle device string: ``cpu``, ``gpu:0``, ``xpu:0``, ..."""
+
+    @abc.abstractmethod
+    def memory_info(self) -> tuple[int, int]:
+        """``(total_bytes, available_bytes)`` of the memory KV lives in."""
+
+    @abc.abstractmethod
+    def allocate_kv_cache(self, spec: KVCacheSpec) -> list[Any]:
+        """Allocate per-layer KV tensors for ``spec`` (zeroed)."""
+
+    def attention_backend(self) -> str:
+        """Name of the attention implementation the model should use."""
+        return "paddle"
+
+    def linear_backend(self) -> str:
+        """Name of the linear (GEMM) implementation the model should use."""
+        return "paddle"
+
+
+# --------------------------------------------------------------------------
+# Tokenizer and token processor (front end)
+# --------------------------------------------------------------------------
+
+
+class Tokenizer(Protocol):
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+    def id_to_token(self, token_id: int) -> str: ...
+
+
+@attrs.define
+class TextDelta:
+    """Text produced by :meth:`TokenStream.feed`.  ``stopped`` is True when a
+    stop string matched: ``text`` is then cut before it and the request must
+    end with finish reason ``stop``."""
+
+    text: str
+    stopped: bool = False
+
+
+class TokenStream(abc.ABC):
+    """Incremental detokenizer for one request."""
+
+    @abc.abstractmethod
+    def feed(self, token_ids: Sequence[int], finished: bool) -> TextDelta:
+        """Consume new token ids; return the text that became final.  When
+        ``finished`` is true, flush everything held back."""
+
+
+class TokenProcessor(abc.ABC):
+    """Turns token ids into text for each request (runs in the front end)."""
+
+    def __init__(self, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+
+    @abc.abstractmethod
+    def open_stream(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> TokenStream:
+        """Start detokenizing a new request."""
+
+    def token_text(self, token_id: int) -> str:
+        """Text of a single token (for logprobs)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+# --------------------------------------------------------------------------
+# KV storage backend
+# --------------------------------------------------------------------------
+
+
+class CacheBackend(abc.ABC):
+    """A KV block store beyond the device pool (host memory, files, Redis,
+    Mooncake).  Keys are strings; values are opaque bytes (the caller adds
+    and checks checksums).  The backend owns capacity and eviction.
+
+    Methods may raise on I/O failure; the caller degrades to recompute.
+    """
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Values for ``keys`` (``None`` for a miss), in order."""
+
+    @abc.abstractmethod
+    def put_batch(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Store values (overwrite allowed; may evict others)."""
+
+    @abc.abstractmethod
+    def exists_batch(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is present."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, float]:
+        """Counters: at least ``hits``, ``misses``, ``puts``, ``bytes``."""
+
+    @abc.abstractmethod
+    def health(self) -> bool:
+        """True when the backend is reachable."""
+
+    @abc.abstractmethod
+    def clear(self) -> None:
+        """Drop every stored block."""
+
+    def close(self) -> None:
+        """Release connections and files."""

@@ -1,0 +1,53 @@
+"""Structured logging: ``key=value`` text by default, JSON lines with
+``FDX_LOG_FORMAT=json``.  Every record names its process role."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+
+class _JsonFormatter(logging.Formatter):
+    def __init__(self, process: str) -> None:
+        super().__init__()
+        self.process = process
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "proc": self.process,
+            "pid": record.process,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+class _TextFormatter(logging.Formatter):
+    def __init__(self, process: str) -> None:
+        super().__init__()
+        self.process = process
+
+    def format(self, record: logging.LogRecord) -> str:
+        t = time.strftime("%H:%M:%S", time.localtime(record.created))
+        line = f"{t} {record.levelname:<7} [{self.process}:{record.process}] {record.name}: {record.getMessage()}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup_logging(level: str = "info", process: str = "main") -> None:
+    """Configure the root ``fdx`` logger for this process (idempotent)."""
+    fmt = _JsonFormatter(process) if os.environ.get("FDX_LOG_FORMAT") == "json" else _TextFormatter(process)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(fmt)
+    root = logging.getLogger("fdx")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False

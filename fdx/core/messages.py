@@ -1,0 +1,226 @@
+"""Wire messages between the front end and the engine.
+
+Every class here is a frozen attrs class.  They travel through one private
+cattrs converter (``cattrs.preconf.msgpack``) configured with a tagged union
+over :data:`Message`, so :func:`encode` / :func:`decode` round-trip any of
+them.  Sequences are tuples so that messages stay hashable and immutable.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import attrs
+from cattrs.preconf.msgpack import make_converter
+from cattrs.strategies import configure_tagged_union
+
+
+# --------------------------------------------------------------------------
+# Sampling
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    ``temperature == 0`` means greedy.  ``top_k <= 0`` disables top-k;
+    ``top_p == 1`` and ``min_p == 0`` disable those filters.  ``logprobs``
+    is the number of top alternatives to report per token (``None``: no
+    logprobs at all; ``0``: only the chosen token's).
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+# --------------------------------------------------------------------------
+# Front end -> engine
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class AddRequest:
+    """Submit one sequence (one choice: ``n`` is expanded by the front end)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    arrival_time: float
+
+
+@attrs.frozen
+class AbortRequest:
+    """Abort requests by id; unknown ids are ignored."""
+
+    request_ids: tuple[str, ...]
+    reason: str = "abort"
+
+
+@attrs.frozen
+class ControlRequest:
+    """Call engine control method ``method`` (``pause``, ``sleep``, ...)."""
+
+    call_id: str
+    method: str
+    args: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Shutdown:
+    """Ask the engine process to exit."""
+
+    reason: str = ""
+
+
+# --------------------------------------------------------------------------
+# Engine -> front end
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class TokenLogprob:
+    """The chosen token's logprob and the top alternatives ``(id, logprob)``."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
+class RequestOutput:
+    """New tokens of one request since its last output.
+
+    ``finish_reason`` is ``None`` while the request runs, then one of
+    ``stop``, ``length``, ``abort`` or ``error``.  For ``error`` the
+    ``error`` field says why and ``error_code`` is an HTTP status.
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    error: str | None = None
+    error_code: int = 0
+
+
+@attrs.frozen
+class EngineStats:
+    """A snapshot of the engine for /metrics and /health."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    storage_hits: int = 0
+    storage_errors: int = 0
+    num_preemptions: int = 0
+    steps: int = 0
+    is_paused: bool = False
+    weights_version: str = ""
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@attrs.frozen
+class OutputBatch:
+    """Everything one engine step produced, sent as one message."""
+
+    outputs: tuple[RequestOutput, ...]
+    stats: EngineStats | None = None
+
+
+@attrs.frozen
+class ControlReply:
+    """Reply to :class:`ControlRequest`; ``code`` is 200, 400 or 500."""
+
+    call_id: str
+    code: int
+    result: Any = None
+    error: str | None = None
+
+
+@attrs.frozen
+class Heartbeat:
+    """Sent by an idle engine so the front end knows it is alive."""
+
+    time: float
+    stats: EngineStats
+
+
+@attrs.frozen
+class EngineReady:
+    """The engine loaded its model and is ready for requests."""
+
+    pid: int
+    num_kv_blocks: int
+    max_model_len: int
+    model_name: str
+    weights_version: str = ""
+
+
+@attrs.frozen
+class EngineFailed:
+    """The engine could not start or crashed; ``message`` is one line."""
+
+    message: str
+    details: str = ""
+
+
+Message = Union[
+    SamplingParams,
+    AddRequest,
+    AbortRequest,
+    ControlRequest,
+    Shutdown,
+    TokenLogprob,
+    RequestOutput,
+    EngineStats,
+    OutputBatch,
+    ControlReply,
+    Heartbeat,
+    EngineReady,
+    EngineFailed,
+]
+
+MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
+
+_converter = make_converter()
+configure_tagged_union(Message, _converter, tag_name="_t")
+
+
+_converter.register_structure_hook(Any, lambda v, _: v)
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize any :data:`Message` to msgpack bytes."""
+    return _converter.dumps(msg, Message)  # type: ignore[arg-type]
+
+
+def decode(data: bytes) -> Message:
+    """Inverse of :func:`encode`."""
+    return _converter.loads(data, Message)  # type: ignore[arg-type]
