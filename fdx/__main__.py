@@ -1,0 +1,5 @@
+"""``python -m fdx`` == the ``fdx`` command."""
+
+from fdx.cli import entry
+
+entry()

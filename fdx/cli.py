@@ -1,0 +1,158 @@
+"""The ``fdx`` command line: ``serve``, ``plugins``, ``bench serve``.
+
+Importing this module (and running ``--help`` or ``plugins``) never imports
+Paddle; plugin modules register factories and keep heavy imports inside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Sequence
+
+from fdx.core.errors import FdxError
+
+
+def _add_serve_options(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model")
+    m.add_argument("--model", help="'smollm2' (default, the embedded SmolLM2-135M-Instruct GGUF), a .gguf file or a Hugging Face folder")
+    m.add_argument("--served-model-name", help="model name reported by the API (default: --model)")
+    m.add_argument("--dtype", help="compute dtype (float32)")
+    m.add_argument("--max-model-len", type=int, help="longest prompt + output, in tokens")
+    m.add_argument("--seed", type=int, help="default sampling seed")
+
+    s = p.add_argument_group("server")
+    s.add_argument("--host", help="bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="port (default 8000)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--max-waiting", type=int, help="requests queued before 429 (default 1024)")
+    s.add_argument("--max-logprobs", type=int, help="largest logprobs/top_logprobs allowed (default 20)")
+    s.add_argument("--log-level", help="debug, info, warning, error")
+
+    c = p.add_argument_group("scheduling and KV cache")
+    c.add_argument("--max-num-seqs", type=int, help="max sequences per step (default 64)")
+    c.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default 512)")
+    c.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    c.add_argument("--num-kv-blocks", type=int, help="KV blocks in the device pool (default: from --kv-cache-memory)")
+    c.add_argument("--kv-cache-memory", help="KV pool size, e.g. 2G (default 2G)")
+    c.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None)
+    c.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+
+    k = p.add_argument_group("components (chosen by name; see `fdx plugins`)")
+    k.add_argument("--scheduler", help="scheduler plugin (default v1)")
+    k.add_argument("--token-processor", help="token processor plugin (default 'default')")
+    k.add_argument("--cache-backend", help="KV storage backend plugin (default: none)")
+    k.add_argument("--cache-backend-config", help="JSON object passed to the cache backend")
+    k.add_argument("--device", help="device plugin (default cpu)")
+    k.add_argument("--num-threads", type=int, help="compute threads (default: all cores)")
+    k.add_argument("--disable-plugin", dest="disable_plugins", action="append", metavar="NAME",
+                   help="do not load this plugin (entry-point or distribution name); repeatable")
+
+
+def _early_disabled(argv: Sequence[str]) -> list[str]:
+    """``--disable-plugin`` values, read before plugins load (they decide
+    which plugins may add CLI options)."""
+    out: list[str] = []
+    for i, a in enumerate(argv):
+        if a == "--disable-plugin" and i + 1 < len(argv):
+            out.append(argv[i + 1])
+        elif a.startswith("--disable-plugin="):
+            out.append(a.split("=", 1)[1])
+    return out
+
+
+def build_parser(plugins: Any | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fdx", description="fdx: a plugin-oriented LLM serving engine")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible server and the engine")
+    _add_serve_options(serve)
+    if plugins is not None:
+        plugins.hook.fdx_add_cli_options(parser=serve)
+    sub.add_parser("plugins", help="list installed plugins and the components they register")
+    bench = sub.add_parser("bench", help="benchmarks", add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, plugins: Any) -> Any:
+    """Validated config: flags + env, plugin adjustments, names checked."""
+    from fdx.core.config import from_args
+
+    cfg = from_args(args)
+    for override in plugins.hook.fdx_adjust_config(config=cfg, args=args):
+        if override:
+            cfg = cfg.replace(**override)
+    check_component_names(cfg, plugins)
+    return cfg
+
+
+def check_component_names(cfg: Any, plugins: Any) -> None:
+    """Fail early, listing the choices, for an unknown component name."""
+    plugins.registry("scheduler").get(cfg.scheduler)
+    plugins.registry("token_processor").get(cfg.token_processor)
+    plugins.registry("device").get(cfg.device)
+    if cfg.cache_backend:
+        plugins.registry("cache_backend").get(cfg.cache_backend)
+
+
+def cmd_plugins(plugins: Any) -> int:
+    rows = []
+    for kind, reg in plugins.registries.items():
+        for name in reg.names():
+            e = reg.get(name)
+            rows.append((kind, name, e.source.name, e.source.distribution, e.source.version, e.description))
+    widths = [max(len(str(r[i])) for r in rows + [("KIND", "NAME", "PLUGIN", "DISTRIBUTION", "VERSION", "")]) for i in range(5)]
+    head = ("KIND", "NAME", "PLUGIN", "DISTRIBUTION", "VERSION", "DESCRIPTION")
+    for r in [head, *sorted(rows)]:
+        print("  ".join(str(r[i]).ljust(widths[i]) for i in range(5)) + "  " + str(r[5]))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["bench"]:
+            return _bench(argv[1:])
+        from fdx.core.plugins import get_plugins
+
+        plugins = get_plugins(_early_disabled(argv))
+        parser = build_parser(plugins)
+        args = parser.parse_args(argv)
+        if args.command == "plugins":
+            return cmd_plugins(plugins)
+        if args.command == "serve":
+            cfg = config_from_args(args, plugins)
+            from fdx.server.launcher import serve
+
+            return serve(cfg)
+        parser.print_help()
+        return 0
+    except FdxError as exc:
+        if exc.details:
+            print(exc.details.rstrip(), file=sys.stderr)
+        print(f"fdx: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _bench(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: fdx bench serve [options]   (see `fdx bench serve --help`)")
+        return 0
+    if argv[0] == "serve":
+        from fdx.bench.serve import main as bench_main
+
+        return bench_main(argv[1:])
+    print(f"fdx: error: unknown bench command {argv[0]!r}; choices: serve", file=sys.stderr)
+    return 2
+
+
+def entry() -> None:
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

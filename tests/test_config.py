@@ -1,0 +1,56 @@
+"""Config validation: bad values give one-line errors naming the flag."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import attrs
+import pytest
+
+from fdx.core.config import make_config, parse_bytes
+from fdx.core.errors import ConfigError
+
+
+def test_defaults_are_valid_and_frozen() -> None:
+    cfg = make_config()
+    assert cfg.scheduler == "v1" and cfg.device == "cpu" and cfg.port == 8000
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        cfg.port = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        ({"max_num_seqs": 0}, "--max-num-seqs"),
+        ({"port": 70000}, "--port"),
+        ({"block_size": -4}, "--block-size"),
+        ({"num_kv_blocks": 0}, "--num-kv-blocks"),
+        ({"cache_backend_config": "{not json"}, "--cache-backend-config"),
+        ({"cache_backend_config": "[1, 2]"}, "--cache-backend-config"),
+        ({"kv_cache_memory": "lots"}, "--kv-cache-memory"),
+        ({"max_num_batched_tokens": 8, "block_size": 16}, "--max-num-batched-tokens"),
+    ],
+)
+def test_bad_values_name_the_flag(kwargs: dict, flag: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        make_config(**kwargs)
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("2G", "--x") == 2 << 30
+    assert parse_bytes("512MiB", "--x") == 512 << 20
+    assert parse_bytes("1000", "--x") == 1000
+
+
+def test_replace_revalidates() -> None:
+    cfg = make_config()
+    assert cfg.replace(max_num_seqs=3).max_num_seqs == 3
+    with pytest.raises(ConfigError):
+        cfg.replace(max_num_seqs=-1)
+
+
+def test_cli_bad_flag_value_is_one_line() -> None:
+    r = subprocess.run([sys.executable, "-m", "fdx", "serve", "--max-num-seqs", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["fdx: error: --max-num-seqs must be > 0, got 0"]
