@@ -24,7 +24,7 @@ Invariants:
   token, so the same seed gives the same tokens alone or in any batch;
   unseeded requests draw from the sampler's process-level generator;
 * the all-greedy batch without penalties, logprobs or active min_tokens is a
-  single argmax (done by Paddle on the tensor itself when given one).
+  single argmax.
 """
 
 from __future__ import annotations
@@ -43,49 +43,59 @@ GREEDY_EPS = 1e-5
 #: top_p first looks for its nucleus among this many top tokens; rows whose
 #: nucleus is larger fall back to a full sort.
 _TOPP_CANDIDATES = 256
+#: rows with top_k up to this sample inside a window of their top_k tokens.
+_MAX_TOPK_WINDOW = 1024
+#: block width of the two-level inverse CDF.
+_CDF_BLOCK = 256
+#: the dense top_p path sorts this many top values before a full sort.
+_DENSE_TOPP_WINDOW = 4096
 
 
 class SamplerState:
     """Per-request sampler state stored in ``Request.sampler_state``.
 
-    ``gen`` is the request's own generator (``None`` when unseeded).
-    ``counts[v]`` is how often token ``v`` occurs among the first
-    ``n_counted`` output tokens (allocated only for requests with
-    penalties).  ``prompt_mask[v]`` says whether ``v`` is in the prompt
-    (only for repetition penalty).
+    ``gen`` is the request's own generator (``None`` when unseeded).  For
+    requests with penalties only: ``counts[v]`` is how often token ``v``
+    occurs among the first ``n_counted`` output tokens, ``in_prompt[v]``
+    whether it is in the prompt, and ``ids`` the distinct tokens of prompt
+    and counted output (the only logits penalties touch).
     """
 
-    __slots__ = ("gen", "counts", "prompt_mask", "n_counted")
+    __slots__ = ("gen", "counts", "in_prompt", "ids", "n_counted")
 
     def __init__(self, seed: int | None) -> None:
         self.gen: np.random.Generator | None = (
             np.random.Generator(np.random.PCG64(seed)) if seed is not None else None
         )
         self.counts: np.ndarray | None = None
-        self.prompt_mask: np.ndarray | None = None
+        self.in_prompt: np.ndarray | None = None
+        self.ids: np.ndarray = np.zeros(0, dtype=np.int64)
         self.n_counted = 0
 
-    def output_counts(self, output_token_ids: Sequence[int], width: int) -> np.ndarray:
-        """Token counts of the output so far (updated incrementally)."""
+    def penalty_tokens(
+        self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int], width: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, output counts of ids)``, updated incrementally: O(new
+        output tokens) per call after the first."""
         n = len(output_token_ids)
         if self.counts is None or self.counts.shape[0] != width or n < self.n_counted:
             self.counts = np.zeros(width, dtype=np.int32)
+            self.in_prompt = np.zeros(width, dtype=bool)
+            ids = np.asarray(prompt_token_ids, dtype=np.int64)
+            self.in_prompt[ids[(ids >= 0) & (ids < width)]] = True
+            self.ids = np.flatnonzero(self.in_prompt)
             self.n_counted = 0
+        assert self.in_prompt is not None
         if n > self.n_counted:
             new = np.asarray(output_token_ids[self.n_counted :], dtype=np.int64)
             new = new[(new >= 0) & (new < width)]
+            uniq = np.unique(new)
+            fresh = uniq[(self.counts[uniq] == 0) & ~self.in_prompt[uniq]]
             np.add.at(self.counts, new, 1)
+            if len(fresh):
+                self.ids = np.concatenate([self.ids, fresh])
             self.n_counted = n
-        return self.counts
-
-    def prompt(self, prompt_token_ids: Sequence[int], width: int) -> np.ndarray:
-        """Presence mask of the prompt tokens (built once)."""
-        if self.prompt_mask is None or self.prompt_mask.shape[0] != width:
-            m = np.zeros(width, dtype=bool)
-            ids = np.asarray(prompt_token_ids, dtype=np.int64)
-            m[ids[(ids >= 0) & (ids < width)]] = True
-            self.prompt_mask = m
-        return self.prompt_mask
+        return self.ids, self.counts[self.ids]
 
 
 def _state(req: Request) -> SamplerState:
@@ -156,12 +166,8 @@ class Sampler:
             ):
                 fast = False
                 break
-        if fast:
-            if _is_paddle(logits):
-                import paddle
-
-                return paddle.argmax(logits, axis=-1).numpy().astype(np.int64), None
-            return np.asarray(logits).argmax(axis=1).astype(np.int64), None
+        if fast:  # np.argmax on the CPU tensor's buffer beats paddle.argmax ~10x (bench_sampler)
+            return _to_numpy(logits).argmax(axis=1).astype(np.int64), None
 
         return self._sample_full(_to_numpy(logits), requests)
 
@@ -201,32 +207,40 @@ class Sampler:
         return tokens, logprobs
 
     def _apply_penalties(self, x: np.ndarray, requests: Sequence[Request], rows: list[int]) -> None:
+        """Sparse: touches only the prompt/output tokens of each row."""
         width = x.shape[1]
-        counts = np.empty((len(rows), width), dtype=np.int32)
-        rep = np.ones(len(rows), dtype=np.float32)
-        freq = np.zeros(len(rows), dtype=np.float32)
-        pres = np.zeros(len(rows), dtype=np.float32)
-        rep_rows: list[int] = []
-        prompt_masks: list[np.ndarray] = []
-        for j, i in enumerate(rows):
+        r_idx: list[np.ndarray] = []
+        t_idx: list[np.ndarray] = []
+        cnt: list[np.ndarray] = []
+        rep: list[float] = []
+        freq: list[float] = []
+        pres: list[float] = []
+        lens: list[int] = []
+        for i in rows:
             r = requests[i]
             p = r.params
-            st = _state(r)
-            counts[j] = st.output_counts(r.output_token_ids, width)
-            rep[j], freq[j], pres[j] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-            if p.repetition_penalty != 1.0:
-                rep_rows.append(j)
-                prompt_masks.append(st.prompt(r.prompt_token_ids, width))
-        sub = x[rows]
-        seen = counts > 0
-        if rep_rows:
-            rs = sub[rep_rows]
-            mask = seen[rep_rows] | np.stack(prompt_masks)
-            rp = rep[rep_rows, None]
-            sub[rep_rows] = np.where(mask, np.where(rs > 0, rs / rp, rs * rp), rs)
-        if freq.any() or pres.any():
-            sub -= freq[:, None] * counts + pres[:, None] * seen
-        x[rows] = sub
+            ids, counts = _state(r).penalty_tokens(r.prompt_token_ids, r.output_token_ids, width)
+            t_idx.append(ids)
+            cnt.append(counts)
+            lens.append(len(ids))
+            r_idx.append(np.full(len(ids), i, dtype=np.int64))
+            rep.append(p.repetition_penalty)
+            freq.append(p.frequency_penalty)
+            pres.append(p.presence_penalty)
+        if not sum(lens):
+            return
+        ri = np.concatenate(r_idx)
+        ti = np.concatenate(t_idx)
+        c = np.concatenate(cnt).astype(np.float32)
+        vals = x[ri, ti]
+        if any(v != 1.0 for v in rep):
+            rp = np.repeat(np.array(rep, dtype=np.float32), lens)
+            vals = np.where(vals > 0, vals / rp, vals * rp)
+        if any(freq) or any(pres):
+            f = np.repeat(np.array(freq, dtype=np.float32), lens)
+            pr = np.repeat(np.array(pres, dtype=np.float32), lens)
+            vals = vals - (f * c + pr * (c > 0))
+        x[ri, ti] = vals
 
     @staticmethod
     def _mask_stop_tokens(x: np.ndarray, requests: Sequence[Request], rows: list[int]) -> None:
@@ -245,39 +259,10 @@ class Sampler:
         if ri:
             x[ri, ci] = -np.inf
 
-    def _sample_random(
-        self, x: np.ndarray, rows: np.ndarray, temps: np.ndarray, requests: Sequence[Request]
-    ) -> np.ndarray:
-        k_rows = len(rows)
-        width = x.shape[1]
-        z = x[rows] if k_rows < x.shape[0] else x.copy()
-        z /= temps[:, None]
-        z -= z.max(axis=1, keepdims=True)
-        probs = np.exp(z, out=z)  # unnormalised, top probability == 1
-
-        params = [requests[i].params for i in rows]
-        min_p = np.array([p.min_p for p in params], dtype=np.float32)
-        if (min_p > 0).any():
-            probs[probs < min_p[:, None]] = 0.0
-
-        top_k = np.array([p.top_k for p in params], dtype=np.int64)
-        act = np.flatnonzero((top_k > 0) & (top_k < width))
-        if len(act):
-            kk = top_k[act]
-            kmax = int(kk.max())
-            sub = probs[act]
-            top = np.partition(sub, width - kmax, axis=1)[:, width - kmax :]
-            top.sort(axis=1)  # ascending: the k-th largest is at kmax - k
-            thr = top[np.arange(len(act)), kmax - kk]
-            sub[sub < thr[:, None]] = 0.0
-            probs[act] = sub
-
-        top_p = np.array([p.top_p for p in params], dtype=np.float64)
-        act = np.flatnonzero(top_p < 1.0)
-        if len(act):
-            probs[act] = _top_p_filter(probs[act], top_p[act])
-
-        u = np.empty(k_rows, dtype=np.float64)
+    def _uniforms(self, rows: np.ndarray, requests: Sequence[Request]) -> np.ndarray:
+        """One draw in (0, 1] per row: from the request's own generator when
+        seeded, else from the process-level one."""
+        u = np.empty(len(rows), dtype=np.float64)
         unseeded: list[int] = []
         for j, i in enumerate(rows):
             gen = _state(requests[i]).gen
@@ -287,10 +272,37 @@ class Sampler:
                 u[j] = gen.random()
         if unseeded:
             u[unseeded] = self._rng.random(len(unseeded))
-        cdf = np.cumsum(probs, axis=1, dtype=np.float64)
-        target = (1.0 - u) * cdf[:, -1]  # in (0, total]: never lands on a zero-probability token
-        tok = np.count_nonzero(cdf < target[:, None], axis=1)
-        return np.minimum(tok, width - 1)
+        return 1.0 - u
+
+    def _sample_random(
+        self, x: np.ndarray, rows: np.ndarray, temps: np.ndarray, requests: Sequence[Request]
+    ) -> np.ndarray:
+        """Sample the non-greedy rows.  Rows with filters first try a window
+        of their top candidates (exact whenever the surviving set fits in
+        it; the decision depends on the row alone); the rest go dense."""
+        width = x.shape[1]
+        params = [requests[i].params for i in rows]
+        top_k = np.array([p.top_k for p in params], dtype=np.int64)
+        top_k[(top_k <= 0) | (top_k >= width)] = 0
+        top_p = np.array([p.top_p for p in params], dtype=np.float64)
+        min_p = np.array([p.min_p for p in params], dtype=np.float32)
+        inv_t = (1.0 / temps).astype(np.float32)
+        u = self._uniforms(rows, requests)
+
+        tok = np.full(len(rows), -1, dtype=np.int64)
+        filt = (top_k > 0) | (top_p < 1.0) | (min_p > 0)
+        win = np.flatnonzero(filt & (top_k <= _MAX_TOPK_WINDOW))
+        if len(win):
+            tok[win] = _sample_windowed(x[rows[win]], top_k[win], top_p[win], min_p[win], inv_t[win], u[win])
+        plain = np.flatnonzero(~filt)
+        if len(plain):
+            tok[plain] = _inverse_cdf(_scaled_exp(x[rows[plain]], inv_t[plain]), u[plain])
+        dense = np.flatnonzero(filt & (tok < 0))
+        if len(dense):
+            tok[dense] = _sample_dense(
+                x[rows[dense]], top_k[dense], top_p[dense], min_p[dense], inv_t[dense], u[dense]
+            )
+        return tok
 
     def _logprobs(
         self, raw: np.ndarray, tokens: np.ndarray, params: list[SamplingParams], rows: list[int]
@@ -305,7 +317,13 @@ class Sampler:
         if kmax > 0:
             width = xl.shape[1]
             kmax = min(kmax, width)
-            part = np.argpartition(xl, width - kmax, axis=1)[:, width - kmax :]
+            thr = np.partition(xl, width - kmax, axis=1)[:, width - kmax]
+            part = np.empty((len(rows), kmax), dtype=np.int64)
+            for j in range(len(rows)):  # partition + flatnonzero beats argpartition ~1.5x
+                hit = np.flatnonzero(xl[j] >= thr[j])
+                if len(hit) != kmax:  # ties at the edge
+                    hit = np.argpartition(xl[j], width - kmax)[width - kmax :]
+                part[j] = hit
             vals = np.take_along_axis(xl, part, axis=1)
             order = np.argsort(-vals, axis=1, kind="stable")
             top_ids = np.take_along_axis(part, order, axis=1)
@@ -319,28 +337,134 @@ class Sampler:
         return out
 
 
+def _scaled_exp(z: np.ndarray, inv_t: np.ndarray) -> np.ndarray:
+    """``exp((z - max) / T)`` row-wise, in place on ``z`` (a private copy)."""
+    z -= z.max(axis=1, keepdims=True)
+    z *= inv_t[:, None]
+    return np.exp(z, out=z)
+
+
+def _inverse_cdf(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Index ``i`` per row with ``cdf[i-1] < u * total <= cdf[i]`` over
+    unnormalised ``probs`` in index order; ``u`` in (0, 1].  Two levels
+    (block sums, then one block's cumsum) so only cheap reductions run over
+    the whole vocabulary.  Never returns a zero-probability index when the
+    row has mass."""
+    n, width = probs.shape
+    nb = -(-width // _CDF_BLOCK)
+    if nb * _CDF_BLOCK != width:
+        padded = np.zeros((n, nb * _CDF_BLOCK), dtype=probs.dtype)
+        padded[:, :width] = probs
+        probs = padded
+    blocks = probs.reshape(n, nb, _CDF_BLOCK)
+    bcum = np.cumsum(blocks.sum(axis=2, dtype=np.float64), axis=1)
+    target = u * bcum[:, -1]
+    ar = np.arange(n)
+    blk = np.minimum(np.count_nonzero(bcum < target[:, None], axis=1), nb - 1)
+    base = np.where(blk > 0, bcum[ar, blk - 1], 0.0)
+    inner = blocks[ar, blk]
+    lcum = base[:, None] + np.cumsum(inner, axis=1, dtype=np.float64)
+    pos = np.minimum(np.count_nonzero(lcum < target[:, None], axis=1), _CDF_BLOCK - 1)
+    for j in np.flatnonzero(inner[ar, pos] <= 0):  # rounding between the two levels
+        nz = np.flatnonzero(inner[j] > 0)
+        if len(nz):
+            pos[j] = nz[np.minimum(np.searchsorted(nz, pos[j]), len(nz) - 1)]
+    return np.minimum(blk * _CDF_BLOCK + pos, width - 1)
+
+
+def _sample_windowed(
+    z: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray, inv_t: np.ndarray, u: np.ndarray
+) -> np.ndarray:
+    """Sample rows among their top ``c_row`` logits (``top_k`` if set, else
+    :data:`_TOPP_CANDIDATES`).  Returns -1 for rows whose surviving set may
+    extend beyond their window (the caller samples them densely).  ``z`` is
+    a private copy of the raw logits rows."""
+    n, width = z.shape
+    c_row = np.where(top_k > 0, top_k, min(_TOPP_CANDIDATES, width))
+    c = int(c_row.max())
+    ar = np.arange(n)
+    m = z.max(axis=1)
+    thr = np.partition(z, width - c, axis=1)[:, width - c]
+    idx = np.empty((n, c), dtype=np.int64)
+    for j in range(n):
+        hit = np.flatnonzero(z[j] >= thr[j])
+        if len(hit) != c:  # ties at the window edge
+            hit = np.sort(np.argpartition(z[j], width - c)[width - c :])
+        idx[j] = hit
+    vz = np.take_along_axis(z, idx, axis=1)
+    order = np.argsort(-vz, axis=1, kind="stable")
+    idx = np.take_along_axis(idx, order, axis=1)
+    vals = np.exp((np.take_along_axis(vz, order, axis=1) - m[:, None]) * inv_t[:, None])
+    in_row = np.arange(c)[None, :] < c_row[:, None]
+    vals *= in_row  # positions beyond a row's own window do not exist for it
+    cum = np.cumsum(vals, axis=1, dtype=np.float64)
+
+    has_k = top_k > 0
+    keep = c_row.copy()
+    has_mp = min_p > 0
+    n_mp = np.count_nonzero((vals >= min_p[:, None]) & in_row, axis=1)
+    keep = np.where(has_mp, np.minimum(keep, np.maximum(n_mp, 1)), keep)
+    bounded = has_k | (has_mp & (n_mp < c_row)) | (c_row >= width)
+    total = cum[ar, keep - 1]
+    loose = np.flatnonzero(~bounded & ~has_mp)  # top_p alone: needs the full mass
+    if len(loose):
+        total[loose] = _scaled_exp(z[loose], inv_t[loose]).sum(axis=1, dtype=np.float64)
+    has_p = top_p < 1.0
+    limit = top_p[:, None] * total[:, None]
+    n_p = np.maximum(np.count_nonzero((cum - vals < limit) & in_row, axis=1), 1)
+    fits = bounded | (cum[ar, keep - 1] >= top_p * total)
+    keep = np.where(has_p, np.minimum(keep, n_p), keep)
+    target = u * cum[ar, keep - 1]
+    pos = np.minimum(np.count_nonzero(cum < target[:, None], axis=1), keep - 1)
+    tok = idx[ar, pos]
+    tok[(~bounded & has_mp) | (has_p & ~fits)] = -1
+    return tok
+
+
+def _sample_dense(
+    z: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray, inv_t: np.ndarray, u: np.ndarray
+) -> np.ndarray:
+    """Filter over the whole vocabulary, then sample (the rare slow path)."""
+    n, width = z.shape
+    probs = _scaled_exp(z, inv_t)  # top probability == 1
+    if (min_p > 0).any():
+        probs = np.where(probs >= min_p[:, None], probs, 0.0).astype(np.float32)
+    act = np.flatnonzero(top_k > 0)
+    if len(act):
+        kk = top_k[act]
+        kmax = int(kk.max())
+        sub = probs[act]
+        top = np.partition(sub, width - kmax, axis=1)[:, width - kmax :]
+        top.sort(axis=1)  # ascending: the k-th largest is at kmax - k
+        thr = top[np.arange(len(act)), kmax - kk]
+        probs[act] = np.where(sub >= thr[:, None], sub, 0.0)
+    act = np.flatnonzero(top_p < 1.0)
+    if len(act):
+        probs[act] = _top_p_filter(probs[act], top_p[act])
+    return _inverse_cdf(probs, u)
+
+
 def _top_p_filter(probs: np.ndarray, top_p: np.ndarray) -> np.ndarray:
     """Zero the tokens outside each row's nucleus: keep the smallest set of
     highest-probability tokens whose mass reaches ``top_p`` (at least one;
-    ties with the last kept token are kept)."""
+    ties with the last kept token are kept).  Sorts only the top
+    :data:`_DENSE_TOPP_WINDOW` values when the nucleus fits in them."""
     n, width = probs.shape
     total = probs.sum(axis=1, dtype=np.float64)
-    thr = np.empty(n, dtype=np.float32)
-    c = min(width, _TOPP_CANDIDATES)
-    cand = np.partition(probs, width - c, axis=1)[:, width - c :]
-    cand = -np.sort(-cand, axis=1)
-    cum = np.cumsum(cand, axis=1, dtype=np.float64) / total[:, None]
-    ok = (cum[:, -1] >= top_p) | (c == width)
-    for rows, desc, cs in ((np.flatnonzero(ok), cand, cum), (np.flatnonzero(~ok), None, None)):
-        if not len(rows):
-            continue
-        if desc is None:
-            desc = -np.sort(-probs[rows], axis=1)
-            cs = np.cumsum(desc, axis=1, dtype=np.float64) / total[rows, None]
-        else:
-            desc, cs = desc[rows], cs[rows]
-        before = cs - desc / total[rows, None]  # mass strictly above each token
-        keep = np.maximum(np.count_nonzero(before < top_p[rows, None], axis=1), 1)
-        thr[rows] = desc[np.arange(len(rows)), keep - 1]
-    probs[probs < thr[:, None]] = 0.0
-    return probs
+    c = min(width, _DENSE_TOPP_WINDOW)
+    desc = -np.sort(-np.partition(probs, width - c, axis=1)[:, width - c :], axis=1)
+    short = desc.sum(axis=1, dtype=np.float64) < top_p * total
+    if short.any() and c < width:
+        full = -np.sort(-probs[short], axis=1)
+        thr_full = full[np.arange(len(full)), _first_reaching(full, top_p[short] * total[short])]
+    thr = desc[np.arange(n), _first_reaching(desc, np.minimum(top_p * total, desc.sum(axis=1, dtype=np.float64)))]
+    if short.any() and c < width:
+        thr[short] = thr_full
+    return np.where(probs >= thr[:, None], probs, 0.0).astype(np.float32)
+
+
+def _first_reaching(desc: np.ndarray, limit: np.ndarray) -> np.ndarray:
+    """Per row, the first index whose cumulative sum reaches ``limit``."""
+    total = desc.sum(axis=1, dtype=np.float64)
+    u = np.where(total > 0, limit / np.where(total > 0, total, 1.0), 1.0)
+    return _inverse_cdf(desc, np.clip(u, 0.0, 1.0))

@@ -1,0 +1,186 @@
+// fdx CPU custom op: RoPE + paged KV-cache write + causal paged attention.
+//
+// One call per layer replaces ~15 eager Paddle ops.  Layout contract (kept
+// in sync with fdx/model/native.py and fdx/model/llama.py):
+//   qkv       [T, (H + 2*KV) * D] float32   fused q/k/v projections (bias added)
+//   kv_cache  [2, NB, KV, BS, D]  float32   K at [0], V at [1]; WRITTEN IN PLACE
+//   rope      [P, D]              float32   cos in [:, :D/2], sin in [:, D/2:]
+//   meta      [T, 2]              int32     (sequence index, position) per token
+//   tables    [S, MAXB]           int32     block table per sequence
+// Output      [T, H * D]          float32
+// Token t of sequence s at position p attends to keys 0..p of s, which are
+// read ONLY through tables[s] (slot = tables[s][j / BS] * BS + j % BS).
+// K/V of every token in the call are written before any attention is read,
+// so chunks of several new tokens per sequence (prefill) work.
+// RoPE is NEOX "rotate_half" style (Hugging Face q/k order).
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "paddle/extension.h"
+
+namespace {
+
+inline void rope_rotate(const float* x, float* y, const float* cs, int half) {
+  const float* c = cs;
+  const float* s = cs + half;
+#pragma omp simd
+  for (int i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    y[i] = x1 * c[i] - x2 * s[i];
+    y[i + half] = x2 * c[i] + x1 * s[i];
+  }
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float a, const float* x, float* y, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& kv_cache,
+                                           const paddle::Tensor& rope, const paddle::Tensor& meta,
+                                           const paddle::Tensor& tables, int num_heads, int num_kv_heads,
+                                           int block_size, float scale) {
+  PD_CHECK(qkv.dtype() == paddle::DataType::FLOAT32, "qkv must be float32");
+  PD_CHECK(kv_cache.dtype() == paddle::DataType::FLOAT32, "kv_cache must be float32");
+  PD_CHECK(meta.dtype() == paddle::DataType::INT32 && tables.dtype() == paddle::DataType::INT32,
+           "meta/tables must be int32");
+  const int64_t T = qkv.shape()[0];
+  const int H = num_heads, KV = num_kv_heads, BS = block_size;
+  PD_CHECK(kv_cache.shape().size() == 5, "kv_cache must be [2, NB, KV, BS, D]");
+  const int64_t NB = kv_cache.shape()[1];
+  const int D = static_cast<int>(kv_cache.shape()[4]);
+  PD_CHECK(kv_cache.shape()[2] == KV && kv_cache.shape()[3] == BS, "kv_cache geometry mismatch");
+  PD_CHECK(qkv.shape()[1] == (int64_t)(H + 2 * KV) * D, "qkv width mismatch");
+  PD_CHECK(H % KV == 0, "num_heads must be a multiple of num_kv_heads");
+  const int G = H / KV;
+  const int64_t W = (int64_t)(H + 2 * KV) * D;
+  const int64_t S = tables.shape()[0];
+  const int64_t MAXB = tables.shape()[1];
+  const int64_t P = rope.shape()[0];
+  const int half = D / 2;
+
+  auto out = paddle::empty({T, (int64_t)H * D}, paddle::DataType::FLOAT32, qkv.place());
+  float* o = out.data<float>();
+  const float* x = qkv.data<float>();
+  float* kc = const_cast<float*>(kv_cache.data<float>());
+  float* vc = kc + (size_t)NB * KV * BS * D;
+  const float* rp = rope.data<float>();
+  const int* mt = meta.data<int>();
+  const int* bt = tables.data<int>();
+
+  // validate metadata once (never touch memory outside the cache)
+  for (int64_t t = 0; t < T; ++t) {
+    const int s = mt[2 * t], p = mt[2 * t + 1];
+    PD_CHECK(s >= 0 && s < S, "token sequence index out of range");
+    PD_CHECK(p >= 0 && p < P, "position out of range of the RoPE table");
+    PD_CHECK(p / BS < MAXB, "position beyond the block table");
+    for (int64_t j = 0; j <= p / BS; ++j) {
+      const int b = bt[s * MAXB + j];
+      PD_CHECK(b >= 0 && b < NB, "block id out of range");
+    }
+  }
+
+  // phase 1: rotate q into the output buffer (reused as scratch), rotate k,
+  // write k and v into their cache slots.
+  std::vector<float> q((size_t)T * H * D);
+  for (int64_t t = 0; t < T; ++t) {
+    const int s = mt[2 * t], p = mt[2 * t + 1];
+    const float* cs = rp + (size_t)p * D;
+    const float* xt = x + t * W;
+    for (int h = 0; h < H; ++h) rope_rotate(xt + h * D, q.data() + ((size_t)t * H + h) * D, cs, half);
+    const int blk = bt[s * MAXB + p / BS];
+    const int off = p % BS;
+    for (int kh = 0; kh < KV; ++kh) {
+      const size_t slot = (((size_t)blk * KV + kh) * BS + off) * D;
+      rope_rotate(xt + (size_t)(H + kh) * D, kc + slot, cs, half);
+      std::memcpy(vc + slot, xt + (size_t)(H + KV + kh) * D, sizeof(float) * D);
+    }
+  }
+
+  // phase 2: attention per (token, kv head); the G query heads of a group
+  // share each key/value load.
+  const int64_t items = T * KV;
+#pragma omp parallel if (items >= 8)
+  {
+    std::vector<float> sc;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t t = it / KV;
+      const int kh = static_cast<int>(it % KV);
+      const int s = mt[2 * t], p = mt[2 * t + 1];
+      const int n = p + 1;
+      sc.resize((size_t)G * n);
+      const float* qg = q.data() + ((size_t)t * H + (size_t)kh * G) * D;
+      const int* tb = bt + s * MAXB;
+      // scores
+      for (int j0 = 0; j0 < n; j0 += BS) {
+        const float* kb = kc + (((size_t)tb[j0 / BS] * KV + kh) * BS) * D;
+        const int m = std::min(BS, n - j0);
+        for (int jj = 0; jj < m; ++jj) {
+          const float* kp = kb + (size_t)jj * D;
+          for (int g = 0; g < G; ++g) sc[(size_t)g * n + j0 + jj] = dot(qg + (size_t)g * D, kp, D) * scale;
+        }
+      }
+      // softmax per head
+      for (int g = 0; g < G; ++g) {
+        float* r = sc.data() + (size_t)g * n;
+        float mx = r[0];
+        for (int j = 1; j < n; ++j) mx = std::max(mx, r[j]);
+        float sum = 0.f;
+        for (int j = 0; j < n; ++j) {
+          r[j] = std::exp(r[j] - mx);
+          sum += r[j];
+        }
+        const float inv = 1.f / sum;
+        for (int j = 0; j < n; ++j) r[j] *= inv;
+      }
+      // weighted values
+      float* og = o + ((size_t)t * H + (size_t)kh * G) * D;
+      std::memset(og, 0, sizeof(float) * G * D);
+      for (int j0 = 0; j0 < n; j0 += BS) {
+        const float* vb = vc + (((size_t)tb[j0 / BS] * KV + kh) * BS) * D;
+        const int m = std::min(BS, n - j0);
+        for (int jj = 0; jj < m; ++jj) {
+          const float* vp = vb + (size_t)jj * D;
+          for (int g = 0; g < G; ++g) axpy(sc[(size_t)g * n + j0 + jj], vp, og + (size_t)g * D, D);
+        }
+      }
+    }
+  }
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> PagedAttentionInferShape(const std::vector<int64_t>& qkv,
+                                                           const std::vector<int64_t>& kv_cache,
+                                                           const std::vector<int64_t>& rope,
+                                                           const std::vector<int64_t>& meta,
+                                                           const std::vector<int64_t>& tables, int num_heads,
+                                                           int num_kv_heads, int block_size, float scale) {
+  return {{qkv[0], (int64_t)num_heads * kv_cache[4]}};
+}
+
+std::vector<paddle::DataType> PagedAttentionInferDtype(const paddle::DataType& qkv, const paddle::DataType& kv_cache,
+                                                       const paddle::DataType& rope, const paddle::DataType& meta,
+                                                       const paddle::DataType& tables) {
+  return {qkv};
+}
+
+PD_BUILD_OP(fdx_paged_attention)
+    .Inputs({"qkv", "kv_cache", "rope", "meta", "tables"})
+    .Outputs({"out"})
+    .Attrs({"num_heads: int", "num_kv_heads: int", "block_size: int", "scale: float"})
+    .SetKernelFn(PD_KERNEL(PagedAttention))
+    .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionInferDtype));

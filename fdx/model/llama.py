@@ -1,0 +1,283 @@
+"""The Llama / Qwen2 decoder forward pass in eager Paddle over a paged KV cache.
+
+One :meth:`LlamaModel.forward` runs every token of a step (prefill chunks
+and decode tokens of many sequences, flattened to ``T`` rows) through all
+layers with a fixed, small number of ops per layer:
+
+``fused_rms_norm`` (+residual) -> one q/k/v matmul -> attention -> o matmul
+-> ``fused_rms_norm`` (+residual) -> one gate/up matmul -> ``swiglu`` -> down
+matmul.
+
+Attention (RoPE, KV-cache write, paged causal attention) is either the C++
+op ``fdx_paged_attention`` (csrc/) or an equivalent pure-Paddle fallback.
+Both read K/V only through the per-sequence block tables.
+
+Cache layout per layer: ``[2, num_blocks, num_kv_heads, block_size, head_dim]``
+(K at index 0, V at 1).  Weights are stored ``[in, out]`` (q/k in Hugging Face
+order, NEOX "rotate_half" RoPE).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import attrs
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+from paddle.incubate.nn.functional import fused_rms_norm
+
+from fdx.core.errors import ModelLoadError
+from fdx.model.arch import ModelArgs
+from fdx.model.loader import Checkpoint, LayerWeights
+
+
+@attrs.define
+class StepInputs:
+    """Per-step tensors, built once per step (never per layer).
+
+    ``meta[t] = (sequence index, position)`` of flattened token ``t``;
+    ``tables[s]`` is sequence ``s``'s block table (padded with 0);
+    ``sample_rows`` are the token rows whose logits are computed.
+    ``positions``/``seq_of``/``ctx_lens``/``q_lens`` (numpy) feed the
+    pure-Paddle attention fallback.
+    """
+
+    ids: paddle.Tensor
+    meta: paddle.Tensor
+    tables: paddle.Tensor
+    sample_rows: paddle.Tensor | None
+    positions: np.ndarray
+    seq_of: np.ndarray
+    q_starts: np.ndarray
+    q_lens: np.ndarray
+    ctx_lens: np.ndarray
+    tables_np: np.ndarray
+    fallback: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.define
+class Layer:
+    attn_norm: paddle.Tensor
+    w_qkv: paddle.Tensor
+    b_qkv: paddle.Tensor | None
+    w_o: paddle.Tensor
+    ffn_norm: paddle.Tensor
+    w_gate_up: paddle.Tensor
+    w_down: paddle.Tensor
+
+
+def rope_table(args: ModelArgs, max_pos: int) -> np.ndarray:
+    """``[max_pos, head_dim]``: cos in the first half, sin in the second."""
+    half = args.head_dim // 2
+    inv = 1.0 / (args.rope_theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / args.head_dim))
+    ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
+    return np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
+
+
+class LlamaModel:
+    """Weights + forward.  Not thread-safe; one instance per runner."""
+
+    def __init__(self, args: ModelArgs, max_pos: int, native_ops: Any | None) -> None:
+        self.args = args
+        self.ops = native_ops
+        self.max_pos = max_pos
+        self.scale = 1.0 / math.sqrt(args.head_dim)
+        rt = rope_table(args, max_pos)
+        self.rope = paddle.to_tensor(rt)
+        half = args.head_dim // 2
+        # fallback tables: x*cos_full + roll(x, half)*sin_signed == rotate_half RoPE
+        self._cos_full = paddle.to_tensor(np.concatenate([rt[:, :half], rt[:, :half]], axis=1))
+        self._sin_signed = paddle.to_tensor(np.concatenate([-rt[:, half:], rt[:, half:]], axis=1))
+        self.layers: list[Layer] = []
+        self.embed: paddle.Tensor | None = None
+        self.final_norm: paddle.Tensor | None = None
+        self.lm_head: paddle.Tensor | None = None  # [hidden, V] when untied
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def loaded(self) -> bool:
+        return self.embed is not None
+
+    def load(self, ckpt: Checkpoint, progress: bool = True) -> None:
+        """Convert a checkpoint (numpy, HF layout) into fused Paddle tensors."""
+        a = self.args
+        if ckpt.args != a:
+            raise ModelLoadError(f"{ckpt.source.path}: architecture mismatch ({ckpt.args.describe()} != {a.describe()})")
+        layers: list[Layer] = []
+        it = ckpt.layers()
+        if progress:
+            from tqdm.auto import tqdm
+
+            it = tqdm(it, total=a.num_layers, desc=f"loading {ckpt.source.name}", unit="layer", leave=False)
+        for lw in it:
+            layers.append(self._convert_layer(lw, ckpt.source.path, len(layers)))
+        if len(layers) != a.num_layers:
+            raise ModelLoadError(f"{ckpt.source.path}: expected {a.num_layers} layers, got {len(layers)}")
+        self._check(ckpt.embed, (a.vocab_size, a.hidden_size), "embedding", ckpt.source.path)
+        self._check(ckpt.final_norm, (a.hidden_size,), "final norm", ckpt.source.path)
+        self.layers = layers
+        self.embed = paddle.to_tensor(np.ascontiguousarray(ckpt.embed, dtype=np.float32))
+        self.final_norm = paddle.to_tensor(ckpt.final_norm.astype(np.float32))
+        if ckpt.lm_head is not None:
+            self._check(ckpt.lm_head, (a.vocab_size, a.hidden_size), "lm_head", ckpt.source.path)
+            self.lm_head = paddle.to_tensor(np.ascontiguousarray(ckpt.lm_head.T, dtype=np.float32))
+        else:
+            self.lm_head = None
+
+    def release(self) -> None:
+        """Drop every weight tensor (sleep)."""
+        self.layers = []
+        self.embed = None
+        self.final_norm = None
+        self.lm_head = None
+
+    @staticmethod
+    def _check(x: np.ndarray | None, shape: tuple[int, ...], what: str, path: str) -> None:
+        if x is None or tuple(x.shape) != shape:
+            got = None if x is None else tuple(x.shape)
+            raise ModelLoadError(f"{path}: {what} has shape {got}, expected {shape}")
+
+    def _convert_layer(self, lw: LayerWeights, path: str, i: int) -> Layer:
+        a = self.args
+        h, q, kv, ff = a.hidden_size, a.q_size, a.kv_size, a.intermediate_size
+        for name, shape in (
+            ("wq", (q, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q)),
+            ("w_gate", (ff, h)), ("w_up", (ff, h)), ("w_down", (h, ff)),
+            ("attn_norm", (h,)), ("ffn_norm", (h,)),
+        ):
+            self._check(getattr(lw, name), shape, f"layer {i} {name}", path)
+        w_qkv = np.concatenate([lw.wq, lw.wk, lw.wv], axis=0).T
+        b_qkv = None
+        if lw.bq is not None or lw.bk is not None or lw.bv is not None:
+            zeros = np.zeros
+            b_qkv = np.concatenate([
+                lw.bq if lw.bq is not None else zeros(q, np.float32),
+                lw.bk if lw.bk is not None else zeros(kv, np.float32),
+                lw.bv if lw.bv is not None else zeros(kv, np.float32),
+            ]).astype(np.float32)
+        w_gu = np.concatenate([lw.w_gate, lw.w_up], axis=0).T
+        t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
+        return Layer(
+            attn_norm=t(lw.attn_norm),
+            w_qkv=t(w_qkv),
+            b_qkv=t(b_qkv) if b_qkv is not None else None,
+            w_o=t(lw.wo.T),
+            ffn_norm=t(lw.ffn_norm),
+            w_gate_up=t(w_gu),
+            w_down=t(lw.w_down.T),
+        )
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, step: StepInputs, caches: list[paddle.Tensor]) -> paddle.Tensor | None:
+        """Run the step; return logits ``[len(sample_rows), V]`` (or None)."""
+        a = self.args
+        eps = a.rms_eps
+        attend: Callable[[paddle.Tensor, paddle.Tensor], paddle.Tensor]
+        if self.ops is not None:
+            op = self.ops.fdx_paged_attention
+            H, KV = a.num_heads, a.num_kv_heads
+            bs = int(caches[0].shape[3])
+            meta, tables, rope, scale = step.meta, step.tables, self.rope, self.scale
+
+            def attend(qkv: paddle.Tensor, cache: paddle.Tensor) -> paddle.Tensor:
+                return op(qkv, cache, rope, meta, tables, H, KV, bs, scale)
+        else:
+            attend = self._fallback_attention(step, int(caches[0].shape[3]))
+
+        x = F.embedding(step.ids, self.embed)
+        residual = None
+        for layer, cache in zip(self.layers, caches):
+            if residual is None:
+                h, residual = fused_rms_norm(x, layer.attn_norm, None, eps, 1, residual=paddle.zeros_like(x))
+            else:
+                h, residual = fused_rms_norm(x, layer.attn_norm, None, eps, 1, residual=residual)
+            qkv = paddle.matmul(h, layer.w_qkv)
+            if layer.b_qkv is not None:
+                qkv = qkv + layer.b_qkv
+            x = paddle.matmul(attend(qkv, cache), layer.w_o)
+            h, residual = fused_rms_norm(x, layer.ffn_norm, None, eps, 1, residual=residual)
+            x = paddle.matmul(F.swiglu(paddle.matmul(h, layer.w_gate_up)), layer.w_down)
+        if step.sample_rows is None:
+            return None
+        x = paddle.index_select(x, step.sample_rows)
+        residual = paddle.index_select(residual, step.sample_rows)
+        h, _ = fused_rms_norm(x, self.final_norm, None, eps, 1, residual=residual)
+        if self.lm_head is not None:
+            return paddle.matmul(h, self.lm_head)
+        return paddle.matmul(h, self.embed, transpose_y=True)
+
+    # ------------------------------------------------------------------ fallback
+
+    def _fallback_attention(self, step: StepInputs, bs: int) -> Callable[[paddle.Tensor, paddle.Tensor], paddle.Tensor]:
+        """Pure-Paddle RoPE + cache write + padded causal attention (same
+        maths as the C++ op; index tensors built once per step)."""
+        a = self.args
+        H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
+        G = H // KV
+        fb = step.fallback
+        if not fb:
+            T = len(step.positions)
+            S = len(step.q_lens)
+            qmax = int(step.q_lens.max())
+            lmax = int(step.ctx_lens.max())
+            pos = step.positions
+            seq = step.seq_of
+            tb = step.tables_np.astype(np.int64)
+            blk = tb[seq, pos // bs]
+            off = pos % bs
+            kh = np.arange(KV)
+            # rows of the flattened [2*NB*KV*BS, D] cache view
+            write_rows = ((blk[:, None] * KV + kh[None, :]) * bs + off[:, None]).reshape(-1)
+            j = np.arange(lmax)
+            jb = tb[:, np.minimum(j // bs, tb.shape[1] - 1)]  # [S, lmax]
+            read_rows = ((jb[:, None, :] * KV + kh[None, :, None]) * bs + (j % bs)[None, None, :]).reshape(-1)
+            # padded query rows: token index per (s, qi); padding points at row 0
+            rowmap = np.zeros((S, qmax), dtype=np.int64)
+            qpos = np.full((S, qmax), -1, dtype=np.int64)
+            for s in range(S):
+                n0, n = int(step.q_starts[s]), int(step.q_lens[s])
+                rowmap[s, :n] = np.arange(n0, n0 + n)
+                qpos[s, :n] = pos[n0 : n0 + n]
+            valid = (rowmap + 0)[qpos >= 0]
+            valid_idx = np.flatnonzero((qpos >= 0).reshape(-1))
+            allowed = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < step.ctx_lens[:, None, None])
+            mask = np.where(allowed, 0.0, -1e30).astype(np.float32)  # [S, qmax, lmax]
+            mask = np.repeat(mask[:, :, None, :], G, axis=2).reshape(S, 1, qmax * G, lmax)
+            fb.update(
+                T=T, S=S, qmax=qmax, lmax=lmax,
+                cos=paddle.index_select(self._cos_full, paddle.to_tensor(pos)).unsqueeze(1),
+                sin=paddle.index_select(self._sin_signed, paddle.to_tensor(pos)).unsqueeze(1),
+                write_rows=paddle.to_tensor(write_rows),
+                read_rows=paddle.to_tensor(read_rows),
+                rowmap=paddle.to_tensor(rowmap.reshape(-1)),
+                valid_idx=paddle.to_tensor(valid_idx),
+                mask=paddle.to_tensor(mask),
+            )
+            del valid
+        half = D // 2
+
+        def attend(qkv: paddle.Tensor, cache: paddle.Tensor) -> paddle.Tensor:
+            T, S, qmax, lmax = fb["T"], fb["S"], fb["qmax"], fb["lmax"]
+            qk = qkv[:, : (H + KV) * D].reshape([T, H + KV, D])
+            qk = qk * fb["cos"] + paddle.roll(qk, shifts=half, axis=-1) * fb["sin"]
+            q = qk[:, :H]
+            k = qk[:, H:].reshape([T * KV, D])
+            v = qkv[:, (H + KV) * D :].reshape([T * KV, D])
+            flat = cache.reshape([-1, D])
+            nkv = flat.shape[0] // 2
+            paddle.scatter_(flat, fb["write_rows"], k, overwrite=True)
+            paddle.scatter_(flat, fb["write_rows"] + nkv, v, overwrite=True)
+            kk = paddle.index_select(flat, fb["read_rows"]).reshape([S, KV, lmax, D])
+            vv = paddle.index_select(flat, fb["read_rows"] + nkv).reshape([S, KV, lmax, D])
+            qp = paddle.index_select(q.reshape([T, H * D]), fb["rowmap"]).reshape([S, qmax, KV, G, D])
+            qp = qp.transpose([0, 2, 1, 3, 4]).reshape([S, KV, qmax * G, D])
+            sc = paddle.matmul(qp, kk, transpose_y=True) * self.scale + fb["mask"]
+            o = paddle.matmul(F.softmax(sc, axis=-1), vv)  # [S, KV, qmax*G, D]
+            o = o.reshape([S, KV, qmax, G, D]).transpose([0, 2, 1, 3, 4]).reshape([S * qmax, H * D])
+            return paddle.index_select(o, fb["valid_idx"])
+
+        return attend

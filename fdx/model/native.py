@@ -1,0 +1,78 @@
+"""JIT-build and load fdx's C++ CPU ops (csrc/) with ``paddle.utils.cpp_extension``.
+
+The build is cached under ``$FDX_CACHE_DIR`` (default ``~/.cache/fdx``) in
+a folder keyed by a hash of the sources, Paddle's version and the flags, and
+guarded by a file lock so concurrent processes build it once.  When the
+compiler is missing or the build fails, :func:`load_ops` returns ``None`` and
+the model falls back to pure Paddle ops (slower, same results).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import logging
+import os
+import sys
+from typing import Any
+
+log = logging.getLogger("fdx.model")
+
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "csrc")
+SOURCES = ("paged_attention.cc",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only")
+
+_ops: Any = None
+_tried = False
+
+
+def cache_dir() -> str:
+    return os.environ.get("FDX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fdx")
+
+
+def load_ops() -> Any:
+    """The compiled op module, or ``None`` if it cannot be built here
+    (``FDX_NATIVE_OPS=0`` disables it)."""
+    global _ops, _tried
+    if _tried:
+        return _ops
+    _tried = True
+    if os.environ.get("FDX_NATIVE_OPS", "1") == "0":
+        return None
+    try:
+        _ops = _build()
+    except Exception as exc:  # noqa: BLE001 - any build failure means "use the fallback"
+        log.warning("fdx native CPU ops unavailable (%s: %s); using pure Paddle ops", type(exc).__name__, exc)
+        _ops = None
+    return _ops
+
+
+def _build() -> Any:
+    import paddle
+    from paddle.utils import cpp_extension
+
+    paths = [os.path.join(CSRC, s) for s in SOURCES]
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            h.update(f.read())
+    h.update(paddle.__version__.encode())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(sys.version.encode())
+    key = h.hexdigest()[:16]
+    build_dir = os.path.join(cache_dir(), "ops", key)
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sink = io.StringIO()
+        with contextlib.redirect_stdout(sink):
+            return cpp_extension.load(
+                name="fdx_ops_" + key,
+                sources=paths,
+                extra_cxx_cflags=list(CFLAGS),
+                extra_ldflags=["-fopenmp"],
+                build_directory=build_dir,
+                verbose=False,
+            )

@@ -1,0 +1,207 @@
+"""What v0 and v1 share: the request tables, update(), abort, failures.
+
+Invariants kept here:
+
+* every live request is in exactly one of ``waiting``, ``running`` or
+  ``_failed`` (ended by the scheduler, reported in the next batch), and in
+  ``requests`` by id;
+* a request leaves the scheduler only through :meth:`update` (finished),
+  :meth:`abort`, :meth:`preempt_all` or ``ScheduledBatch.failed``, with its
+  blocks freed.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Iterable
+
+from fdx.core.interfaces import ModelOutput, ScheduledBatch, Scheduler
+from fdx.core.kv_cache import cdiv
+from fdx.core.request import Request, Status
+
+if TYPE_CHECKING:
+    from fdx.core.config import EngineConfig
+    from fdx.core.kv_cache import KVCacheManager
+
+
+class BaseScheduler(Scheduler):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        super().__init__(config, kv)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._failed: list[Request] = []
+        self.num_preemptions = 0
+        self.num_failed = 0
+        self.num_finished = 0
+        self.num_scheduled_tokens = 0  # cumulative
+        self.num_prefill_tokens = 0  # cumulative, non-sampling + final prefill chunks
+        self.last_step_tokens = 0
+
+    # ------------------------------------------------------------------
+    # request tables
+    # ------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        request.status = Status.WAITING
+        self.requests[request.request_id] = request
+        error = self.never_fits(request)
+        if error is not None:
+            self._fail(request, error, 400)
+            return
+        self.waiting.append(request)
+
+    def max_blocks_needed(self, request: Request) -> int:
+        """Blocks a request may hold at its largest: KV exists for every
+        token but the last sampled one."""
+        n = min(request.num_prompt_tokens + request.params.max_tokens, request.max_model_len) - 1
+        return cdiv(max(n, request.num_prompt_tokens), self.kv.block_size)
+
+    def never_fits(self, request: Request) -> str | None:
+        """An error message when ``request`` can never complete here."""
+        need = self.max_blocks_needed(request)
+        if need > self.kv.num_blocks:
+            return (
+                f"request needs up to {need} KV blocks (prompt {request.num_prompt_tokens} + max_tokens "
+                f"{request.params.max_tokens} tokens) but the whole pool has {self.kv.num_blocks}; "
+                "lower max_tokens or raise --num-kv-blocks"
+            )
+        if not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.config.max_num_batched_tokens:
+            return (
+                f"prompt ({request.num_prompt_tokens} tokens) exceeds --max-num-batched-tokens "
+                f"({self.config.max_num_batched_tokens}) and chunked prefill is disabled"
+            )
+        return None
+
+    def _fail(self, request: Request, error: str, code: int) -> None:
+        """End ``request`` with an error; it is reported in the next batch."""
+        self.kv.free(request)
+        request.status = Status.FINISHED
+        request.finish_reason = "error"
+        request.extra["error"] = error
+        request.extra["error_code"] = code
+        self._failed.append(request)
+        self.num_failed += 1
+
+    def _take_failed(self, batch: ScheduledBatch) -> None:
+        for r in self._failed:
+            self.requests.pop(r.request_id, None)
+        batch.failed.extend(self._failed)
+        self._failed.clear()
+
+    def get(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def request_ids(self) -> list[str]:
+        return list(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self._failed)
+
+    def live_requests(self) -> list[Request]:
+        return [*self.running, *self.waiting]
+
+    # ------------------------------------------------------------------
+    # removal
+    # ------------------------------------------------------------------
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        ids = {i for i in request_ids if i in self.requests}
+        if not ids:
+            return []
+        removed: list[Request] = []
+        keep_running: list[Request] = []
+        for r in self.running:
+            (removed if r.request_id in ids else keep_running).append(r)
+        self.running = keep_running
+        keep_waiting: collections.deque[Request] = collections.deque()
+        for r in self.waiting:
+            (removed if r.request_id in ids else keep_waiting).append(r)
+        self.waiting = keep_waiting
+        keep_failed: list[Request] = []
+        for r in self._failed:
+            (removed if r.request_id in ids else keep_failed).append(r)
+        self._failed = keep_failed
+        for r in removed:
+            self.kv.free(r)
+            self.requests.pop(r.request_id, None)
+            self._on_removed(r)
+        return removed
+
+    def preempt_all(self) -> list[Request]:
+        return self.abort(list(self.requests))
+
+    def _on_removed(self, request: Request) -> None:
+        """Hook for subclasses (v0 drops chunk plans)."""
+
+    # ------------------------------------------------------------------
+    # update
+    # ------------------------------------------------------------------
+
+    def update(self, batch: ScheduledBatch, output: ModelOutput) -> list[Request]:
+        finished: list[Request] = []
+        token_ids = output.token_ids.tolist() if hasattr(output.token_ids, "tolist") else list(output.token_ids)
+        logprobs = output.logprobs
+        kv = self.kv
+        for i, seq in enumerate(batch.seqs):
+            req = seq.request
+            if req.status is not Status.RUNNING:  # removed between schedule and update
+                continue
+            req.num_computed_tokens += seq.num_new_tokens
+            tok = token_ids[i]
+            reason = None
+            if tok >= 0:
+                reason = req.append_token(int(tok), logprobs[i] if logprobs is not None else None)
+            kv.commit(req)
+            if reason is not None:
+                finished.append(req)
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for req in finished:
+                req.status = Status.FINISHED
+                kv.free(req)
+                self.requests.pop(req.request_id, None)
+                self._on_removed(req)
+            self.num_finished += len(finished)
+        return finished
+
+    def _record(self, batch: ScheduledBatch) -> None:
+        n = batch.num_tokens
+        self.last_step_tokens = n
+        self.num_scheduled_tokens += n
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_preemptions": self.num_preemptions,
+            "num_failed": self.num_failed,
+            "num_finished": self.num_finished,
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_scheduled_tokens": self.num_scheduled_tokens,
+            "last_step_tokens": self.last_step_tokens,
+            "kv_blocks_used": self.kv.num_used_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "kv_blocks_cached": self.kv.num_cached_blocks,
+        }
+
+    def check_invariants(self) -> None:
+        """Scheduler + block accounting consistency (tests call it each step)."""
+        live = self.live_requests()
+        ids = [r.request_id for r in live] + [r.request_id for r in self._failed]
+        assert len(ids) == len(set(ids)), "a request is queued twice"
+        assert set(ids) == set(self.requests), "request table out of sync"
+        assert len(self.running) <= self.config.max_num_seqs
+        for r in self.running:
+            assert r.status is Status.RUNNING
+        for r in self.waiting:
+            assert r.status in (Status.WAITING, Status.PREEMPTED)
+            assert not r.block_ids and r.num_computed_tokens == 0, f"waiting {r.request_id} holds blocks"
+        for r in self._failed:
+            assert not r.block_ids
+        self.kv.check_invariants(live)

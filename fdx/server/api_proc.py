@@ -1,0 +1,132 @@
+"""The API-server process: ``python -m fdx.server.api_proc CONFIG_JSON RUN_DIR PARENT_PID``.
+
+Binds the ZMQ sockets first thing (before any heavy import), so the launcher
+can start the engine as soon as the socket files exist.  Then it runs the
+FastAPI app under uvicorn.  It reports to the launcher through files in the
+run directory (see :class:`StatusBoard`); it exits when told (SIGTERM/SIGINT,
+handled by uvicorn: the lifespan shutdown sends ``Shutdown`` to the engine)
+or when the launcher disappears.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+READY_FILE = "ready"
+FAILED_FILE = "failed"
+
+
+class StatusBoard:
+    """Start-up status for the launcher, as files in the run directory.
+    ``ready`` holds JSON (engine pid, url); ``failed`` a one-line message.
+    Each is written at most once, atomically."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.dir = run_dir
+        self._lock = threading.Lock()
+        self._written: set[str] = set()
+
+    def _write(self, name: str, text: str) -> None:
+        with self._lock:
+            if name in self._written:
+                return
+            self._written.add(name)
+            tmp = os.path.join(self.dir, f".{name}.tmp")
+            try:
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(text)
+                os.replace(tmp, os.path.join(self.dir, name))
+            except OSError:
+                pass  # run dir removed: the launcher is shutting down
+
+    def ready(self, info: dict[str, Any]) -> None:
+        self._write(READY_FILE, json.dumps(info))
+
+    def failed(self, message: str) -> None:
+        if READY_FILE not in self._written:
+            self._write(FAILED_FILE, " ".join(message.split()))
+
+
+def _watch_parent(parent_pid: int, server: Any) -> None:
+    from fdx.core.ipc import pid_alive
+
+    while not server.should_exit:
+        if not pid_alive(parent_pid):
+            server.should_exit = True
+            return
+        time.sleep(1.0)
+
+
+def main() -> None:
+    from fdx.core.ipc import FrontendSide, IpcPaths
+
+    cfg_json, run_dir = sys.argv[1], sys.argv[2]
+    parent_pid = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    paths = IpcPaths(run_dir)
+    side = FrontendSide(paths)  # bind now: the engine may connect any time after
+
+    import uvicorn
+
+    from fdx.core.config import make_config
+    from fdx.core.logs import setup_logging
+    from fdx.core.plugins import get_plugins
+    from fdx.server.app import create_app
+    from fdx.server.client import EngineClient
+
+    config = make_config(**json.loads(cfg_json))
+    setup_logging(config.log_level, process="api")
+    board = StatusBoard(run_dir)
+    try:
+        plugins = get_plugins(config.disable_plugins)
+    except Exception as exc:  # noqa: BLE001
+        board.failed(f"{exc}")
+        side.close()
+        sys.exit(1)
+    client = EngineClient(config, paths, hook=plugins.hook, side=side)
+
+    def load_tokenizer() -> tuple[Any, Any]:
+        from fdx.model.loader import load_tokenizer as load
+
+        tok = load(config.model)
+        proc = plugins.create("token_processor", config.token_processor, tokenizer=tok, config=config)
+        return tok, proc
+
+    def on_serving() -> None:
+        board.ready({"engine_pid": client.engine_pid, "api_pid": os.getpid(),
+                     "url": f"http://{config.host}:{config.port}"})
+
+    client.on_failure.append(lambda reason, was_ready: None if was_ready else board.failed(reason))
+    app = create_app(config, client, plugins=plugins, load_tokenizer=load_tokenizer,
+                     on_startup_failure=board.failed, on_serving=on_serving)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="warning" if config.log_level.lower() in ("info", "warning") else config.log_level.lower(),
+            access_log=config.log_level.lower() == "debug",
+            timeout_graceful_shutdown=3,
+            lifespan="on",
+            timeout_keep_alive=30,
+        )
+    )
+    if parent_pid is not None:
+        threading.Thread(target=_watch_parent, args=(parent_pid, server), daemon=True).start()
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits 1 when it cannot bind the port
+        if exc.code:
+            board.failed(f"the API server could not start on {config.host}:{config.port} (port in use?)")
+        raise
+    if not server.started:
+        board.failed(f"the API server could not start on {config.host}:{config.port} (port in use?)")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,417 @@
+"""The API process's connection to the engine process.
+
+:class:`EngineClient` owns the bound :class:`~fdx.core.ipc.FrontendSide`.
+One background task receives every engine message and routes each
+:class:`RequestOutput` to the sink queue of its :class:`RequestHandle`;
+another watches :class:`~fdx.core.ipc.Liveness`.  Invariants:
+
+* every submitted handle receives exactly one terminal item on its sink: a
+  ``RequestOutput`` with ``finish_reason`` set, or an exception
+  (:class:`EngineUnavailable` when the engine dies or hangs); unless the
+  caller ended it itself with :meth:`EngineClient.finish` /
+  :meth:`EngineClient.abort`;
+* each handle fires exactly one of the ``fdx_request_finished`` /
+  ``fdx_request_aborted`` hooks (and ``fdx_request_first_token`` at most
+  once), and is counted once in the metrics;
+* once the engine is declared dead it stays dead (sticky), and new requests
+  and control calls fail at once with 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, Callable, Iterable
+
+import attrs
+import zmq
+
+from fdx.core.config import EngineConfig
+from fdx.core.errors import RequestError
+from fdx.core.ipc import FrontendSide, IpcPaths, Liveness
+from fdx.core.messages import (
+    AbortRequest,
+    AddRequest,
+    ControlReply,
+    ControlRequest,
+    EngineFailed,
+    EngineReady,
+    EngineStats,
+    Heartbeat,
+    Message,
+    OutputBatch,
+    RequestOutput,
+    SamplingParams,
+    Shutdown,
+)
+
+log = logging.getLogger("fdx.server")
+
+
+class EngineUnavailable(RequestError):
+    """The engine is starting, dead or hung (HTTP 503)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 503)
+
+
+class ControlCallError(RequestError):
+    """A control call failed: the engine's code (400/500), or 504 on timeout."""
+
+
+Sink = asyncio.Queue  # items: (RequestHandle, RequestOutput | BaseException)
+
+
+@attrs.define(eq=False)
+class RequestHandle:
+    """One engine request (one choice) as seen by the front end."""
+
+    request_id: str
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival: float  # time.time() at HTTP arrival
+    sink: Sink
+    tag: Any = None  # caller's data (e.g. the choice index)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    done: bool = False
+
+
+class EngineClient:
+    """Submit requests and control calls to the engine; track its health.
+
+    Construct in the API process (binds the sockets at once), then
+    ``await start()`` inside the event loop.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        paths: IpcPaths,
+        hook: Any = None,
+        metrics: Any = None,
+        side: FrontendSide | None = None,
+    ) -> None:
+        self.config = config
+        self.paths = paths
+        self.side = side or FrontendSide(paths)
+        self.hook = hook  # pluggy hook relay (plugins.hook) or None
+        self.metrics = metrics
+        self.liveness = Liveness(config.heartbeat_timeout)
+        self.engine: EngineReady | None = None
+        self.failed: str | None = None  # EngineFailed message / death reason
+        self.stats = EngineStats()
+        self.ready = asyncio.Event()
+        self._live: dict[str, RequestHandle] = {}
+        self._calls: dict[str, asyncio.Future[ControlReply]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+        #: called once with the reason when the engine fails or dies
+        self.on_failure: list[Callable[[str, bool], None]] = []
+        self.on_ready: list[Callable[[EngineReady], None]] = []
+
+    # ------------------------------------------------------------------
+    # life cycle
+    # ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._recv_loop()), loop.create_task(self._watch_loop())]
+
+    async def close(self, shutdown_engine: bool = True, reason: str = "server shutting down") -> None:
+        """Fail what is pending, tell the engine to exit, close the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        self._fail_all(f"request aborted: {reason}")
+        if shutdown_engine and self.failed is None:
+            try:
+                await asyncio.wait_for(self.side.send(Shutdown(reason)), 1.0)
+            except Exception:  # noqa: BLE001 - engine gone; the launcher kills it
+                pass
+        # let the Shutdown message leave before closing (LINGER is 0 by default)
+        self.side.inp.close(linger=500)
+        self.side.out.close(linger=0)
+        self.side.ctx.term()
+
+    @property
+    def alive(self) -> bool:
+        return self.engine is not None and self.failed is None
+
+    def unavailable_reason(self) -> str | None:
+        """``None`` when requests can be served, else why not."""
+        if self.failed is not None:
+            return f"engine unavailable: {self.failed}"
+        if self.engine is None:
+            return "engine is starting"
+        return None
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self.engine.pid if self.engine else None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len if self.engine else (self.config.max_model_len or 0)
+
+    @property
+    def weights_version(self) -> str:
+        return self.stats.weights_version or (self.engine.weights_version if self.engine else "")
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def num_waiting(self) -> int:
+        """Requests waiting for their first output: the engine's queue plus
+        what was sent since its last stats snapshot."""
+        local = sum(1 for h in self._live.values() if h.first_token_time is None)
+        return max(self.stats.num_waiting, local)
+
+    # ------------------------------------------------------------------
+    # requests
+    # ------------------------------------------------------------------
+
+    def check_available(self) -> None:
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise EngineUnavailable(reason)
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Iterable[int],
+        params: SamplingParams,
+        arrival: float,
+        sink: Sink | None = None,
+        tag: Any = None,
+    ) -> RequestHandle:
+        """Send one AddRequest; outputs arrive on ``handle.sink``."""
+        self.check_available()
+        if request_id in self._live:
+            raise RequestError(f"duplicate request id {request_id!r}", 400, param="request_id")
+        ids = tuple(prompt_token_ids)
+        h = RequestHandle(request_id, len(ids), params, arrival, sink if sink is not None else asyncio.Queue(), tag)
+        self._live[request_id] = h
+        self._send(AddRequest(request_id, ids, params, arrival))
+        self._call_hook("fdx_request_added", request_id=request_id, num_prompt_tokens=len(ids), params=params,
+                        time=arrival)
+        return h
+
+    def finish(self, handle: RequestHandle, reason: str = "stop") -> None:
+        """End a request from the front end as finished normally (a stop
+        string matched): the engine is told to abort it and free its KV."""
+        if handle.done:
+            return
+        self._end(handle)
+        self._send(AbortRequest((handle.request_id,), "stop string"))
+        self._record_finished(handle, reason)
+
+    def abort(self, handles: Iterable[RequestHandle], reason: str = "client disconnected") -> None:
+        """Abort unfinished requests (client gone, sibling failed)."""
+        ids = []
+        for h in handles:
+            if h.done:
+                continue
+            self._end(h)
+            ids.append(h.request_id)
+            self._record_aborted(h, reason)
+        if ids:
+            self._send(AbortRequest(tuple(ids), reason))
+
+    # ------------------------------------------------------------------
+    # control plane
+    # ------------------------------------------------------------------
+
+    async def call(self, method: str, args: dict[str, Any] | None = None, timeout: float = 30.0) -> Any:
+        """Run engine control method ``method``; returns its result.
+
+        Raises :class:`EngineUnavailable` (503) when the engine is down or
+        dies meanwhile, :class:`ControlCallError` with the engine's code
+        (400/500) or 504 when no reply came within ``timeout`` seconds."""
+        self.check_available()
+        call_id = uuid.uuid4().hex
+        fut: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        try:
+            self._send(ControlRequest(call_id, method, dict(args or {})))
+            try:
+                reply = await asyncio.wait_for(fut, timeout)
+            except asyncio.TimeoutError:
+                raise ControlCallError(f"control call {method!r} timed out after {timeout:g}s", 504) from None
+        finally:
+            self._calls.pop(call_id, None)
+        if reply.code != 200:
+            raise ControlCallError(reply.error or f"control call {method!r} failed", reply.code)
+        return reply.result
+
+    # ------------------------------------------------------------------
+    # internals
+    # ------------------------------------------------------------------
+
+    def _send(self, msg: Message) -> None:
+        if self.failed is not None or self._closed:
+            return
+        try:
+            fut = self.side.send_nowait(msg)
+        except zmq.ZMQError as exc:  # pragma: no cover - HWM is unlimited
+            log.error("cannot send %s to the engine: %s", type(msg).__name__, exc)
+            return
+        if isinstance(fut, asyncio.Future):
+            fut.add_done_callback(_log_send_error)
+
+    def _end(self, h: RequestHandle) -> None:
+        h.done = True
+        self._live.pop(h.request_id, None)
+
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                msg = await self.side.recv()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                if self._closed:
+                    return
+                log.error("engine channel error: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            except Exception:  # noqa: BLE001 - a garbled message must not kill the loop
+                log.exception("cannot decode an engine message")
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:  # noqa: BLE001
+                log.exception("error handling %s", type(msg).__name__)
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, OutputBatch):
+            self.liveness.beat()
+            if msg.stats is not None:
+                self.stats = msg.stats
+            now = time.time()
+            for out in msg.outputs:
+                h = self._live.get(out.request_id)
+                if h is not None:
+                    self._route(h, out, now)
+        elif isinstance(msg, Heartbeat):
+            self.liveness.beat()
+            self.stats = msg.stats
+        elif isinstance(msg, ControlReply):
+            fut = self._calls.get(msg.call_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, EngineReady):
+            self.engine = msg
+            self.liveness.pid = msg.pid
+            self.liveness.beat()
+            if not self.stats.weights_version:
+                self.stats = attrs.evolve(self.stats, weights_version=msg.weights_version,
+                                          kv_blocks_total=msg.num_kv_blocks)
+            log.info("engine ready (pid %d, %d KV blocks, max_model_len %d)", msg.pid, msg.num_kv_blocks,
+                     msg.max_model_len)
+            self.ready.set()
+            for cb in self.on_ready:
+                cb(msg)
+        elif isinstance(msg, EngineFailed):
+            log.error("engine failed: %s", msg.message)
+            if msg.details:
+                log.debug("%s", msg.details)
+            self._mark_dead(msg.message)
+
+    def _route(self, h: RequestHandle, out: RequestOutput, now: float) -> None:
+        if out.new_token_ids:
+            k = len(out.new_token_ids)
+            if h.first_token_time is None:
+                h.first_token_time = now
+                ttft = now - h.arrival
+                if self.metrics is not None:
+                    self.metrics.ttft.observe(ttft)
+                    self.metrics.queue.observe(ttft)
+                    if k > 1:
+                        self.metrics.itl.observe(0.0)
+                self._call_hook("fdx_request_first_token", request_id=h.request_id, ttft=ttft)
+            elif self.metrics is not None and h.last_token_time is not None:
+                self.metrics.itl.observe((now - h.last_token_time) / k)
+            h.last_token_time = now
+        h.num_output_tokens = max(h.num_output_tokens, out.num_output_tokens)
+        h.num_cached_tokens = max(h.num_cached_tokens, out.num_cached_tokens)
+        if out.finish_reason is not None:
+            self._end(h)
+            if out.finish_reason in ("stop", "length"):
+                self._record_finished(h, out.finish_reason)
+            else:
+                self._record_aborted(h, out.error or out.finish_reason)
+        h.sink.put_nowait((h, out))
+
+    def _record_finished(self, h: RequestHandle, reason: str) -> None:
+        e2e = time.time() - h.arrival
+        if self.metrics is not None:
+            self.metrics.finished(reason, h.num_prompt_tokens, h.num_output_tokens, e2e)
+        self._call_hook("fdx_request_finished", request_id=h.request_id, finish_reason=reason,
+                        num_prompt_tokens=h.num_prompt_tokens, num_output_tokens=h.num_output_tokens, e2e=e2e)
+
+    def _record_aborted(self, h: RequestHandle, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.aborted(h.num_prompt_tokens, h.num_output_tokens)
+        self._call_hook("fdx_request_aborted", request_id=h.request_id, reason=reason,
+                        num_output_tokens=h.num_output_tokens)
+
+    def _call_hook(self, name: str, **kwargs: Any) -> None:
+        if self.hook is None:
+            return
+        try:
+            getattr(self.hook, name)(**kwargs)
+        except Exception:  # noqa: BLE001 - a plugin bug must not break serving
+            log.exception("plugin hook %s failed", name)
+
+    async def _watch_loop(self) -> None:
+        period = min(0.25, self.config.heartbeat_interval)
+        while True:
+            await asyncio.sleep(period)
+            if self.engine is None or self.failed is not None:
+                continue
+            reason = self.liveness.check()
+            if reason is not None:
+                log.error("engine is unavailable: %s", reason)
+                self._mark_dead(reason)
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.failed is not None:
+            return
+        was_ready = self.engine is not None
+        self.failed = reason
+        self._fail_all(f"engine unavailable: {reason}")
+        for cb in self.on_failure:
+            try:
+                cb(reason, was_ready)
+            except Exception:  # noqa: BLE001
+                log.exception("failure callback failed")
+
+    def _fail_all(self, message: str) -> None:
+        for h in list(self._live.values()):
+            self._end(h)
+            self._record_aborted(h, message)
+            h.sink.put_nowait((h, EngineUnavailable(message)))
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(message))
+
+
+def _log_send_error(fut: asyncio.Future[Any]) -> None:
+    if fut.cancelled():
+        return
+    exc = fut.exception()
+    if exc is not None:
+        log.error("send to engine failed: %s", exc)

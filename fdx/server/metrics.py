@@ -1,0 +1,112 @@
+"""Prometheus metrics of the API process (``GET /metrics``).
+
+Names follow vLLM's with an ``fdx:`` prefix.  Front-end latencies and token
+counts are observed here per request; engine-side numbers (queue sizes, KV
+usage, prefix-cache counters, preemptions) are read at scrape time from the
+latest :class:`~fdx.core.messages.EngineStats` the engine sent, through a
+custom collector, so the engine's cumulative counters are exported as-is.
+Each :class:`Metrics` owns a private registry (no global state).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from fdx.core.messages import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector(Collector):
+    """Exports the latest EngineStats snapshot at scrape time."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats], model: str) -> None:
+        self.get_stats = get_stats
+        self.model = model
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.get_stats()
+        labels = ["model_name"]
+        v = [self.model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(v, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(v, value)
+            return c
+
+        yield gauge("fdx:num_requests_running", "Requests running in the engine.", s.num_running)
+        yield gauge("fdx:num_requests_waiting", "Requests waiting in the engine.", s.num_waiting)
+        yield gauge("fdx:kv_cache_usage_perc", "KV-cache usage (1 = 100%).", s.kv_usage)
+        yield gauge("fdx:kv_blocks_used", "KV blocks in use.", s.kv_blocks_used)
+        yield gauge("fdx:kv_blocks_total", "KV blocks in the pool.", s.kv_blocks_total)
+        yield gauge("fdx:engine_paused", "1 while the engine is paused.", 1.0 if s.is_paused else 0.0)
+        yield counter("fdx:prefix_cache_queries", "Prefix-cache queries (tokens).", s.prefix_queries)
+        yield counter("fdx:prefix_cache_hits", "Prefix-cache hits (tokens).", s.prefix_hits)
+        yield counter("fdx:kv_storage_hits", "KV storage (cache backend) hits.", s.storage_hits)
+        yield counter("fdx:kv_storage_errors", "KV storage (cache backend) errors.", s.storage_errors)
+        yield counter("fdx:num_preemptions", "Preemptions.", s.num_preemptions)
+        yield counter("fdx:engine_steps", "Engine steps.", s.steps)
+
+
+class Metrics:
+    """Per-process metrics; observed by :class:`fdx.server.client.EngineClient`."""
+
+    def __init__(self, model: str, get_stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg, lab = self.registry, ["model_name"]
+        self.model = model
+        ProcessCollector(registry=reg)
+        reg.register(_EngineCollector(get_stats, model))
+        self.ttft = Histogram("fdx:time_to_first_token_seconds", "Time to first token.", lab,
+                              buckets=_TTFT_BUCKETS, registry=reg).labels(model)
+        self.itl = Histogram("fdx:inter_token_latency_seconds", "Inter-token latency.", lab,
+                             buckets=_ITL_BUCKETS, registry=reg).labels(model)
+        self.e2e = Histogram("fdx:e2e_request_latency_seconds", "End-to-end request latency.", lab,
+                             buckets=_E2E_BUCKETS, registry=reg).labels(model)
+        self.queue = Histogram("fdx:request_queue_time_seconds",
+                               "Arrival to the engine's first output (queue + prefill).", lab,
+                               buckets=_E2E_BUCKETS, registry=reg).labels(model)
+        self.prompt_tokens = Counter("fdx:prompt_tokens", "Prompt tokens processed.", lab, registry=reg).labels(model)
+        self.generation_tokens = Counter("fdx:generation_tokens", "Tokens generated.", lab,
+                                         registry=reg).labels(model)
+        self._success = Counter("fdx:request_success", "Requests finished normally.", lab + ["finished_reason"],
+                                registry=reg)
+        self.success = {r: self._success.labels(model, r) for r in ("stop", "length")}
+        self._aborted = Counter("fdx:request_aborted", "Requests that ended without finishing.", lab,
+                                registry=reg).labels(model)
+        self.rejected = Counter("fdx:request_rejected", "Requests rejected before reaching the engine.",
+                                lab + ["code"], registry=reg)
+
+    def finished(self, reason: str, num_prompt: int, num_output: int, e2e: float) -> None:
+        c = self.success.get(reason)
+        if c is not None:
+            c.inc()
+        self.prompt_tokens.inc(num_prompt)
+        self.generation_tokens.inc(num_output)
+        self.e2e.observe(e2e)
+
+    def aborted(self, num_prompt: int, num_output: int) -> None:
+        self._aborted.inc()
+        self.prompt_tokens.inc(num_prompt)
+        self.generation_tokens.inc(num_output)
+
+    def reject(self, code: int) -> None:
+        self.rejected.labels(self.model, str(code)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
