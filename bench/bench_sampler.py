@@ -38,7 +38,7 @@ def median_time(fn: Callable[[], Any], repeat: int) -> float:
     return statistics.median(ts)
 
 
-def make_requests(n: int, kind: str, rng: np.random.Generator) -> list[Request]:
+def make_requests(n: int, kind: str, rng: np.random.Generator, vocab: int = V) -> list[Request]:
     if kind == "greedy":
         params = SamplingParams(temperature=0.0)
     elif kind == "temp+top_p":
@@ -50,8 +50,8 @@ def make_requests(n: int, kind: str, rng: np.random.Generator) -> list[Request]:
         )
     reqs = []
     for i in range(n):
-        r = Request(f"r{i}", rng.integers(0, V, 500).tolist(), params, eos_token_ids=frozenset({2}))
-        r.output_token_ids = rng.integers(0, V, 100).tolist()
+        r = Request(f"r{i}", rng.integers(0, vocab, 500).tolist(), params, eos_token_ids=frozenset({2}))
+        r.output_token_ids = rng.integers(0, vocab, 100).tolist()
         reqs.append(r)
     return reqs
 
@@ -100,6 +100,17 @@ def main() -> None:
         full_reqs = make_requests(n, "full", rng)
         t_full = median_time(lambda: sampler.sample(logits, full_reqs), args.repeat)
         print(f"    (n={n}: full path {t_full * 1e3:.2f} ms/call = {t_full / n * 1e6:.0f} us/row; argmax {base * 1e6:.0f} us)")
+    # Per-call Python overhead: the same paths on a 64-token vocabulary.
+    print("overhead (V=64, numpy work negligible):")
+    small = Sampler(64)
+    for n in (8, 32):
+        x = rng.standard_normal((n, 64)).astype(np.float32)
+        parts = []
+        for kind in ("greedy", "temp+top_p", "full"):
+            reqs = make_requests(n, kind, rng, vocab=64)
+            t = median_time(lambda: small.sample(x, reqs), args.repeat)
+            parts.append(f"{kind} {t * 1e6:.0f} us ({t / n * 1e6:.1f} us/row)")
+        print(f"  n={n}: " + ", ".join(parts))
 
 
 if __name__ == "__main__":

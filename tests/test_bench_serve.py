@@ -36,12 +36,12 @@ def fdx_url(tmp_path_factory: Any) -> Iterator[str]:
     """A running ``fdx serve`` (the server helper's tests/serverutil.py when
     present, else started here and stopped by PID)."""
     try:
-        from tests.serverutil import start_server  # type: ignore[import-not-found]
+        from serverutil import start_server  # tests/ is on sys.path under pytest
     except ImportError:
         start_server = None
     if start_server is not None:
-        with start_server() as srv:  # type: ignore[misc]
-            yield getattr(srv, "url", None) or getattr(srv, "base_url")
+        with start_server("--num-threads", "2") as (base_url, _proc):
+            yield base_url
         return
     try:
         import fdx.server.launcher  # noqa: F401
@@ -62,7 +62,7 @@ def fdx_url(tmp_path_factory: Any) -> Iterator[str]:
             if proc.poll() is not None:
                 pytest.fail(f"fdx serve exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
             try:
-                _get(url + "/v1/models", 2)
+                _get(url + "/health", 2)
                 break
             except OSError:
                 if time.monotonic() > deadline:
@@ -95,14 +95,17 @@ def _scrape(url: str) -> dict[str, float]:
     return {c: _counter(text, c) for c in COUNTERS}
 
 
-@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
-def test_bench_counts_match_server_metrics(fdx_url: str, endpoint: str, tmp_path: Any) -> None:
+@pytest.mark.parametrize(
+    ("endpoint", "fmt"),
+    [("/v1/completions", "ids"), ("/v1/completions", "text"), ("/v1/chat/completions", "text")],
+)
+def test_bench_counts_match_server_metrics(fdx_url: str, endpoint: str, fmt: str, tmp_path: Any) -> None:
     from fdx.bench.serve import main
 
     before = _scrape(fdx_url)
     out = tmp_path / "r.json"
     rc = main([
-        "--base-url", fdx_url, "--endpoint", endpoint, "--num-prompts", "4", "--max-concurrency", "2",
+        "--base-url", fdx_url, "--endpoint", endpoint, "--prompt-format", fmt, "--num-prompts", "4", "--max-concurrency", "2",
         "--random-input-len", "40", "--random-range-ratio", "0.25", "--random-output-len", "12", "--ignore-eos",
         "--warmup", "0", "--no-progress", "--json", str(out),
     ])
@@ -120,8 +123,10 @@ def test_bench_counts_match_server_metrics(fdx_url: str, endpoint: str, tmp_path
     reqs = run["per_request"]
     # ignore_eos: every request generated exactly max_tokens
     assert [r["output_tokens"] for r in reqs] == [r["max_tokens"] for r in reqs]
+    assert doc["prompt_format"] == (fmt if endpoint == "/v1/completions" else "text")
+    # prompts reach the engine at exactly the length the dataset built (for
+    # chat: the words plus the chat template, counted with the same tokenizer)
+    assert [r["prompt_len"] for r in reqs] == [r["sent_prompt_len"] for r in reqs]
     if endpoint == "/v1/completions":
-        # prompts reach the engine at exactly the length the dataset built
-        assert [r["prompt_len"] for r in reqs] == [r["sent_prompt_len"] for r in reqs]
         assert all(30 <= r["prompt_len"] <= 50 for r in reqs)
     assert run["mean_ttft_ms"] > 0 and run["mean_itl_ms"] > 0

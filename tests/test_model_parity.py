@@ -190,10 +190,11 @@ def run_greedy(runner: Any, prompts: list[list[int]], n: int, chunk: int = 1 << 
         for r in live:
             remaining = r.num_tokens - r.num_computed_tokens
             seqs.append(ScheduledSeq(r, min(chunk, remaining)))
+        samples = [s.samples for s in seqs]
         out = runner.execute(ScheduledBatch(seqs))
-        for s, tok in zip(seqs, out.token_ids):
+        for s, smp, tok in zip(seqs, samples, out.token_ids):
             s.request.num_computed_tokens += s.num_new_tokens
-            if s.samples:
+            if smp:
                 assert tok >= 0
                 reason = s.request.append_token(int(tok))
                 if reason:

@@ -282,17 +282,23 @@ def wide_row(decay: float, seed: int = 0) -> np.ndarray:
 @pytest.mark.parametrize(
     "decay,kw",
     [
-        (0.05, dict(top_p=0.9)),  # nucleus ~46 tokens: window
-        (0.002, dict(top_p=0.9)),  # nucleus ~1150 tokens: dense
-        (0.05, dict(min_p=0.01)),  # cut at ~92: window
-        (0.002, dict(min_p=0.05)),  # cut at ~1500: dense
+        (0.05, dict(top_p=0.9)),  # nucleus ~46 tokens: first window
+        (0.002, dict(top_p=0.9)),  # nucleus ~1150 tokens: second window (or dense)
+        (0.05, dict(min_p=0.01)),  # cut at ~92: first window
+        (0.002, dict(min_p=0.05)),  # cut at ~1500: second window (or dense)
         (0.002, dict(top_k=100, top_p=0.5)),  # window bounded by top_k
         (0.001, dict(top_k=2000, temperature=0.7)),  # top_k beyond the window: dense
         (0.01, dict(top_k=300, min_p=0.1, top_p=0.8, temperature=1.3)),
         (0.003, dict(temperature=0.9)),  # no filter: plain inverse CDF
     ],
 )
-def test_wide_vocab_matches_reference(decay: float, kw: dict) -> None:
+@pytest.mark.parametrize("windows", [(256, 4096), (256,), ()], ids=["tiers", "one-window", "dense"])
+def test_wide_vocab_matches_reference(
+    decay: float, kw: dict, windows: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fdx.model.sampler as sampler_mod
+
+    monkeypatch.setattr(sampler_mod, "_TOPP_WINDOWS", windows)
     n = 3000
     row = wide_row(decay)
     params = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)

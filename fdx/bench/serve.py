@@ -73,6 +73,8 @@ def build_parser(prog: str = "fdx bench serve") -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-idle-check", action="store_true", help="skip sampling /proc/stat before each run")
+    g.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
+                   help="before each run, wait up to S seconds for the machine to be idle")
 
     g = p.add_argument_group("report")
     g.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS", help="SLOs, e.g. ttft:500 tpot:50")
@@ -297,6 +299,14 @@ async def _run(args: argparse.Namespace) -> int:
         idle: dict[str, Any] = {"checked": False}
         if not args.no_idle_check:
             idle = idle_check(1.0)
+            deadline = time.monotonic() + args.wait_idle
+            waited = 0
+            while idle.get("checked") and not idle["idle"] and time.monotonic() < deadline:
+                if waited % 10 == 0:
+                    print(describe_idle(idle) + f" -- waiting up to {args.wait_idle:.0f} s", file=sys.stderr)
+                waited += 1
+                await asyncio.sleep(1.0)
+                idle = idle_check(1.0)
             print(describe_idle(idle), file=sys.stderr)
         results, duration = await run_once(
             samples,

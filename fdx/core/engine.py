@@ -8,12 +8,13 @@ plugin can bypass them; they are dispatched by name via :meth:`control`.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from typing import Any, Callable, Iterable
 
 from fdx.core.config import EngineConfig
-from fdx.core.errors import FdxError, RequestError
+from fdx.core.errors import FdxError, ModelLoadError, RequestError
 from fdx.core.interfaces import ModelRunner, ScheduledBatch, Scheduler
 from fdx.core.kv_cache import KVCacheManager
 from fdx.core.messages import AddRequest, EngineStats, RequestOutput
@@ -206,57 +207,184 @@ class Engine:
     # ------------------------------------------------------------------
     # control plane (dispatched by name)
     # ------------------------------------------------------------------
+    #
+    # Invariants of the control methods:
+    # * they run between two steps (the engine loop calls them), never
+    #   inside one, so they never see a half-applied batch;
+    # * every request they end gets exactly one final output, flushed by the
+    #   next step(): an error (code 503) for pause, ``finish_reason="abort"``
+    #   with the partial tokens for abort_requests; its blocks are freed;
+    # * ``sleeping`` non-empty implies ``is_paused`` (nothing runs without
+    #   weights or KV cache): resume refuses while something sleeps, wakeup
+    #   resumes once nothing does;
+    # * a failed sleep/wakeup leaves the tag marked asleep, so the engine
+    #   stays paused and a retried wakeup restores it (runner restore is
+    #   idempotent).
 
-    def control(self, method: str, args: dict[str, Any]) -> Any:
-        """Run control method ``method``; raises :class:`ControlError`
-        (400 unknown method / bad args, 500 failure)."""
-        handler: Callable[..., Any] | None = getattr(self, f"_control_{method}", None)
+    def control(self, method: str, args: dict[str, Any] | None) -> Any:
+        """Run control method ``method`` with keyword ``args``.
+
+        Raises :class:`ControlError`: 400 for an unknown method, bad
+        arguments or a refused call (e.g. update_weights while running),
+        500 when the method itself fails (the message says why)."""
+        handler: Callable[..., Any] | None = None
+        if isinstance(method, str) and method.isidentifier():
+            handler = getattr(self, f"_control_{method}", None)
         if handler is None or not callable(handler):
             raise ControlError(f"unknown control method: {method}", 400)
+        kwargs = dict(args or {})
+        try:
+            inspect.signature(handler).bind(**kwargs)
+        except TypeError as exc:
+            raise ControlError(f"bad arguments for {method}: {exc}", 400) from None
         t0 = time.time()
         try:
-            result = handler(**(args or {}))
+            result = handler(**kwargs)
         except ControlError:
             raise
-        except TypeError as exc:
-            raise ControlError(f"bad arguments for {method}: {exc}", 400) from exc
+        except RequestError as exc:
+            raise ControlError(str(exc), exc.code) from exc
         except Exception as exc:  # noqa: BLE001
             log.exception("control method %s failed", method)
             raise ControlError(f"control method {method} failed: {type(exc).__name__}: {exc}", 500) from exc
         log.info("control %s done in %.3fs", method, time.time() - t0)
         return result
 
-    def _control_pause(self) -> None:
+    def _control_pause(self) -> dict[str, Any]:
+        """Stop admitting work; end every running and waiting request with
+        an error (503), free their blocks, reset the prefix cache.  Pausing
+        twice is a no-op.  Both v0 and v1 go through ``preempt_all``, which
+        removes every request at once (v0 cannot recompute, so draining and
+        dropping are the same there)."""
         if self.is_paused:
-            return None
+            return {"is_paused": True, "num_aborted": 0}
         self.is_paused = True
-        for req in self.scheduler.preempt_all():
-            self._finish_side(req, "error", "request aborted: engine is paused", 503)
+        ended = self.scheduler.preempt_all()
+        for req in ended:
+            if req.finish_reason == "error":  # already failed in the scheduler: keep its own error
+                self._finish_side(req, "error", str(req.extra.get("error", "request failed")),
+                                  int(req.extra.get("error_code", 500)))
+            else:
+                self._finish_side(req, "error", "request aborted: engine is paused", 503)
         self.kv.reset_prefix_cache()
-        return None
+        if ended:
+            log.info("paused: %d request(s) ended", len(ended))
+        return {"is_paused": True, "num_aborted": len(ended)}
 
-    def _control_resume(self) -> None:
+    def _control_resume(self) -> dict[str, Any]:
+        """Admit work again (no-op when not paused); refused while sleeping."""
         if self.sleeping:
-            raise ControlError(f"engine is sleeping ({','.join(sorted(self.sleeping))}); call wakeup", 400)
+            raise ControlError(
+                f"engine is sleeping ({','.join(sorted(self.sleeping))}): call wakeup, not resume", 400
+            )
         self.is_paused = False
-        return None
+        return {"is_paused": False}
 
-    def _control_is_paused(self) -> dict[str, bool]:
-        return {"is_paused": self.is_paused}
+    def _control_is_paused(self) -> dict[str, Any]:
+        return {"is_paused": self.is_paused, "sleeping": sorted(self.sleeping)}
+
+    def _control_sleep(self, tags: str | list[str] | None = None) -> dict[str, Any]:
+        """Pause (implicitly), then free the memory of ``tags`` (``weight``,
+        ``kv_cache``; default both).  Already sleeping tags are skipped."""
+        wanted = parse_tags(tags)
+        self._control_pause()
+        todo = [t for t in wanted if t not in self.sleeping]
+        before = process_rss()
+        if todo:
+            self.sleeping.update(todo)  # before release: a failed release still needs a wakeup
+            self.runner.release(todo)
+        after = process_rss()
+        log.info("sleep %s: RSS %.1f -> %.1f MiB", ",".join(todo) or "-", before / 2**20, after / 2**20)
+        return {"sleeping": sorted(self.sleeping), "released": todo, "rss_before": before, "rss_after": after}
+
+    def _control_wakeup(self, tags: str | list[str] | None = None) -> dict[str, Any]:
+        """Reload what sleep freed (``tags``, default all sleeping), then
+        resume once nothing is left asleep (like the seed, a wakeup with
+        nothing asleep just resumes)."""
+        wanted = parse_tags(tags) if tags not in (None, "", []) else list(SLEEP_TAGS)
+        todo = [t for t in SLEEP_TAGS if t in wanted and t in self.sleeping]
+        if todo:
+            self.runner.restore(todo)
+            self.sleeping.difference_update(todo)
+        if not self.sleeping:
+            self.is_paused = False
+        return {"restored": todo, "sleeping": sorted(self.sleeping), "is_paused": self.is_paused}
+
+    def _control_update_weights(self, path: str | None = None, version: str | None = None) -> dict[str, Any]:
+        """Load a checkpoint with the running model's architecture and
+        shapes; only while paused and awake.  ``version`` (default: the
+        path) is recorded and shown by /v1/models.  A bad checkpoint is a
+        400 naming the mismatch; the old weights stay in place."""
+        if not self.is_paused:
+            raise ControlError("update_weights needs a paused engine: call pause first", 400)
+        if "weight" in self.sleeping:
+            raise ControlError("weights are asleep: call wakeup (tag 'weight') before update_weights", 400)
+        if not isinstance(path, str) or not path:
+            raise ControlError("update_weights needs 'path' (a .gguf file or a Hugging Face folder)", 400)
+        ver = path if version is None or version == "" else str(version)
+        try:
+            self.runner.load_weights(path, ver)
+        except ModelLoadError as exc:
+            raise ControlError(f"update_weights: {exc}", 400) from exc
+        self.kv.reset_prefix_cache()  # KV computed by the old weights is invalid
+        return {"version": self.runner.weights_version, "path": path}
 
     def _control_abort_requests(
-        self, req_ids: list[str] | None = None, abort_all: bool = False
+        self, req_ids: list[str] | str | None = None, abort_all: bool = False
     ) -> dict[str, Any]:
-        ids = list(req_ids or [])
-        if abort_all:
-            ids = self.scheduler.request_ids()
+        """Abort requests by engine id (or all); each gets a final output
+        with its partial tokens (``finish_reason="abort"``)."""
+        if req_ids is None:
+            req_ids = []
+        elif isinstance(req_ids, str):
+            req_ids = [req_ids]
+        if not isinstance(req_ids, (list, tuple)) or not all(isinstance(i, str) for i in req_ids):
+            raise ControlError("abort_requests: 'req_ids' must be a list of strings", 400)
+        asked = list(dict.fromkeys(req_ids))
+        ids = self.scheduler.request_ids() if abort_all else asked
         removed = self.abort(ids)
         found = {r.request_id for r in removed}
         return {
             "aborted": [{"request_id": r.request_id, "output_token_count": r.num_output_tokens} for r in removed],
-            "not_found": [i for i in ids if i not in found],
+            "not_found": [] if abort_all else [i for i in asked if i not in found],
         }
 
 
 def n_prompt(msg: AddRequest) -> int:
     return len(msg.prompt_token_ids)
+
+
+SLEEP_TAGS = ("weight", "kv_cache")
+
+
+def parse_tags(tags: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """``"weight,kv_cache"``, a list, or ``None``/``""`` (= all) -> the
+    validated tags, deduplicated, in :data:`SLEEP_TAGS` order.  Raises
+    :class:`ControlError` (400) naming any unknown tag."""
+    if tags is None or tags == "" or tags == []:
+        return list(SLEEP_TAGS)
+    if isinstance(tags, str):
+        items = tags.split(",")
+    elif isinstance(tags, (list, tuple)) and all(isinstance(t, str) for t in tags):
+        items = list(tags)
+    else:
+        raise ControlError(f"tags must be a comma-separated string or a list of strings, got {tags!r}", 400)
+    out = {t.strip() for t in items if t.strip()}
+    bad = sorted(t for t in out if t not in SLEEP_TAGS)
+    if bad:
+        raise ControlError(f"unsupported tag(s) {', '.join(bad)} in {tags!r}; expected one of {', '.join(SLEEP_TAGS)}", 400)
+    if not out:
+        return list(SLEEP_TAGS)
+    return [t for t in SLEEP_TAGS if t in out]
+
+
+def process_rss() -> int:
+    """Resident set size of this process in bytes (0 if unknown)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

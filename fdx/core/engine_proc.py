@@ -103,7 +103,13 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
                     elif isinstance(msg, AbortRequest):
                         engine.abort(msg.request_ids, msg.reason)
                     elif isinstance(msg, ControlRequest):
-                        side.send(_control(engine, msg))
+                        reply = _control(engine, msg)
+                        # the front end sees the new state (paused, weights
+                        # version, blocks) before the reply, and the
+                        # heartbeat never re-sends the old one after it
+                        stats_cache[0] = engine.stats()
+                        side.send(OutputBatch((), stats_cache[0]))
+                        side.send(reply)
                     elif isinstance(msg, Shutdown):
                         log.info("engine shutting down: %s", msg.reason or "requested")
                         return 0

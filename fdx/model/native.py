@@ -16,6 +16,7 @@ import io
 import logging
 import os
 import sys
+import warnings
 from typing import Any
 
 log = logging.getLogger("fdx.model")
@@ -67,7 +68,8 @@ def _build() -> Any:
     with open(os.path.join(build_dir, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         sink = io.StringIO()
-        with contextlib.redirect_stdout(sink):
+        with contextlib.redirect_stdout(sink), warnings.catch_warnings(), _muted_paddle_logs():
+            warnings.simplefilter("ignore")
             return cpp_extension.load(
                 name="fdx_ops_" + key,
                 sources=paths,
@@ -76,3 +78,19 @@ def _build() -> Any:
                 build_directory=build_dir,
                 verbose=False,
             )
+
+
+@contextlib.contextmanager
+def _muted_paddle_logs() -> Any:
+    """Paddle's extension loader logs "using custom operator only" at INFO."""
+    from paddle.utils.cpp_extension import extension_utils
+
+    logger = getattr(extension_utils, "logger", None)
+    old = logger.level if logger is not None else None
+    if logger is not None:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        if logger is not None and old is not None:
+            logger.setLevel(old)

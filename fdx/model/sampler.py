@@ -13,7 +13,11 @@ in vLLM's order:
 4. greedy rows (``temperature < 1e-5``): argmax;
 5. random rows: temperature, min_p (relative to the top probability),
    top_k, top_p (on the renormalised survivors), then inverse-CDF sampling
-   with ONE uniform draw per generated token.
+   over the survivors in vocabulary order with ONE uniform draw per token.
+   The survivors are found among the row's top 1024 (then 8192) logits
+   when they fit there -- decided from the row alone -- else by a full
+   sort; both give the same distribution (tests check it against a
+   reference).
 
 Invariants:
 
@@ -40,15 +44,14 @@ if TYPE_CHECKING:
 
 #: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).
 GREEDY_EPS = 1e-5
-#: top_p first looks for its nucleus among this many top tokens; rows whose
-#: nucleus is larger fall back to a full sort.
-_TOPP_CANDIDATES = 256
+#: top_p / min_p rows look for their surviving set among this many top
+#: tokens, then among the next window's; rows whose set is larger still are
+#: sampled densely (full sort).
+_TOPP_WINDOWS = (1024, 8192)
 #: rows with top_k up to this sample inside a window of their top_k tokens.
 _MAX_TOPK_WINDOW = 1024
 #: block width of the two-level inverse CDF.
 _CDF_BLOCK = 256
-#: the dense top_p path sorts this many top values before a full sort.
-_DENSE_TOPP_WINDOW = 4096
 
 
 class SamplerState:
@@ -155,7 +158,7 @@ class Sampler:
             return np.zeros(0, dtype=np.int64), None
         width = int(shape[1])
 
-        fast = width <= self.vocab_size
+        fast = True
         for r in requests:
             p = r.params
             if not (
@@ -166,10 +169,12 @@ class Sampler:
             ):
                 fast = False
                 break
+        arr = _to_numpy(logits)
+        if width > self.vocab_size:  # padded vocabulary: the padding is never sampled
+            arr = arr[:, : self.vocab_size]
         if fast:  # np.argmax on the CPU tensor's buffer beats paddle.argmax ~10x (bench_sampler)
-            return _to_numpy(logits).argmax(axis=1).astype(np.int64), None
-
-        return self._sample_full(_to_numpy(logits), requests)
+            return arr.argmax(axis=1).astype(np.int64), None
+        return self._sample_full(arr, requests)
 
     # ------------------------------------------------------------ internals
 
@@ -186,10 +191,8 @@ class Sampler:
         greedy = temps < GREEDY_EPS
 
         x = raw
-        if pen_rows or mt_rows or width > self.vocab_size:
+        if pen_rows or mt_rows:
             x = raw.copy()
-            if width > self.vocab_size:
-                x[:, self.vocab_size :] = -np.inf
             if pen_rows:
                 self._apply_penalties(x, requests, pen_rows)
             if mt_rows:
@@ -292,8 +295,13 @@ class Sampler:
         tok = np.full(len(rows), -1, dtype=np.int64)
         filt = (top_k > 0) | (top_p < 1.0) | (min_p > 0)
         win = np.flatnonzero(filt & (top_k <= _MAX_TOPK_WINDOW))
-        if len(win):
-            tok[win] = _sample_windowed(x[rows[win]], top_k[win], top_p[win], min_p[win], inv_t[win], u[win])
+        for window in _TOPP_WINDOWS:  # rows that do not fit retry in the next, wider window
+            if not len(win):
+                break
+            tok[win] = _sample_windowed(
+                x[rows[win]], top_k[win], top_p[win], min_p[win], inv_t[win], u[win], window
+            )
+            win = win[tok[win] < 0]
         plain = np.flatnonzero(~filt)
         if len(plain):
             tok[plain] = _inverse_cdf(_scaled_exp(x[rows[plain]], inv_t[plain]), u[plain])
@@ -339,14 +347,16 @@ class Sampler:
 
 def _scaled_exp(z: np.ndarray, inv_t: np.ndarray) -> np.ndarray:
     """``exp((z - max) / T)`` row-wise, in place on ``z`` (a private copy)."""
-    z -= z.max(axis=1, keepdims=True)
+    m = z.max(axis=1, keepdims=True)
+    z -= np.where(np.isfinite(m), m, 0.0)  # an all -inf row gives zeros, not NaN
     z *= inv_t[:, None]
     return np.exp(z, out=z)
 
 
 def _inverse_cdf(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Index ``i`` per row with ``cdf[i-1] < u * total <= cdf[i]`` over
-    unnormalised ``probs`` in index order; ``u`` in (0, 1].  Two levels
+    unnormalised ``probs`` in index order; ``u`` in [0, 1] (0 gives the first
+    positive-probability index).  Two levels
     (block sums, then one block's cumsum) so only cheap reductions run over
     the whole vocabulary.  Never returns a zero-probability index when the
     row has mass."""
@@ -358,7 +368,7 @@ def _inverse_cdf(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
         probs = padded
     blocks = probs.reshape(n, nb, _CDF_BLOCK)
     bcum = np.cumsum(blocks.sum(axis=2, dtype=np.float64), axis=1)
-    target = u * bcum[:, -1]
+    target = np.maximum(u, 1e-12) * bcum[:, -1]  # > 0: never stops on leading zeros
     ar = np.arange(n)
     blk = np.minimum(np.count_nonzero(bcum < target[:, None], axis=1), nb - 1)
     base = np.where(blk > 0, bcum[ar, blk - 1], 0.0)
@@ -373,17 +383,24 @@ def _inverse_cdf(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 
 def _sample_windowed(
-    z: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray, inv_t: np.ndarray, u: np.ndarray
+    z: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+    inv_t: np.ndarray,
+    u: np.ndarray,
+    window: int,
 ) -> np.ndarray:
     """Sample rows among their top ``c_row`` logits (``top_k`` if set, else
-    :data:`_TOPP_CANDIDATES`).  Returns -1 for rows whose surviving set may
+    ``window``).  Returns -1 for rows whose surviving set may
     extend beyond their window (the caller samples them densely).  ``z`` is
     a private copy of the raw logits rows."""
     n, width = z.shape
-    c_row = np.where(top_k > 0, top_k, min(_TOPP_CANDIDATES, width))
+    c_row = np.where(top_k > 0, top_k, min(window, width))
     c = int(c_row.max())
     ar = np.arange(n)
     m = z.max(axis=1)
+    m = np.where(np.isfinite(m), m, 0.0)
     thr = np.partition(z, width - c, axis=1)[:, width - c]
     idx = np.empty((n, c), dtype=np.int64)
     for j in range(n):
@@ -392,9 +409,8 @@ def _sample_windowed(
             hit = np.sort(np.argpartition(z[j], width - c)[width - c :])
         idx[j] = hit
     vz = np.take_along_axis(z, idx, axis=1)
-    order = np.argsort(-vz, axis=1, kind="stable")
-    idx = np.take_along_axis(idx, order, axis=1)
-    vals = np.exp((np.take_along_axis(vz, order, axis=1) - m[:, None]) * inv_t[:, None])
+    ev = np.exp((vz - m[:, None]) * inv_t[:, None])  # window probabilities, index order
+    vals = -np.sort(-ev, axis=1)  # the same, descending
     in_row = np.arange(c)[None, :] < c_row[:, None]
     vals *= in_row  # positions beyond a row's own window do not exist for it
     cum = np.cumsum(vals, axis=1, dtype=np.float64)
@@ -414,8 +430,13 @@ def _sample_windowed(
     n_p = np.maximum(np.count_nonzero((cum - vals < limit) & in_row, axis=1), 1)
     fits = bounded | (cum[ar, keep - 1] >= top_p * total)
     keep = np.where(has_p, np.minimum(keep, n_p), keep)
-    target = u * cum[ar, keep - 1]
-    pos = np.minimum(np.count_nonzero(cum < target[:, None], axis=1), keep - 1)
+    # survivors: window tokens at least as likely as the last kept one; sample
+    # them in vocabulary order, like the dense path
+    thr = vals[ar, keep - 1]
+    ev *= ev >= thr[:, None]
+    cum_i = np.cumsum(ev, axis=1, dtype=np.float64)
+    target = u * cum_i[:, -1]
+    pos = np.minimum(np.count_nonzero(cum_i < target[:, None], axis=1), c - 1)
     tok = idx[ar, pos]
     tok[(~bounded & has_mp) | (has_p & ~fits)] = -1
     return tok
@@ -428,7 +449,7 @@ def _sample_dense(
     n, width = z.shape
     probs = _scaled_exp(z, inv_t)  # top probability == 1
     if (min_p > 0).any():
-        probs = np.where(probs >= min_p[:, None], probs, 0.0).astype(np.float32)
+        probs *= probs >= min_p[:, None]
     act = np.flatnonzero(top_k > 0)
     if len(act):
         kk = top_k[act]
@@ -437,7 +458,8 @@ def _sample_dense(
         top = np.partition(sub, width - kmax, axis=1)[:, width - kmax :]
         top.sort(axis=1)  # ascending: the k-th largest is at kmax - k
         thr = top[np.arange(len(act)), kmax - kk]
-        probs[act] = np.where(sub >= thr[:, None], sub, 0.0)
+        sub *= sub >= thr[:, None]
+        probs[act] = sub
     act = np.flatnonzero(top_p < 1.0)
     if len(act):
         probs[act] = _top_p_filter(probs[act], top_p[act])
@@ -445,26 +467,14 @@ def _sample_dense(
 
 
 def _top_p_filter(probs: np.ndarray, top_p: np.ndarray) -> np.ndarray:
-    """Zero the tokens outside each row's nucleus: keep the smallest set of
-    highest-probability tokens whose mass reaches ``top_p`` (at least one;
-    ties with the last kept token are kept).  Sorts only the top
-    :data:`_DENSE_TOPP_WINDOW` values when the nucleus fits in them."""
-    n, width = probs.shape
-    total = probs.sum(axis=1, dtype=np.float64)
-    c = min(width, _DENSE_TOPP_WINDOW)
-    desc = -np.sort(-np.partition(probs, width - c, axis=1)[:, width - c :], axis=1)
-    short = desc.sum(axis=1, dtype=np.float64) < top_p * total
-    if short.any() and c < width:
-        full = -np.sort(-probs[short], axis=1)
-        thr_full = full[np.arange(len(full)), _first_reaching(full, top_p[short] * total[short])]
-    thr = desc[np.arange(n), _first_reaching(desc, np.minimum(top_p * total, desc.sum(axis=1, dtype=np.float64)))]
-    if short.any() and c < width:
-        thr[short] = thr_full
-    return np.where(probs >= thr[:, None], probs, 0.0).astype(np.float32)
-
-
-def _first_reaching(desc: np.ndarray, limit: np.ndarray) -> np.ndarray:
-    """Per row, the first index whose cumulative sum reaches ``limit``."""
-    total = desc.sum(axis=1, dtype=np.float64)
-    u = np.where(total > 0, limit / np.where(total > 0, total, 1.0), 1.0)
-    return _inverse_cdf(desc, np.clip(u, 0.0, 1.0))
+    """Zero (in place) the tokens outside each row's nucleus: keep the
+    smallest set of highest-probability tokens whose mass reaches ``top_p``
+    (at least one; ties with the last kept token are kept).  Full sort: only
+    rows whose nucleus exceeds every window of :data:`_TOPP_WINDOWS` get
+    here.  In ascending order the nucleus starts at the first index whose
+    cumulative mass exceeds ``(1 - top_p) * total``."""
+    asc = np.sort(probs, axis=1)
+    start = _inverse_cdf(asc, np.clip(1.0 - top_p, 0.0, 1.0))
+    thr = asc[np.arange(len(probs)), start]
+    probs *= probs >= thr[:, None]
+    return probs

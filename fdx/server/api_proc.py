@@ -80,6 +80,9 @@ def main() -> None:
 
     config = make_config(**json.loads(cfg_json))
     setup_logging(config.log_level, process="api")
+    import prometheus_client
+
+    prometheus_client.disable_created_metrics()  # no *_created series (as vLLM)
     board = StatusBoard(run_dir)
     try:
         plugins = get_plugins(config.disable_plugins)

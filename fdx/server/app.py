@@ -28,6 +28,7 @@ import fdx
 from fdx.core.config import EngineConfig
 from fdx.core.errors import RequestError
 from fdx.server.client import EngineClient
+from fdx.server.control import add_control_routes
 from fdx.server.metrics import CONTENT_TYPE, Metrics
 from fdx.server.protocol import error_body, validation_error
 from fdx.server.serving import OpenAIServing
@@ -196,6 +197,8 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await serving.chat(request)
+
+    add_control_routes(app, client)  # /v1/pause, /v1/sleep, ... (fdx/server/control.py)
 
     if plugins is not None:
         try:

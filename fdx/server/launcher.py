@@ -151,7 +151,9 @@ def _stop_children(api: subprocess.Popen[bytes] | None, engine: subprocess.Popen
     """API first (its shutdown sends Shutdown to the engine), then the
     engine; SIGTERM, then SIGKILL, each bounded in time."""
     if engine is not None and not ready and engine.poll() is None:
-        _signal(engine, signal.SIGTERM)  # still loading: no one would read a Shutdown
+        # failed engines exit by themselves; one still loading reads no Shutdown
+        if not _wait(engine, 1.0):
+            _signal(engine, signal.SIGTERM)
     if api is not None and api.poll() is None:
         _signal(api, signal.SIGTERM)
         _wait(api, API_STOP_S)

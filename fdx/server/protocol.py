@@ -125,12 +125,15 @@ def validation_error(errors: Any) -> RequestError:
     if not errs:
         return RequestError("invalid request", 400)
     e = errs[0]
-    loc = [str(x) for x in e.get("loc", ()) if x not in ("body",)]
-    # drop pydantic's union-branch names (e.g. 'str', 'list[int]') from the path
+    # drop 'body' and pydantic's union-branch names (e.g. 'str', 'list[int]')
+    loc = [str(x) for x in e.get("loc", ()) if x != "body" and not _is_type_name(x)]
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
     if e.get("type") == "json_invalid":
         return RequestError(f"malformed JSON body: {e.get('msg')}", 400)
+    if param == "prompt" and e.get("type") != "missing":
+        return RequestError("'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                            "token-id lists", 400, param="prompt")
     if e.get("type") == "missing":
         return RequestError(f"missing required parameter '{where}'", 400, param=param)
     return RequestError(f"invalid value for '{where}': {e.get('msg')}", 400, param=param)
@@ -139,6 +142,10 @@ def validation_error(errors: Any) -> RequestError:
 # --------------------------------------------------------------------------
 # Range checks -> SamplingParams
 # --------------------------------------------------------------------------
+
+
+def _is_type_name(x: Any) -> bool:
+    return isinstance(x, str) and (x in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in x)
 
 
 def _bad(msg: str, param: str) -> RequestError:

@@ -1,0 +1,218 @@
+#!/usr/bin/env python
+"""Model-runner speed on this machine: prefill, single-stream decode,
+aggregate decode at 8 and 32 concurrent sequences, peak RSS; and the same
+figures for llama.cpp's ``llama-server`` (2 threads, same GGUF) when
+``/opt/peers/bin/llama-server`` exists.
+
+Runs the runner directly with hand-built batches (no scheduler, no HTTP):
+this measures the forward pass + sampling.  The machine is shared and noisy:
+compare the fdx/peer ratio printed in the same run, not absolute figures.
+
+    .venv/bin/python bench/bench_model.py [--decode-steps 64] [--no-peer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 2))
+os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
+
+PEER = "/opt/peers/bin/llama-server"
+
+
+def build_runner(args: argparse.Namespace):  # noqa: ANN201
+    from fdx.core.config import make_config
+    from fdx.model.runner import PaddleModelRunner
+    from fdx.plugins.hardware.cpu import CPUDevice
+
+    cfg = make_config(num_kv_blocks=args.blocks, max_model_len=4096, max_num_seqs=64)
+    r = PaddleModelRunner(cfg, CPUDevice())
+    if args.attention == "paddle":
+        r.model.ops = None
+    return r
+
+
+def make_requests(runner, prompts, max_tokens):  # noqa: ANN001, ANN201
+    from fdx.core.messages import SamplingParams
+    from fdx.core.request import Request
+
+    bs = runner.block_size
+    nxt = 0
+    reqs = []
+    for i, p in enumerate(prompts):
+        r = Request(f"b{i}", list(p), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                    eos_token_ids=runner.eos_token_ids, max_model_len=runner.max_model_len)
+        nb = -(-(len(p) + max_tokens + 1) // bs)
+        r.block_ids = list(range(nxt, nxt + nb))
+        nxt += nb
+        reqs.append(r)
+    assert nxt <= runner.num_kv_blocks, "raise --blocks"
+    return reqs
+
+
+def step(runner, reqs, chunk=None):  # noqa: ANN001, ANN201
+    from fdx.core.interfaces import ScheduledBatch, ScheduledSeq
+
+    seqs = [ScheduledSeq(r, min(chunk or 1 << 30, r.num_tokens - r.num_computed_tokens)) for r in reqs]
+    smp = [s.samples for s in seqs]
+    out = runner.execute(ScheduledBatch(seqs))
+    for s, ok, t in zip(seqs, smp, out.token_ids):
+        s.request.num_computed_tokens += s.num_new_tokens
+        if ok:
+            s.request.append_token(int(t))
+    return sum(s.num_new_tokens for s in seqs)
+
+
+def prompts_of(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 40000, size=length).tolist() for _ in range(n)]
+
+
+def bench_fdx(args: argparse.Namespace) -> dict[str, float]:
+    runner = build_runner(args)
+    res: dict[str, float] = {}
+    # warm-up
+    step(runner, make_requests(runner, prompts_of(2, 16, 9), 4))
+    # prefill: one 512-token prompt in one step (best of 3)
+    best = 1e9
+    for k in range(3):
+        reqs = make_requests(runner, prompts_of(1, args.prefill_len, k), 1)
+        t = time.perf_counter()
+        step(runner, reqs)
+        best = min(best, time.perf_counter() - t)
+    res["prefill_tok_s"] = args.prefill_len / best
+    for batch in (1, 8, 32):
+        reqs = make_requests(runner, prompts_of(batch, args.prompt_len, batch), args.decode_steps + 2)
+        step(runner, reqs)  # prefill (not timed)
+        step(runner, reqs)
+        t = time.perf_counter()
+        for _ in range(args.decode_steps):
+            step(runner, reqs)
+        dt = time.perf_counter() - t
+        res[f"decode_b{batch}_tok_s"] = batch * args.decode_steps / dt
+    res["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return res
+
+
+# --------------------------------------------------------------------------
+# llama.cpp peer
+# --------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def bench_peer(args: argparse.Namespace, gguf: str) -> dict[str, float]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [PEER, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-tb", "2",
+         "--parallel", "32", "-c", str(32 * (max(args.prefill_len, args.prompt_len + args.decode_steps) + 16))],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except Exception:  # noqa: BLE001
+                time.sleep(0.2)
+        else:
+            raise RuntimeError("llama-server did not start")
+        res: dict[str, float] = {}
+        # prefill / single stream from the server's own timings (no HTTP overhead)
+        out = _post(base + "/completion", {"prompt": prompts_of(1, args.prefill_len, 1)[0], "n_predict": 1,
+                                           "cache_prompt": False})
+        res["prefill_tok_s"] = out["timings"]["prompt_per_second"]
+        out = _post(base + "/completion", {"prompt": prompts_of(1, args.prompt_len, 2)[0],
+                                           "n_predict": args.decode_steps, "ignore_eos": True, "cache_prompt": False})
+        res["decode_b1_tok_s"] = out["timings"]["predicted_per_second"]
+        for batch in (8, 32):
+            ps = prompts_of(batch, args.prompt_len, 100 + batch)
+            rates: list[float] = []
+
+            def one(p: list[int]) -> None:
+                o = _post(base + "/completion", {"prompt": p, "n_predict": args.decode_steps, "ignore_eos": True,
+                                                 "cache_prompt": False})
+                rates.append(o["timings"]["predicted_n"] / (o["timings"]["predicted_ms"] / 1000))
+
+            ths = [threading.Thread(target=one, args=(p,)) for p in ps]
+            for th in ths:
+                th.start()
+            for th in ths:
+                th.join()
+            # per-request decode rates measured by the server while all run together
+            res[f"decode_b{batch}_tok_s"] = sum(rates)
+        return res
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=700)
+    ap.add_argument("--attention", choices=("native", "paddle"), default="native")
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    args = ap.parse_args()
+
+    from fdx.model.source import embedded_gguf_path
+
+    print(f"machine: {os.cpu_count()} cores (shared; figures are noisy), OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
+    fdx = bench_fdx(args)
+    rows = [("prefill tok/s (512-token prompt)", "prefill_tok_s"), ("decode tok/s, 1 sequence", "decode_b1_tok_s"),
+            ("decode tok/s, 8 sequences", "decode_b8_tok_s"), ("decode tok/s, 32 sequences", "decode_b32_tok_s")]
+    peer = None
+    if args.no_peer:
+        print("peer: skipped (--no-peer)")
+    elif not (os.path.exists(PEER) and os.access(PEER, os.X_OK)):
+        print(f"peer: skipped ({PEER} not found)")
+    else:
+        try:
+            peer = bench_peer(args, embedded_gguf_path())
+        except Exception as exc:  # noqa: BLE001
+            print(f"peer: failed ({type(exc).__name__}: {exc})")
+    print(f"{'metric':38s} {'fdx':>9s}" + (f" {'llama.cpp':>10s} {'fdx/peer':>9s}" if peer else ""))
+    for label, key in rows:
+        line = f"{label:38s} {fdx[key]:9.1f}"
+        if peer and key in peer:
+            line += f" {peer[key]:10.1f} {fdx[key] / peer[key]:9.2f}"
+        print(line)
+    print(f"{'peak RSS MiB (fdx process)':38s} {fdx['peak_rss_mib']:9.0f}")
+    if args.json:
+        print(json.dumps({"fdx": fdx, "peer": peer}))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

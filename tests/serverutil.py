@@ -1,0 +1,133 @@
+"""Start a real ``fdx serve`` subprocess for tests (reusable by every helper).
+
+    from serverutil import start_server  # tests/ is on sys.path under pytest
+
+    with start_server("--max-num-seqs", "8", env={"FDX_...": "..."}) as (base_url, proc):
+        httpx.get(base_url + "/health")
+
+The server runs on a free port (or ``port``) with its own IPC directory;
+``start_server`` waits for ``/health`` to answer 200 (default 180 s) and fails
+fast with the server's log if the process exits first.  On exit it stops
+the server by PID (SIGTERM, then SIGKILL) and kills any child left behind.
+The log is kept in ``proc.log_path`` (a temp file) for assertions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Iterator
+
+import httpx
+
+DEFAULT_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "2048")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def read_log(proc: subprocess.Popen[bytes], tail: int = 8000) -> str:
+    path = getattr(proc, "log_path", None)
+    if not path:
+        return ""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()[-tail:]
+    except OSError:
+        return ""
+
+
+def children_of(pid: int) -> list[int]:
+    """PIDs whose parent is ``pid`` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if int(fields[1]) == pid:
+                out.append(int(d))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    """SIGTERM, wait, SIGKILL; then kill any child still alive (by PID)."""
+    kids = children_of(proc.pid)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    for k in kids:
+        if pid_alive(k):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(k, signal.SIGKILL)
+
+
+def serve_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fdx", "serve", *args]
+
+
+@contextlib.contextmanager
+def start_server(
+    *extra_args: str,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+    timeout: float = 180.0,
+    default_args: tuple[str, ...] = DEFAULT_ARGS,
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Launch ``fdx serve`` on 127.0.0.1 and yield ``(base_url, proc)``."""
+    port = port or free_port()
+    run_dir = tempfile.mkdtemp(prefix="fdx-test-run-")
+    full_env = {**os.environ, "FDX_IPC_DIR": run_dir, "PYTHONUNBUFFERED": "1"}
+    full_env.update(env or {})
+    log = tempfile.NamedTemporaryFile(prefix="fdx-serve-", suffix=".log", delete=False)
+    cmd = serve_command("--host", "127.0.0.1", "--port", str(port), *default_args, *extra_args)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    proc.log_path = log.name  # type: ignore[attr-defined]
+    proc.run_dir = run_dir  # type: ignore[attr-defined]
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"fdx serve exited with code {proc.returncode} before it was healthy:\n"
+                                   f"{read_log(proc)}")
+            try:
+                r = httpx.get(base + "/health", timeout=5)
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fdx serve was not healthy after {timeout:.0f}s:\n{read_log(proc)}")
+            time.sleep(0.25)
+        yield base, proc
+    finally:
+        stop_process(proc)
+        log.close()
+        with contextlib.suppress(OSError):
+            os.rmdir(run_dir)  # fails (kept for inspection) if the server left files behind

@@ -1,0 +1,237 @@
+"""Control plane end to end (issue 6): pause / resume / is_paused and
+abort_requests against a real ``fdx serve`` (one server for the module).
+
+Every test leaves the server resumed and idle (the autouse fixture checks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from controlutil import StreamClient, control, greedy, greedy_text, metric, ok
+from serverutil import start_server
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    with start_server() as (base, _proc):
+        yield base
+
+
+@pytest.fixture(scope="module")
+def baseline(server: str) -> str:
+    return greedy_text(server, PROMPT)
+
+
+@pytest.fixture(autouse=True)
+def _resumed(server: str) -> Iterator[None]:
+    yield
+    ok(server, "resume")
+    ok(server, "abort_requests", {"abort_all": True})
+    assert ok(server, "is_paused", method="GET")["is_paused"] is False
+
+
+def run(coro: Any, timeout: float = 300.0) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def story(i: int, max_tokens: int = 400) -> dict[str, Any]:
+    return {"prompt": f"Story {i}: once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0}
+
+
+# --------------------------------------------------------------------------
+# pause / resume
+# --------------------------------------------------------------------------
+
+
+def test_pause_under_load_ends_every_stream_then_resume(server: str, baseline: str) -> None:
+    async def scenario() -> tuple[list[Any], dict[str, Any], httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300)) as http:
+            clients = [StreamClient(http, server, story(i)) for i in range(16)]
+            await asyncio.gather(*(c.started.wait() for c in clients))
+            r = await http.post(server + "/v1/pause")
+            results = await asyncio.wait_for(asyncio.gather(*(c.task for c in clients)), 120)
+            new_plain = await http.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+            new_stream = await http.post(server + "/v1/completions",
+                                         json={"prompt": "hi", "max_tokens": 4, "stream": True})
+            return results, r.json(), new_plain, new_stream
+
+    results, reply, new_plain, new_stream = run(scenario())
+    assert reply["status"] == "success", reply
+    assert reply["result"]["is_paused"] is True
+    assert 1 <= reply["result"]["num_aborted"] <= 16
+    for res in results:
+        # every client ends with an error (none hangs, none looks finished)
+        assert res.status == 200 and res.chunks >= 1, res
+        assert res.error is not None and res.error["code"] == 503, res
+        assert "paused" in res.error["message"]
+        assert res.done, res
+    # requests arriving while paused: 503 (plain and streaming)
+    assert new_plain.status_code == 503, new_plain.text
+    assert "paused" in new_plain.json()["error"]["message"]
+    assert new_stream.status_code == 503, new_stream.text
+    assert ok(server, "is_paused", method="GET") == {"is_paused": True, "sleeping": []}
+    assert metric(server, "fdx:engine_paused") == 1.0
+    assert metric(server, "fdx:kv_blocks_used") == 0.0
+    # pausing twice is a no-op
+    assert ok(server, "pause") == {"is_paused": True, "num_aborted": 0}
+    # resume restores service, with the same greedy output as before
+    assert ok(server, "resume") == {"is_paused": False}
+    assert ok(server, "is_paused", method="GET")["is_paused"] is False
+    assert greedy_text(server, PROMPT) == baseline
+    assert metric(server, "fdx:engine_paused") == 0.0
+
+
+def test_pause_ends_non_streaming_requests_with_an_error(server: str) -> None:
+    async def scenario() -> tuple[list[httpx.Response], dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300)) as http:
+            starter = StreamClient(http, server, story(99))  # lets us pause once work is running
+            plain = [asyncio.ensure_future(http.post(server + "/v1/completions", json=story(i, 300)))
+                     for i in range(3)]
+            await starter.started.wait()
+            reply = (await http.post(server + "/v1/pause")).json()
+            got = await asyncio.wait_for(asyncio.gather(*plain), 120)
+            await starter.task
+            return got, reply
+
+    got, reply = run(scenario())
+    assert reply["status"] == "success"
+    for r in got:
+        assert r.status_code == 503, r.text
+        assert "paused" in r.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------
+# abort_requests
+# --------------------------------------------------------------------------
+
+
+def test_abort_streaming_request_by_id(server: str) -> None:
+    async def scenario() -> tuple[Any, dict[str, Any], float]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300)) as http:
+            c = StreamClient(http, server, {**story(1, 600), "stream_options": {"include_usage": True}})
+            await c.started.wait()
+            await asyncio.sleep(0.5)  # a few more tokens
+            assert metric(server, "fdx:kv_blocks_used") > 0
+            reply = (await http.post(server + "/v1/abort_requests", json={"req_ids": [c.result.id]})).json()
+            res = await asyncio.wait_for(c.task, 60)
+            return res, reply, metric(server, "fdx:kv_blocks_used")
+
+    res, reply, used = run(scenario())
+    assert reply["status"] == "success", reply
+    aborted = reply["result"]["aborted"]
+    assert reply["result"]["not_found"] == []
+    assert len(aborted) == 1 and aborted[0]["request_id"] == res.id and res.id.startswith("cmpl-")
+    n = aborted[0]["output_token_count"]
+    assert 1 <= n < 600
+    # the client got its partial output and a final chunk with finish_reason "abort"
+    assert res.error is None and res.done
+    assert res.finish[0] == "abort"
+    assert res.text[0]
+    assert res.usage is not None and res.usage["completion_tokens"] == n
+    assert used == 0.0
+
+
+def test_abort_chat_stream_by_chatcmpl_id(server: str) -> None:
+    async def scenario() -> tuple[Any, dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300)) as http:
+            body = {"messages": [{"role": "user", "content": "Write a very long poem about the sea."}],
+                    "max_tokens": 500, "ignore_eos": True, "temperature": 0}
+            c = StreamClient(http, server, body, chat=True)
+            await c.started.wait()
+            reply = (await http.post(server + "/v1/abort_requests", json={"req_ids": [c.result.id]})).json()
+            return await asyncio.wait_for(c.task, 60), reply
+
+    res, reply = run(scenario())
+    assert res.id.startswith("chatcmpl-")
+    assert [a["request_id"] for a in reply["result"]["aborted"]] == [res.id]
+    assert res.finish[0] == "abort" and res.text[0] and res.error is None
+    assert metric(server, "fdx:kv_blocks_used") == 0.0
+
+
+def test_abort_n2_request_by_user_id_aborts_every_choice(server: str) -> None:
+    async def scenario() -> tuple[httpx.Response, dict[str, Any], dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300)) as http:
+            starter = StreamClient(http, server, story(7, 600))
+            body = {**story(2, 500), "n": 2, "request_id": "my-batch-job-1", "temperature": 0.8, "seed": 1}
+            plain = asyncio.ensure_future(http.post(server + "/v1/completions", json=body))
+            await starter.started.wait()
+            await asyncio.sleep(1.0)
+            reply = (await http.post(server + "/v1/abort_requests",
+                                     json={"req_ids": ["my-batch-job-1", "cmpl-does-not-exist"]})).json()
+            r = await asyncio.wait_for(plain, 60)
+            all_reply = (await http.post(server + "/v1/abort_requests", json={"abort_all": True})).json()
+            await starter.task
+            return r, reply, all_reply
+
+    r, reply, all_reply = run(scenario())
+    res = reply["result"]
+    assert res["not_found"] == ["cmpl-does-not-exist"]
+    assert len(res["aborted"]) == 1
+    entry = res["aborted"][0]
+    assert entry["request_id"] == "my-batch-job-1"
+    assert sorted(c["request_id"] for c in entry["choices"]) == ["my-batch-job-1-0", "my-batch-job-1-1"]
+    assert entry["output_token_count"] == sum(c["output_token_count"] for c in entry["choices"])
+    # the non-streaming client gets a normal response with its partial output
+    assert r.status_code == 200, r.text
+    js = r.json()
+    assert js["id"] == "my-batch-job-1"
+    assert [c["finish_reason"] for c in js["choices"]] == ["abort", "abort"]
+    assert js["usage"]["completion_tokens"] == entry["output_token_count"]
+    # abort_all got the other (streaming) request
+    assert all_reply["status"] == "success"
+    assert [a["request_id"].startswith("cmpl-") for a in all_reply["result"]["aborted"]] == [True]
+    assert metric(server, "fdx:kv_blocks_used") == 0.0
+
+
+def test_abort_all_streams(server: str) -> None:
+    async def scenario() -> tuple[list[Any], dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300)) as http:
+            clients = [StreamClient(http, server, story(i, 500)) for i in range(3)]
+            await asyncio.gather(*(c.started.wait() for c in clients))
+            reply = (await http.post(server + "/v1/abort_requests", json={"abort_all": True})).json()
+            return await asyncio.wait_for(asyncio.gather(*(c.task for c in clients)), 60), reply
+
+    results, reply = run(scenario())
+    assert sorted(a["request_id"] for a in reply["result"]["aborted"]) == sorted(r.id for r in results)
+    assert all(r.finish[0] == "abort" and r.error is None and r.done for r in results)
+    assert metric(server, "fdx:kv_blocks_used") == 0.0
+
+
+def test_abort_unknown_ids_and_bad_bodies(server: str) -> None:
+    assert ok(server, "abort_requests", {"req_ids": ["cmpl-nope"]}) == {"aborted": [], "not_found": ["cmpl-nope"]}
+    for body in ({}, {"req_ids": []}, {"req_ids": "x", "abort_all": "yes"}, {"req_ids": [1, 2]},
+                 {"req_ids": ["a"], "junk": 1}):
+        code, js = control(server, "abort_requests", body)
+        assert code == 400 and js["status"] == "error" and js["message"], (body, js)
+    r = httpx.post(server + "/v1/abort_requests", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["message"]
+
+
+# --------------------------------------------------------------------------
+# dispatch, errors, timeouts
+# --------------------------------------------------------------------------
+
+
+def test_unknown_method_bad_args_and_timeout(server: str) -> None:
+    code, js = control(server, "control/no_such_method")
+    assert code == 400 and js["message"] == "unknown control method: no_such_method"
+    code, js = control(server, "control/pause", {"bogus": 1})
+    assert code == 400 and "bad arguments for pause" in js["message"]
+    code, js = control(server, "sleep", params={"tags": "weight,gpu"})
+    assert code == 400 and "gpu" in js["message"]
+    code, js = control(server, "is_paused", method="GET", params={"timeout": "0.000001"})
+    assert code == 504 and "timed out after" in js["message"], js
+    code, js = control(server, "is_paused", method="GET", params={"timeout": "-1"})
+    assert code == 400
+    # the engine is fine afterwards
+    assert greedy(server, PROMPT, 4)[0] == 200
