@@ -1,15 +1,17 @@
 """Time Sampler.sample() against a plain argmax baseline, side by side.
 
-    .venv/bin/python bench/bench_sampler.py [--repeat 30] [--paddle]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_sampler.py [--repeat 30] [--paddle]
 
-For n = 1, 8, 32 rows x V = 49152 it prints the median time per call of:
-plain ``np.argmax`` (the baseline), the greedy fast path, temperature+top_p,
-and the full-featured path (temperature, top_k, top_p, min_p, repetition /
-frequency / presence penalties, seed, 5 logprobs, 500-token prompts, 100
-output tokens), each as a ratio to the baseline measured in the same run.
-With ``--paddle`` the logits are a Paddle CPU tensor (the model runner's
-case) and ``paddle.argmax`` is added as a second baseline.  The machine may be
-shared: compare ratios, not absolute times.
+For n = 1, 8, 32 rows x V = 49152 it prints, per call: plain ``np.argmax``
+(the baseline, absolute microseconds), the greedy fast path,
+temperature+top_p, and the full-featured path (temperature, top_k, top_p,
+min_p, repetition / frequency / presence penalties, seed, 5 logprobs,
+min_tokens, 500-token prompts, 100 output tokens).  Every variant is timed
+once per round, interleaved with the baseline, and the printed figure is the
+median over rounds of its time divided by that round's baseline, so load
+from other processes mostly cancels.  With ``--paddle`` the logits are a
+Paddle CPU tensor (the model runner's case) and ``paddle.argmax`` and
+``Tensor.numpy()`` are added for comparison.
 """
 
 from __future__ import annotations
@@ -28,14 +30,33 @@ from fdx.model.sampler import Sampler
 V = 49152
 
 
-def median_time(fn: Callable[[], Any], repeat: int) -> float:
+def _once(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
     fn()
-    ts = []
+    return time.perf_counter() - t0
+
+
+def interleaved(base: Callable[[], Any], fns: list[Callable[[], Any]], repeat: int) -> tuple[float, list[float]]:
+    """Median baseline seconds and median per-round ratios of ``fns``."""
+    for f in [base, *fns]:
+        f()
+    bases: list[float] = []
+    ratios: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        b = _once(base)
+        bases.append(b)
+        for j, f in enumerate(fns):
+            ratios[j].append(_once(f) / b)
+    return statistics.median(bases), [statistics.median(r) for r in ratios]
+
+
+def make_logits(n: int, shape: str, rng: np.random.Generator, vocab: int = V) -> np.ndarray:
+    if shape == "flat":
+        return (rng.standard_normal((n, vocab)) * 3).astype(np.float32)
+    x = (rng.standard_normal((n, vocab)) * 1.5).astype(np.float32)
+    for i in range(n):
+        x[i, rng.integers(0, vocab, 5)] += rng.uniform(6, 12, 5).astype(np.float32)
+    return x
 
 
 def make_requests(n: int, kind: str, rng: np.random.Generator, vocab: int = V) -> list[Request]:
@@ -56,15 +77,6 @@ def make_requests(n: int, kind: str, rng: np.random.Generator, vocab: int = V) -
     return reqs
 
 
-def make_logits(n: int, shape: str, rng: np.random.Generator) -> np.ndarray:
-    if shape == "flat":
-        return (rng.standard_normal((n, V)) * 3).astype(np.float32)
-    x = (rng.standard_normal((n, V)) * 1.5).astype(np.float32)
-    for i in range(n):
-        x[i, rng.integers(0, V, 5)] += rng.uniform(6, 12, 5).astype(np.float32)
-    return x
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=30)
@@ -72,43 +84,43 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     sampler = Sampler(V)
-    paddle = None
+    paddle: Any = None
     if args.paddle:
         import paddle as _paddle
 
         paddle = _paddle
-    print(f"V={V}, median of {args.repeat} calls; ratios vs np.argmax on the same logits")
-    print("logits: 'peaked' = N(0,1.5) + 5 tokens boosted by 6..12 (LM-like: small nucleus);")
-    print("        'flat' = N(0,3) (high entropy: top_p nucleus of thousands -> dense fallback)")
-    print(f"{'n':>3} {'logits':>7} {'argmax us':>10} {'paddle.argmax':>14} {'.numpy()':>9} {'greedy':>8} {'temp+top_p':>11} {'full':>8}")
-    for n, shape in ((1, "peaked"), (8, "peaked"), (32, "peaked"), (1, "flat"), (8, "flat"), (32, "flat")):
-        x = make_logits(n, shape, rng)
-        logits: Any = paddle.to_tensor(x) if paddle is not None else x
-        base = median_time(lambda: x.argmax(axis=1), args.repeat)
-        row = [f"{n:>3}", f"{shape:>7}", f"{base * 1e6:>10.1f}"]
-        if paddle is not None:
-            t_pa = median_time(lambda: paddle.argmax(logits, axis=-1).numpy(), args.repeat)
-            t_np = median_time(lambda: logits.numpy(), args.repeat)
-            row += [f"{t_pa / base:>13.2f}x", f"{t_np / base:>8.2f}x"]
-        else:
-            row += [f"{'-':>14}", f"{'-':>9}"]
-        for kind, w in (("greedy", 8), ("temp+top_p", 11), ("full", 8)):
-            reqs = make_requests(n, kind, rng)
-            t = median_time(lambda: sampler.sample(logits, reqs), args.repeat)
-            row.append(f"{t / base:>{w - 1}.2f}x")
-        print(" ".join(row))
-        full_reqs = make_requests(n, "full", rng)
-        t_full = median_time(lambda: sampler.sample(logits, full_reqs), args.repeat)
-        print(f"    (n={n}: full path {t_full * 1e3:.2f} ms/call = {t_full / n * 1e6:.0f} us/row; argmax {base * 1e6:.0f} us)")
+    kinds = ("greedy", "temp+top_p", "full")
+    print(f"V={V}; per call, median over {args.repeat} interleaved rounds of time / np.argmax time")
+    print("logits 'peaked': N(0,1.5) + 5 tokens boosted by 6..12 (small nucleus, mostly);")
+    print("       'flat':   N(0,3) (top_p=0.9 nucleus of ~300-700 tokens at T=0.8)")
+    head = f"{'n':>3} {'logits':>7} {'argmax us':>10}"
+    if paddle is not None:
+        head += f" {'paddle.argmax':>14} {'.numpy()':>9}"
+    print(head + "".join(f" {k:>11}" for k in kinds) + "  full us/row")
+    for shape in ("peaked", "flat"):
+        for n in (1, 8, 32):
+            x = make_logits(n, shape, rng)
+            logits: Any = paddle.to_tensor(x) if paddle is not None else x
+            fns: list[Callable[[], Any]] = []
+            if paddle is not None:
+                fns += [lambda: paddle.argmax(logits, axis=-1).numpy(), lambda: logits.numpy()]
+            for kind in kinds:
+                reqs = make_requests(n, kind, rng)
+                fns.append(lambda reqs=reqs: sampler.sample(logits, reqs))
+            base, ratios = interleaved(lambda: x.argmax(axis=1), fns, args.repeat)
+            cells = "".join(f" {r:>13.1f}x" if j == 0 else f" {r:>8.1f}x" for j, r in enumerate(ratios[: len(ratios) - len(kinds)]))
+            tail = "".join(f" {r:>10.1f}x" for r in ratios[len(ratios) - len(kinds) :])
+            per_row = ratios[-1] * base / n * 1e6
+            print(f"{n:>3} {shape:>7} {base * 1e6:>10.1f}{cells}{tail}  {per_row:8.0f}")
     # Per-call Python overhead: the same paths on a 64-token vocabulary.
-    print("overhead (V=64, numpy work negligible):")
+    print("overhead (V=64, numpy work negligible), absolute:")
     small = Sampler(64)
     for n in (8, 32):
         x = rng.standard_normal((n, 64)).astype(np.float32)
         parts = []
-        for kind in ("greedy", "temp+top_p", "full"):
+        for kind in kinds:
             reqs = make_requests(n, kind, rng, vocab=64)
-            t = median_time(lambda: small.sample(x, reqs), args.repeat)
+            t = statistics.median(_once(lambda: small.sample(x, reqs)) for _ in range(args.repeat))
             parts.append(f"{kind} {t * 1e6:.0f} us ({t / n * 1e6:.1f} us/row)")
         print(f"  n={n}: " + ", ".join(parts))
 

@@ -69,7 +69,9 @@ def build_parser(plugins: Any | None = None) -> argparse.ArgumentParser:
     _add_serve_options(serve)
     if plugins is not None:
         plugins.hook.fdx_add_cli_options(parser=serve)
-    sub.add_parser("plugins", help="list installed plugins and the components they register")
+    plist = sub.add_parser("plugins", help="list installed plugins and the components they register")
+    plist.add_argument("--disable-plugin", dest="disable_plugins", action="append", metavar="NAME",
+                       help="do not load this plugin; repeatable")
     bench = sub.add_parser("bench", help="benchmarks", add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     return parser

@@ -1,0 +1,221 @@
+"""Control plane end to end (issue 6): sleep / wakeup (real RSS drop of the
+engine process) and update_weights (swap to a perturbed Hugging Face copy
+written here, then back to the GGUF) against a real ``fdx serve``.
+
+The KV pool is sized with ``--num-kv-blocks`` so the freed bytes are known:
+weights = every GGUF tensor as float32 (what the runner holds), KV =
+blocks x layers x 2 x kv_heads x block_size x head_dim x 4 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from controlutil import control, engine_pid, greedy, greedy_text, metric, ok, rss_bytes
+from serverutil import start_server
+
+pytestmark = pytest.mark.slow
+
+NUM_KV_BLOCKS = 512
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    with start_server("--num-kv-blocks", str(NUM_KV_BLOCKS)) as (base, _proc):
+        yield base
+
+
+@pytest.fixture(autouse=True)
+def _awake(server: str) -> Iterator[None]:
+    yield
+    ok(server, "wakeup")
+    assert ok(server, "is_paused", method="GET") == {"is_paused": False, "sleeping": []}
+
+
+def outputs(base: str) -> list[str]:
+    texts = [greedy_text(base, p, 24) for p in PROMPTS]
+    r = httpx.post(base + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 24, "temperature": 0},
+                   timeout=600)
+    assert r.status_code == 200, r.text
+    return texts + [r.json()["choices"][0]["message"]["content"]]
+
+
+@pytest.fixture(scope="module")
+def baseline(server: str) -> list[str]:
+    return outputs(server)
+
+
+def model_bytes() -> tuple[int, int]:
+    """(float32 weight bytes, bytes per KV block) of the embedded model."""
+    from fdx.model.gguf_file import GGUFFile
+    from fdx.model.source import embedded_gguf_path
+
+    g = GGUFFile(embedded_gguf_path())
+    weights = sum(int(np.prod(t.shape)) * 4 for t in g.tensors.values())
+    layers = int(g.get("llama.block_count"))
+    kv_heads = int(g.get("llama.attention.head_count_kv"))
+    head_dim = int(g.get("llama.embedding_length")) // int(g.get("llama.attention.head_count"))
+    return weights, layers * 2 * kv_heads * 16 * head_dim * 4
+
+
+# --------------------------------------------------------------------------
+# sleep / wakeup
+# --------------------------------------------------------------------------
+
+
+def test_sleep_frees_weights_and_kv_then_wakeup_is_identical(server: str, baseline: list[str]) -> None:
+    pid = engine_pid(server)
+    assert metric(server, "fdx:kv_blocks_total") == NUM_KV_BLOCKS
+    weights, per_block = model_bytes()
+    freeable = weights + NUM_KV_BLOCKS * per_block
+    before = rss_bytes(pid)
+    res = ok(server, "sleep", params={"tags": "weight,kv_cache"})
+    after = rss_bytes(pid)
+    assert res["released"] == ["weight", "kv_cache"]
+    dropped = before - after
+    print(f"\nsleep weight,kv_cache: engine RSS {before / 2**20:.0f} -> {after / 2**20:.0f} MiB, dropped "
+          f"{dropped / 2**20:.0f} MiB = {dropped / freeable:.0%} of weights {weights / 2**20:.0f} MiB + "
+          f"KV {NUM_KV_BLOCKS * per_block / 2**20:.0f} MiB")
+    assert dropped >= 0.7 * freeable, (before, after, freeable)
+    # asleep: paused, requests get 503, resume is refused
+    assert ok(server, "is_paused", method="GET") == {"is_paused": True, "sleeping": ["kv_cache", "weight"]}
+    code, js = greedy(server, PROMPTS[0])
+    assert code == 503, js
+    code, js = control(server, "resume")
+    assert code == 400 and "wakeup" in js["message"]
+    # sleeping again is a no-op
+    assert ok(server, "sleep")["released"] == []
+    res = ok(server, "wakeup", params={"tags": "weight,kv_cache"})
+    assert res == {"restored": ["weight", "kv_cache"], "sleeping": [], "is_paused": False}
+    assert rss_bytes(pid) - after >= 0.7 * freeable
+    assert outputs(server) == baseline
+
+
+def test_sleep_kv_cache_only(server: str, baseline: list[str]) -> None:
+    pid = engine_pid(server)
+    _, per_block = model_bytes()
+    before = rss_bytes(pid)
+    ok(server, "sleep", {"tags": ["kv_cache"]})
+    after = rss_bytes(pid)
+    assert before - after >= 0.7 * NUM_KV_BLOCKS * per_block, (before, after)
+    # a partial wakeup of something not asleep restores nothing; the engine stays paused
+    assert ok(server, "wakeup", params={"tags": "weight"}) == {"restored": [], "sleeping": ["kv_cache"],
+                                                                  "is_paused": True}
+    assert ok(server, "wakeup", params={"tags": "kv_cache"})["is_paused"] is False
+    assert outputs(server) == baseline
+
+
+# --------------------------------------------------------------------------
+# update_weights
+# --------------------------------------------------------------------------
+
+
+def _hf_config(args: Any, **override: Any) -> dict[str, Any]:
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": args.num_layers,
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size,
+        "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rope_theta": args.rope_theta,
+        "rms_norm_eps": args.rms_eps,
+        "max_position_embeddings": args.max_position,
+        "tie_word_embeddings": args.tie_embeddings,
+    }
+    cfg.update(override)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def perturbed_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A Hugging Face (config.json + safetensors, float16) copy of the
+    embedded model with a perturbed embedding / LM head and FFN."""
+    from safetensors.numpy import save_file
+
+    from fdx.model.loader import load_checkpoint
+
+    ckpt = load_checkpoint("smollm2")
+    rng = np.random.default_rng(0)
+    embed = ckpt.embed + rng.standard_normal(ckpt.embed.shape, dtype=np.float32) * (0.5 * float(ckpt.embed.std()))
+    tensors = {"model.embed_tokens.weight": embed.astype(np.float16),
+               "model.norm.weight": ckpt.final_norm.astype(np.float16)}
+    for i, lw in enumerate(ckpt.layers()):
+        p = f"model.layers.{i}."
+        for name, w in (("input_layernorm", lw.attn_norm), ("self_attn.q_proj", lw.wq), ("self_attn.k_proj", lw.wk),
+                        ("self_attn.v_proj", lw.wv), ("self_attn.o_proj", lw.wo),
+                        ("post_attention_layernorm", lw.ffn_norm), ("mlp.gate_proj", lw.w_gate),
+                        ("mlp.up_proj", lw.w_up), ("mlp.down_proj", lw.w_down * 0.8)):
+            tensors[p + name + ".weight"] = np.ascontiguousarray(w, dtype=np.float16)
+    folder = tmp_path_factory.mktemp("perturbed-smollm2")
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(_hf_config(ckpt.args)))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def small_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A checkpoint with a different architecture (2 layers, hidden 64)."""
+    from safetensors.numpy import save_file
+
+    from fdx.model.loader import load_checkpoint
+
+    args = load_checkpoint("smollm2").args
+    folder = tmp_path_factory.mktemp("small-llama")
+    cfg = _hf_config(args, num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    z = lambda *s: np.zeros(s, dtype=np.float16)  # noqa: E731
+    tensors = {"model.embed_tokens.weight": z(args.vocab_size, 64), "model.norm.weight": z(64)}
+    save_file(tensors, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def test_update_weights_swaps_and_restores(server: str, baseline: list[str], perturbed_folder: str,
+                                           small_folder: str) -> None:
+    from fdx.model.source import embedded_gguf_path
+
+    original = embedded_gguf_path()
+    # refused while serving
+    code, js = control(server, "update_weights", {"path": perturbed_folder, "version": "perturbed-1"})
+    assert code == 400 and "pause" in js["message"], js
+    # bad calls while paused
+    ok(server, "pause")
+    code, js = control(server, "update_weights", {"version": "x"})
+    assert code == 400 and "path" in js["message"]
+    code, js = control(server, "update_weights", {"path": "/no/such/model.gguf"})
+    assert code == 400 and "not found" in js["message"], js
+    code, js = control(server, "update_weights", {"path": small_folder, "version": "small"})
+    assert code == 400 and "num_layers=2 (running 30)" in js["message"] and "hidden_size=64" in js["message"], js
+    # swap to the perturbed copy: version recorded, output changes
+    assert ok(server, "update_weights", {"path": perturbed_folder, "version": "perturbed-1"})["version"] == \
+        "perturbed-1"
+    assert httpx.get(server + "/v1/models", timeout=30).json()["data"][0]["version"] == "perturbed-1"
+    ok(server, "resume")
+    changed = outputs(server)
+    assert changed != baseline
+    assert sum(a != b for a, b in zip(changed, baseline)) >= 3, (changed, baseline)
+    # sleep + wakeup restores the *updated* weights
+    ok(server, "sleep", params={"tags": "weight"})
+    code, js = control(server, "update_weights", {"path": original})
+    assert code == 400 and "asleep" in js["message"]
+    ok(server, "wakeup")
+    assert outputs(server) == changed
+    # swap back: identical output to before
+    ok(server, "pause")
+    assert ok(server, "update_weights", {"path": original, "version": "orig"})["version"] == "orig"
+    ok(server, "resume")
+    assert httpx.get(server + "/v1/models", timeout=30).json()["data"][0]["version"] == "orig"
+    assert outputs(server) == baseline
+    assert os.path.isdir(perturbed_folder)

@@ -1,0 +1,77 @@
+"""The offline API ``fdx.LLM`` over the real embedded model and the real
+engine (v1 scheduler, default token processor)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llm() -> Any:
+    import fdx
+
+    return fdx.LLM(num_kv_blocks=256, max_model_len=1024, max_num_batched_tokens=64)
+
+
+def greedy(max_tokens: int = 24, **kw: Any) -> Any:
+    from fdx import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def test_import_fdx_is_light() -> None:
+    code = "import sys, fdx; fdx.SamplingParams; assert 'paddle' not in sys.modules; print(fdx.__all__)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_chat_capital_of_france(llm: Any) -> None:
+    [res] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy(32))
+    assert "Paris" in res.text
+    assert res.finish_reason == "stop" and res.token_ids[-1] == 2
+    assert len(res.prompt_token_ids) == 37
+    assert llm.engine.kv.num_used_blocks == 0 and not llm.engine.scheduler.has_work()
+
+
+def test_generate_batch_matches_single_and_token_prompts(llm: Any) -> None:
+    texts = ["The sky is", "Write a long poem about the ocean, the wind and the stars above the sea:", "1, 2, 3,"]
+    together = llm.generate(texts, greedy(20, ignore_eos=True))
+    for t, r in zip(texts, together):
+        [alone] = llm.generate(t, greedy(20, ignore_eos=True))
+        assert alone.token_ids == r.token_ids and alone.text == r.text
+        assert r.finish_reason == "length" and len(r.token_ids) == 20
+    ids = llm.tokenizer.encode(texts[0])
+    [by_ids] = llm.generate([ids], greedy(20, ignore_eos=True))
+    assert by_ids.token_ids == together[0].token_ids and by_ids.prompt is None
+
+
+def test_stop_string_aborts_and_cuts(llm: Any) -> None:
+    [full] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy(32))
+    [cut] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy(32, stop=("France",)))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index("France")]
+    assert cut.num_cached_tokens > 0  # the same prompt hit the prefix cache
+    assert llm.engine.kv.num_used_blocks == 0 and not llm.engine.scheduler.has_work()
+
+
+def test_seeded_sampling_n_and_logprobs(llm: Any) -> None:
+    from fdx import SamplingParams
+
+    p = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=12, ignore_eos=True, logprobs=2, n=2)
+    [a] = llm.generate("Once upon a time", p)
+    [b] = llm.generate("Once upon a time", p)
+    assert len(a.outputs) == 2 and [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len(a.logprobs) == 12 and all(lp.logprob <= 0 and len(lp.top) == 2 for lp in a.logprobs)
+
+
+def test_too_long_prompt_is_a_clear_error(llm: Any) -> None:
+    from fdx.core.errors import RequestError
+
+    with pytest.raises(RequestError, match="max_model_len"):
+        llm.generate([[5] * 1000], greedy(100))
+    assert not llm.engine.scheduler.has_work()

@@ -1,0 +1,101 @@
+"""`fdx serve` process life cycle: engine death and hang, clean SIGTERM,
+engine start-up failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from serverutil import free_port, pid_alive, read_log, serve_command, start_server
+
+pytestmark = pytest.mark.slow
+
+
+def _stream_until_error(base: str, out: dict[str, Any], started: threading.Event) -> None:
+    body = {"model": "smollm2", "prompt": "An endless list:", "max_tokens": 1800, "ignore_eos": True,
+            "stream": True}
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                started.set()
+                if line == "data: [DONE]":
+                    out["done"] = True
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    out["error"] = ev["error"]
+                elif ev["choices"] and ev["choices"][0].get("finish_reason"):
+                    out["finish"] = ev["choices"][0]["finish_reason"]
+    except httpx.HTTPError as exc:
+        out["exc"] = repr(exc)
+    finally:
+        started.set()
+
+
+def _wait_503(base: str, limit: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit + 5:
+        if httpx.get(base + "/health", timeout=5).status_code == 503:
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    raise AssertionError("/health never turned 503")
+
+
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_engine_death_turns_health_503(how: str) -> None:
+    with start_server() as (base, proc):
+        pid = httpx.get(base + "/health").json()["engine_pid"]
+        out: dict[str, Any] = {}
+        started = threading.Event()
+        t = threading.Thread(target=_stream_until_error, args=(base, out, started))
+        t.start()
+        assert started.wait(60)
+        os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        try:
+            took = _wait_503(base, 5.0)
+            assert took < 5.0, f"/health took {took:.1f}s to report the dead engine"
+            t.join(30)
+            assert not t.is_alive(), "the in-flight request hung"
+            assert out.get("error", {}).get("code") == 503, out
+            body = httpx.get(base + "/health").json()
+            assert body["status"] == "unavailable" and body["reason"]
+            r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == 503
+            assert proc.poll() is None  # the API stays up
+        finally:
+            if how == "hang":
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_stops_everything() -> None:
+    with start_server() as (base, proc):
+        info = httpx.get(base + "/health").json()
+        kids = [info["engine_pid"], info["api_pid"]]
+        run_dir = proc.run_dir  # type: ignore[attr-defined]
+        assert os.listdir(run_dir)  # the per-run socket directory exists
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, read_log(proc)
+        for k in kids:
+            assert not pid_alive(k), f"child {k} survived"
+        assert os.listdir(run_dir) == [], "run directory (socket files) left behind"
+
+
+def test_engine_start_failure_exits_nonzero() -> None:
+    run_dir = tempfile.mkdtemp(prefix="fdx-test-run-")
+    env = {**os.environ, "FDX_IPC_DIR": run_dir}
+    p = subprocess.run(serve_command("--port", str(free_port()), "--device", "cuda"), env=env,
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode != 0
+    assert "fdx serve: error: device 'cuda' is not available" in p.stderr
+    assert os.listdir(run_dir) == []
+    os.rmdir(run_dir)
