@@ -69,7 +69,7 @@ def test_cli_path_selects_the_example_components(example_installed: None) -> Non
 
 
 def test_fdx_serve_uses_the_example_components(example_installed: None) -> None:
-    with start_server("--scheduler", "serial", "--token-processor", "upper") as (base, _proc):
+    with start_server("--scheduler", "serial", "--token-processor", "upper", "--example-greeting", "bonjour") as (base, _proc):
         r = httpx.post(
             base + "/v1/chat/completions",
             json={"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 12, "temperature": 0},
@@ -78,3 +78,6 @@ def test_fdx_serve_uses_the_example_components(example_installed: None) -> None:
         assert r.status_code == 200, r.text
         text = r.json()["choices"][0]["message"]["content"]
         assert any(c.isalpha() for c in text) and text == text.upper()
+        # extension hooks ran in the API process: option, route, life-cycle events
+        ev = httpx.get(base + "/example/events", timeout=10).json()
+        assert ev == {"greeting": "bonjour", "added": 1, "first_token": 1, "finished": 1, "aborted": 0}

@@ -331,3 +331,19 @@ def test_seed_reproducible_whatever_the_window() -> None:
         ta, _ = a.sample(row[None, :], rows_alone)
         tb, _ = b.sample(np.tile(row, (3, 1)), rows_mixed)
         assert ta[0] == tb[1]
+
+
+def test_input_logits_never_modified(sampler: Sampler, logits: np.ndarray) -> None:
+    before = logits.copy()
+    reqs = [
+        req("a", prompt=[1, 2], temperature=0.0, repetition_penalty=1.3, logprobs=3),
+        req("b", prompt=[3], eos=frozenset({5}), min_tokens=4, frequency_penalty=0.5),
+        req("c", top_p=0.5, presence_penalty=1.0),
+        req("d", top_k=3, min_p=0.1, temperature=0.5),
+        req("e", temperature=0.0, min_tokens=2, eos=frozenset({7})),
+        req("f", temperature=2.0),
+    ]
+    for r in reqs:
+        r.output_token_ids = [4, 4, 9]
+    sampler.sample(logits, reqs)
+    assert np.array_equal(logits, before)

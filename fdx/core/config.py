@@ -73,6 +73,9 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = attrs.field(default=None, validator=_positive)
     disable_plugins: tuple[str, ...] = ()
+    #: values of options that plugins added through ``fdx_add_cli_options``
+    #: (argparse ``dest`` -> value); they travel to every process with the config
+    plugin_options: dict[str, Any] = attrs.field(factory=dict)
 
     # plumbing
     ipc_dir: str | None = None
@@ -142,6 +145,9 @@ def from_args(args: Any) -> EngineConfig:
     are taken, and ``None`` values keep the defaults (environment variables
     ``FDX_<FIELD>`` fill flags that were not given)."""
     values: dict[str, Any] = {}
+    extra = {k: v for k, v in vars(args).items() if k not in FIELDS and k != "command" and v is not None}
+    if extra:
+        values["plugin_options"] = extra
     for name in FIELDS:
         env = os.environ.get("FDX_" + name.upper())
         if env is not None:

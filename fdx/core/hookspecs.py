@@ -120,7 +120,8 @@ def fdx_add_cli_options(parser: Any) -> None:
         name to avoid clashes.
 
     Return nothing.  The parsed values are visible to
-    :func:`fdx_adjust_config` as ``args``.
+    :func:`fdx_adjust_config` as ``args``, and travel to every process in
+    ``config.plugin_options`` (``dest`` -> value).
     """
 
 

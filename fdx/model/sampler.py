@@ -190,18 +190,16 @@ class Sampler:
         temps = np.array([p.temperature for p in params], dtype=np.float32)
         greedy = temps < GREEDY_EPS
 
-        x = raw
-        if pen_rows or mt_rows:
-            x = raw.copy()
-            if pen_rows:
-                self._apply_penalties(x, requests, pen_rows)
-            if mt_rows:
-                self._mask_stop_tokens(x, requests, mt_rows)
+        x = _Patched(raw)
+        if pen_rows:
+            x.add(*self._penalty_patch(raw, requests, pen_rows))
+        if mt_rows:
+            x.add(*self._stop_token_patch(raw, requests, mt_rows))
 
         tokens = np.empty(n, dtype=np.int64)
         if greedy.any():
             g = np.flatnonzero(greedy)
-            tokens[g] = x[g].argmax(axis=1) if len(g) < n else x.argmax(axis=1)
+            tokens[g] = raw.argmax(axis=1) if len(g) == n and not x.patches else x.take(g).argmax(axis=1)
         if not greedy.all():
             rnd = np.flatnonzero(~greedy)
             tokens[rnd] = self._sample_random(x, rnd, temps[rnd], requests)
@@ -209,8 +207,12 @@ class Sampler:
         logprobs = self._logprobs(raw, tokens, params, lp_rows) if lp_rows else None
         return tokens, logprobs
 
-    def _apply_penalties(self, x: np.ndarray, requests: Sequence[Request], rows: list[int]) -> None:
-        """Sparse: touches only the prompt/output tokens of each row."""
+    @staticmethod
+    def _penalty_patch(
+        x: np.ndarray, requests: Sequence[Request], rows: list[int]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Penalised values of the prompt/output tokens of each row, as a
+        sparse patch ``(rows, cols, values)``."""
         width = x.shape[1]
         r_idx: list[np.ndarray] = []
         t_idx: list[np.ndarray] = []
@@ -231,7 +233,7 @@ class Sampler:
             freq.append(p.frequency_penalty)
             pres.append(p.presence_penalty)
         if not sum(lens):
-            return
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
         ri = np.concatenate(r_idx)
         ti = np.concatenate(t_idx)
         c = np.concatenate(cnt).astype(np.float32)
@@ -243,10 +245,13 @@ class Sampler:
             f = np.repeat(np.array(freq, dtype=np.float32), lens)
             pr = np.repeat(np.array(pres, dtype=np.float32), lens)
             vals = vals - (f * c + pr * (c > 0))
-        x[ri, ti] = vals
+        return ri, ti, vals.astype(np.float32)
 
     @staticmethod
-    def _mask_stop_tokens(x: np.ndarray, requests: Sequence[Request], rows: list[int]) -> None:
+    def _stop_token_patch(
+        x: np.ndarray, requests: Sequence[Request], rows: list[int]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``-inf`` for the eos / stop token ids of rows under min_tokens."""
         width = x.shape[1]
         ri: list[int] = []
         ci: list[int] = []
@@ -259,8 +264,7 @@ class Sampler:
                 if 0 <= t < width:
                     ri.append(i)
                     ci.append(t)
-        if ri:
-            x[ri, ci] = -np.inf
+        return np.array(ri, np.int64), np.array(ci, np.int64), np.full(len(ri), -np.inf, np.float32)
 
     def _uniforms(self, rows: np.ndarray, requests: Sequence[Request]) -> np.ndarray:
         """One draw in (0, 1] per row: from the request's own generator when
@@ -278,12 +282,12 @@ class Sampler:
         return 1.0 - u
 
     def _sample_random(
-        self, x: np.ndarray, rows: np.ndarray, temps: np.ndarray, requests: Sequence[Request]
+        self, x: _Patched, rows: np.ndarray, temps: np.ndarray, requests: Sequence[Request]
     ) -> np.ndarray:
         """Sample the non-greedy rows.  Rows with filters first try a window
         of their top candidates (exact whenever the surviving set fits in
         it; the decision depends on the row alone); the rest go dense."""
-        width = x.shape[1]
+        width = x.raw.shape[1]
         params = [requests[i].params for i in rows]
         top_k = np.array([p.top_k for p in params], dtype=np.int64)
         top_k[(top_k <= 0) | (top_k >= width)] = 0
@@ -299,26 +303,25 @@ class Sampler:
             if not len(win):
                 break
             tok[win] = _sample_windowed(
-                x[rows[win]], top_k[win], top_p[win], min_p[win], inv_t[win], u[win], window
+                x.take(rows[win]), top_k[win], top_p[win], min_p[win], inv_t[win], u[win], window
             )
             win = win[tok[win] < 0]
         plain = np.flatnonzero(~filt)
         if len(plain):
-            tok[plain] = _inverse_cdf(_scaled_exp(x[rows[plain]], inv_t[plain]), u[plain])
+            tok[plain] = _inverse_cdf(_scaled_exp(x.take(rows[plain]), inv_t[plain]), u[plain])
         dense = np.flatnonzero(filt & (tok < 0))
         if len(dense):
             tok[dense] = _sample_dense(
-                x[rows[dense]], top_k[dense], top_p[dense], min_p[dense], inv_t[dense], u[dense]
+                x.take(rows[dense]), top_k[dense], top_p[dense], min_p[dense], inv_t[dense], u[dense]
             )
         return tok
 
     def _logprobs(
         self, raw: np.ndarray, tokens: np.ndarray, params: list[SamplingParams], rows: list[int]
     ) -> list[TokenLogprob | None]:
-        xl = raw[rows]
-        m = xl.max(axis=1, keepdims=True)
-        lse = m[:, 0] + np.log(np.exp(xl - m).sum(axis=1, dtype=np.float64))
-        chosen = xl[np.arange(len(rows)), tokens[rows]] - lse
+        xl = raw[rows]  # a private copy: reused in place for the log-sum-exp below
+        ar = np.arange(len(rows))
+        chosen = xl[ar, tokens[rows]].astype(np.float64)
         ks = [min(max(params[i].logprobs or 0, 0), self.max_logprobs) for i in rows]
         kmax = max(ks)
         top_ids = top_vals = None
@@ -335,7 +338,14 @@ class Sampler:
             vals = np.take_along_axis(xl, part, axis=1)
             order = np.argsort(-vals, axis=1, kind="stable")
             top_ids = np.take_along_axis(part, order, axis=1)
-            top_vals = np.take_along_axis(vals, order, axis=1) - lse[:, None]
+            top_vals = np.take_along_axis(vals, order, axis=1).astype(np.float64)
+        m = xl.max(axis=1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0).astype(np.float32)
+        xl -= m
+        lse = m[:, 0] + np.log(np.exp(xl, out=xl).sum(axis=1, dtype=np.float64))
+        chosen -= lse
+        if top_vals is not None:
+            top_vals -= lse[:, None]
         out: list[TokenLogprob | None] = [None] * len(params)
         for j, i in enumerate(rows):
             top: tuple[tuple[int, float], ...] = ()
@@ -343,6 +353,31 @@ class Sampler:
                 top = tuple(zip(top_ids[j, : ks[j]].tolist(), top_vals[j, : ks[j]].tolist()))
             out[i] = TokenLogprob(int(tokens[i]), float(chosen[j]), top)
         return out
+
+
+class _Patched:
+    """Raw logits plus sparse overrides (penalties, min_tokens masks), applied
+    in order to the private copies that :meth:`take` hands out -- the raw
+    array is never written."""
+
+    def __init__(self, raw: np.ndarray) -> None:
+        self.raw = raw
+        self.patches: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def add(self, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray) -> None:
+        if len(rows):
+            self.patches.append((rows, cols, vals))
+
+    def take(self, rows: np.ndarray) -> np.ndarray:
+        sub = self.raw[rows]
+        if self.patches:
+            local = np.full(self.raw.shape[0], -1, dtype=np.int64)
+            local[rows] = np.arange(len(rows))
+            for r, c, v in self.patches:
+                lr = local[r]
+                sel = lr >= 0
+                sub[lr[sel], c[sel]] = v[sel]
+        return sub
 
 
 def _scaled_exp(z: np.ndarray, inv_t: np.ndarray) -> np.ndarray:

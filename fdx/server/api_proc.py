@@ -106,7 +106,13 @@ def main() -> None:
     client.on_failure.append(lambda reason, was_ready: None if was_ready else board.failed(reason))
     app = create_app(config, client, plugins=plugins, load_tokenizer=load_tokenizer,
                      on_startup_failure=board.failed, on_serving=on_serving)
-    server = uvicorn.Server(
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            # end open streams at once (503 event) instead of waiting out the grace period
+            client.fail_pending("request aborted: server shutting down")
+            await super().shutdown(sockets)
+
+    server = _Server(
         uvicorn.Config(
             app,
             host=config.host,

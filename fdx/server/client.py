@@ -399,6 +399,14 @@ class EngineClient:
             except Exception:  # noqa: BLE001
                 log.exception("failure callback failed")
 
+    def fail_pending(self, message: str) -> None:
+        """End every live request and control call with a 503 (server
+        shutting down); the engine is told to abort them."""
+        ids = tuple(self._live)
+        self._fail_all(message)
+        if ids:
+            self._send(AbortRequest(ids, "server shutting down"))
+
     def _fail_all(self, message: str) -> None:
         for h in list(self._live.values()):
             self._end(h)
