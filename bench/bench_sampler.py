@@ -81,6 +81,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--paddle", action="store_true", help="pass logits as a Paddle CPU tensor")
+    ap.add_argument("--logits", help="a .npy [rows, 49152] of real logits, added as shape 'file'")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     sampler = Sampler(V)
@@ -97,9 +98,14 @@ def main() -> None:
     if paddle is not None:
         head += f" {'paddle.argmax':>14} {'.numpy()':>9}"
     print(head + "".join(f" {k:>11}" for k in kinds) + "  full us/row")
-    for shape in ("peaked", "flat"):
+    real = np.load(args.logits).astype(np.float32) if args.logits else None
+    for shape in ("peaked", "flat") + (("file",) if real is not None else ()):
         for n in (1, 8, 32):
-            x = make_logits(n, shape, rng)
+            if shape == "file":
+                assert real is not None
+                x = np.ascontiguousarray(real[np.arange(n) % len(real)])
+            else:
+                x = make_logits(n, shape, rng)
             logits: Any = paddle.to_tensor(x) if paddle is not None else x
             fns: list[Callable[[], Any]] = []
             if paddle is not None:

@@ -19,6 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include <omp.h>
+
 #include "paddle/extension.h"
 
 namespace {
@@ -111,12 +113,16 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const padd
 
   // phase 2: attention per (token, kv head); the G query heads of a group
   // share each key/value load.
+  // Work is split by hand (no "omp for"): only GOMP_parallel and
+  // omp_get_thread_num/num_threads are used, which Paddle's libiomp5 (the
+  // runtime this op links against, shared with MKL) implements.
   const int64_t items = T * KV;
 #pragma omp parallel if (items >= 8)
   {
     std::vector<float> sc;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; ++it) {
+    const int nth = omp_get_num_threads();
+    const int tid = omp_get_thread_num();
+    for (int64_t it = tid; it < items; it += nth) {
       const int64_t t = it / KV;
       const int kh = static_cast<int>(it % KV);
       const int s = mt[2 * t], p = mt[2 * t + 1];

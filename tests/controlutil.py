@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from typing import Any
 
 import attrs
@@ -37,6 +38,18 @@ def metric(base: str, name: str) -> float:
     m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
     assert m is not None, f"{name} not in /metrics"
     return float(m.group(1))
+
+
+def wait_metric(base: str, name: str, want: float, timeout: float = 5.0) -> float:
+    """Poll /metrics until ``name`` equals ``want`` (a heartbeat sent just
+    before a control reply may briefly carry the previous snapshot); returns
+    the last value read."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = metric(base, name)
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)
 
 
 def engine_pid(base: str) -> int:

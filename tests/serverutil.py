@@ -9,7 +9,9 @@ The server runs on a free port (or ``port``) with its own IPC directory;
 ``start_server`` waits for ``/health`` to answer 200 (default 180 s) and fails
 fast with the server's log if the process exits first.  On exit it stops
 the server by PID (SIGTERM, then SIGKILL) and kills any child left behind.
-The log is kept in ``proc.log_path`` (a temp file) for assertions.
+The log is in ``proc.log_path`` (a temp file; removed after a clean run
+unless ``FDX_KEEP_SERVER_LOGS`` is set); ``proc.run_dir`` is the server's
+``FDX_IPC_DIR`` (empty again once the server stopped cleanly).
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ def start_server(
     proc.log_path = log.name  # type: ignore[attr-defined]
     proc.run_dir = run_dir  # type: ignore[attr-defined]
     base = f"http://127.0.0.1:{port}"
+    ok = False
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -126,8 +129,12 @@ def start_server(
                 raise RuntimeError(f"fdx serve was not healthy after {timeout:.0f}s:\n{read_log(proc)}")
             time.sleep(0.25)
         yield base, proc
+        ok = True
     finally:
         stop_process(proc)
         log.close()
+        if ok and not os.environ.get("FDX_KEEP_SERVER_LOGS"):
+            with contextlib.suppress(OSError):
+                os.unlink(log.name)
         with contextlib.suppress(OSError):
             os.rmdir(run_dir)  # fails (kept for inspection) if the server left files behind

@@ -54,9 +54,12 @@ class FakeRunner:
         self.weights_version = version
 
 
-@pytest.fixture
-def engine() -> Engine:
-    cfg = make_config(scheduler="v1", block_size=16, max_num_seqs=8, max_num_batched_tokens=256)
+@pytest.fixture(params=["v1", "v0"])
+def engine(request: pytest.FixtureRequest) -> Engine:
+    """v1 and v0 both pause through ``Scheduler.preempt_all``: v1 preempts
+    every request, v0 (which cannot recompute) drops them the same way, so
+    pausing never waits for running requests to drain."""
+    cfg = make_config(scheduler=request.param, block_size=16, max_num_seqs=8, max_num_batched_tokens=256)
     return Engine(cfg, runner=FakeRunner())  # type: ignore[arg-type]
 
 

@@ -227,6 +227,26 @@ def test_storage_hooks_extend_the_match() -> None:
     kv.check_invariants([b])
 
 
+def test_storage_probed_once_per_admission() -> None:
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True)
+    calls = []
+
+    class Counting(FakeStorage):
+        def load_prefix(self, request: Request, n: int, allocate: Callable[[int], list[int]]) -> int:
+            calls.append(n)
+            return 0
+
+    kv.storage = Counting()
+    r = req("r", list(range(1, 20)))
+    kv.get_computed_blocks(r)
+    kv.get_computed_blocks(r)  # blocked at the head of the queue: no second probe
+    assert calls == [0]
+    assert kv.allocate(r, 19, [])
+    kv.free(r)  # preemption re-arms the probe
+    kv.get_computed_blocks(r)
+    assert len(calls) == 2
+
+
 def test_storage_load_never_evicts_matched_blocks() -> None:
     kv = KVCacheManager(4, BS, enable_prefix_caching=True)
     st = FakeStorage()

@@ -188,3 +188,24 @@ def test_v1_preempts_newest_and_resumes_first() -> None:
     assert old.num_output_tokens == 12 and new.num_output_tokens == 12
     assert old.finish_reason == new.finish_reason == "length"
     assert sched.stats()["num_preemptions"] == len(preempted)
+
+
+def test_v1_resume_without_chunked_prefill() -> None:
+    # prompt 60 fits the 64-token budget whole; after 30 outputs a preempted
+    # request needs 90 tokens recomputed: it must resume in chunks
+    sched, kv = build("v1", 14, enable_chunked_prefill=False, max_num_batched_tokens=64)
+    runner = FakeRunner(kv, vocab=64, eos=-5)
+    reqs = [make_request(f"r{i}", [i + 1] * 60, 40) for i in range(2)]
+    for r in reqs:
+        r.eos_token_ids = frozenset()
+        sched.add_request(r)
+    for _ in range(500):
+        b = sched.schedule()
+        if b:
+            sched.update(b, runner.execute(b))
+        sched.check_invariants()
+        if not sched.has_work():
+            break
+    assert not sched.has_work()
+    assert sched.num_preemptions > 0
+    assert all(r.num_output_tokens == 40 for r in reqs)

@@ -3,6 +3,7 @@ against a real server subprocess (one per module)."""
 
 from __future__ import annotations
 
+import json
 from typing import Iterator
 
 import httpx
@@ -255,3 +256,21 @@ def test_errors_do_not_disturb_others(server: str, oai: openai.OpenAI) -> None:
     r = oai.chat.completions.create(messages=QUESTION, model="smollm2", temperature=0, max_tokens=30)
     assert "Paris" in r.choices[0].message.content
     assert httpx.get(server + "/health").status_code == 200
+
+
+def test_logprobs_with_sampling_filters_stay_valid_json(server: str) -> None:
+    body = {**CMPL, "max_tokens": 4, "temperature": 0.8, "top_k": 2, "top_p": 0.5, "logprobs": 5, "seed": 1}
+    r = httpx.post(server + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert all(isinstance(v, float) for v in lp["token_logprobs"])
+    body = {**CHAT, "max_tokens": 4, "temperature": 0.8, "top_k": 2, "logprobs": True, "top_logprobs": 5,
+            "stream": True}
+    with httpx.stream("POST", server + "/v1/chat/completions", json=body, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                json.loads(line[6:], parse_constant=_reject)  # strict JSON: no NaN / Infinity
+
+
+def _reject(token: str) -> None:
+    raise ValueError(f"non-standard JSON constant {token}")

@@ -180,7 +180,58 @@ def test_liveness_fails_pending_requests(env: tuple[EngineClient, FakeEngine, Re
         assert client.unavailable_reason() and "heartbeat" in client.unavailable_reason()
         with pytest.raises(EngineUnavailable):
             client.submit("z", [1], SamplingParams(), time.time())
+        eng.beating = True  # it was only hung: serve again, abort what failed meanwhile
+        deadline = time.monotonic() + 5
+        while client.unavailable_reason() is not None:
+            assert time.monotonic() < deadline, "client never noticed the engine came back"
+            await asyncio.sleep(0.05)
+        await _drain(client.submit("z", [1], SamplingParams(max_tokens=2), time.time()))
         await client.close()
 
     asyncio.run(main())
     assert ("aborted", "y") in rec.events
+    assert "y" in eng.aborted
+
+
+class RoutePlugin:
+    @hookimpl
+    def fdx_add_routes(self, app: Any, client: Any) -> None:
+        @app.get("/v1/echo")
+        async def echo(x: int = 0) -> Any:
+            return await client.call("echo", {"x": x})
+
+
+def test_app_plugin_routes_auth_and_envelopes(plugin_manager: Any) -> None:
+    from fastapi.testclient import TestClient
+
+    from fdx.core.plugins import collect
+    from fdx.server.app import create_app
+
+    plugin_manager.register(RoutePlugin())
+    plugins = collect(plugin_manager)
+    paths = make_run_dir()
+    config = make_config(heartbeat_timeout=2.0, api_key="k")
+    client = EngineClient(config, paths, hook=plugins.hook)
+    eng = FakeEngine(paths)
+    eng.start()
+    try:
+        app = create_app(config, client, plugins=plugins)
+        with TestClient(app) as tc:
+            deadline = time.monotonic() + 10
+            while client.engine is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert tc.get("/v1/echo", params={"x": 3}).status_code == 401  # plugin routes are guarded too
+            r = tc.get("/v1/echo", params={"x": 3}, headers={"Authorization": "Bearer k"})
+            assert r.status_code == 200 and r.json() == {"x": 3}
+            r = tc.get("/v1/echo", params={"x": "nope"}, headers={"Authorization": "Bearer k"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "x"  # FastAPI's 422 -> 400
+            # no tokenizer loaded: not ready
+            h = tc.get("/health")
+            assert h.status_code == 503 and h.json()["status"] == "starting"
+            r = tc.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer k"})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+    finally:
+        eng.stop.set()
+        eng.join(5)
+        paths.cleanup()

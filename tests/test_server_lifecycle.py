@@ -72,6 +72,17 @@ def test_engine_death_turns_health_503(how: str) -> None:
             r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert r.status_code == 503 and r.json()["error"]["code"] == 503
             assert proc.poll() is None  # the API stays up
+            if how == "hang":
+                os.kill(pid, signal.SIGCONT)  # it recovers: served again, the failed request's KV freed
+                deadline = time.monotonic() + 30
+                while httpx.get(base + "/health").status_code != 200:
+                    assert time.monotonic() < deadline, "server never recovered from the engine hang"
+                    time.sleep(0.1)
+                r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+                assert r.status_code == 200, r.text
+                while "fdx:kv_blocks_used{model_name=\"smollm2\"} 0.0" not in httpx.get(base + "/metrics").text:
+                    assert time.monotonic() < deadline, "KV blocks of the failed request were not freed"
+                    time.sleep(0.1)
         finally:
             if how == "hang":
                 os.kill(pid, signal.SIGKILL)
@@ -83,8 +94,15 @@ def test_sigterm_stops_everything() -> None:
         kids = [info["engine_pid"], info["api_pid"]]
         run_dir = proc.run_dir  # type: ignore[attr-defined]
         assert os.listdir(run_dir)  # the per-run socket directory exists
+        out: dict[str, Any] = {}
+        started = threading.Event()
+        t = threading.Thread(target=_stream_until_error, args=(base, out, started))
+        t.start()
+        assert started.wait(60)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, read_log(proc)
+        t.join(10)
+        assert not t.is_alive() and ("error" in out or "exc" in out), out  # the open stream ended
         for k in kids:
             assert not pid_alive(k), f"child {k} survived"
         assert os.listdir(run_dir) == [], "run directory (socket files) left behind"

@@ -125,3 +125,16 @@ def test_disconnects_free_kv_blocks(server: str) -> None:
         time.sleep(0.2)
     assert metric(m, "fdx:request_aborted_total") - aborted0 == 20
     assert httpx.get(server + "/health").status_code == 200
+
+
+def test_non_streaming_disconnect_aborts(server: str) -> None:
+    body = {"model": "smollm2", "prompt": "A very long essay:", "max_tokens": 1500, "ignore_eos": True, "n": 2}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=3))
+    deadline = time.monotonic() + 30
+    while True:
+        m = httpx.get(server + "/metrics").text
+        if metric(m, "fdx:kv_blocks_used") == 0 and metric(m, "fdx:num_requests_running") == 0:
+            break
+        assert time.monotonic() < deadline, "the abandoned request kept running"
+        time.sleep(0.2)

@@ -248,3 +248,38 @@ def test_generic_tokenizer_uses_offsets() -> None:
     assert out == "Hello "
     with pytest.raises(ValueError, match="byte-level"):
         DefaultTokenProcessor(t, byte_level=True)
+
+
+class CountingTokenizer:
+    """Proxy recording the length of every ``decode`` call."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.calls: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        self.calls.append(len(token_ids))
+        return self._inner.decode(token_ids, skip_special_tokens)
+
+
+def test_cost_per_call_is_independent_of_length(tok: Any, proc: Any) -> None:
+    """O(new tokens) per feed: the byte-level stream never calls decode; the
+    offset stream decodes only a short window, however long the output."""
+    ids = tok.encode("".join(TEXTS) * 6)
+    assert len(ids) > 800
+    counting = CountingTokenizer(tok)
+    byte_proc = DefaultTokenProcessor(counting)
+    assert byte_proc.byte_level
+    s = byte_proc.open_stream([], SamplingParams(stop=("never-there",)))
+    counting.calls.clear()
+    _, out = stream_all(s, ids)
+    assert counting.calls == []
+    s_generic = DefaultTokenProcessor(counting, byte_level=False).open_stream([1, 2], SamplingParams())
+    counting.calls.clear()
+    _, out_generic = stream_all(s_generic, ids)
+    assert out == out_generic == tok.decode(ids)
+    assert len(counting.calls) <= 2 * len(ids) + 2
+    assert max(counting.calls) <= 8  # the longest multi-token character window

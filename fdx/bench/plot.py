@@ -36,7 +36,10 @@ def plot_results(docs: Sequence[dict[str, Any]], out_path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    all_x: set[int] = set()
     panels = (
         ("output_throughput", "output tokens/s", "Output throughput"),
         ("median_ttft_ms", "ms", "TTFT (median)"),
@@ -46,6 +49,7 @@ def plot_results(docs: Sequence[dict[str, Any]], out_path: str) -> None:
         runs = [r for r in doc["runs"] if r.get("max_concurrency")]
         runs.sort(key=lambda r: r["max_concurrency"])
         xs = [r["max_concurrency"] for r in runs]
+        all_x.update(xs)
         for ax, (key, _, _) in zip(axes, panels):
             ax.plot(xs, [r.get(key, 0.0) for r in runs], marker="o", label=str(doc["label"]))
     for ax, (key, unit, title) in zip(axes, panels):
@@ -53,6 +57,9 @@ def plot_results(docs: Sequence[dict[str, Any]], out_path: str) -> None:
         ax.set_xlabel("concurrency")
         ax.set_ylabel(unit)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(all_x))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, alpha=0.3)
         if key != "output_throughput":
             ax.set_yscale("log")

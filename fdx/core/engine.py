@@ -8,6 +8,8 @@ plugin can bypass them; they are dispatched by name via :meth:`control`.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import inspect
 import logging
 import time
@@ -151,7 +153,18 @@ class Engine:
             model_out = self.runner.execute(batch)
             self.scheduler.update(batch, model_out)
             self.steps += 1
+            if self.storage is not None:
+                self.storage.flush()  # copy this step's newly full blocks out for the storage tier
         return outputs + self._collect(batch)
+
+    def close(self) -> None:
+        """Release external resources at shutdown: the KV storage tier
+        writes what it has queued (bounded wait) and disconnects."""
+        if self.storage is not None:
+            try:
+                self.storage.close()
+            except Exception:  # noqa: BLE001 - shutdown must go on
+                log.exception("closing the KV storage tier failed")
 
     def _collect(self, batch: ScheduledBatch) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
@@ -202,6 +215,8 @@ class Engine:
             steps=self.steps,
             is_paused=self.is_paused,
             weights_version=self.runner.weights_version,
+            num_batched_tokens=int(s.get("num_scheduled_tokens", 0)),
+            num_generated_tokens=int(s.get("num_generated_tokens", 0)),
         )
 
     # ------------------------------------------------------------------
@@ -327,6 +342,7 @@ class Engine:
         except ModelLoadError as exc:
             raise ControlError(f"update_weights: {exc}", 400) from exc
         self.kv.reset_prefix_cache()  # KV computed by the old weights is invalid
+        trim_heap()  # the old weights' memory goes back to the OS (RSS does not grow per swap)
         return {"version": self.runner.weights_version, "path": path}
 
     def _control_abort_requests(
@@ -376,6 +392,17 @@ def parse_tags(tags: str | list[str] | tuple[str, ...] | None) -> list[str]:
     if not out:
         return list(SLEEP_TAGS)
     return [t for t in SLEEP_TAGS if t in out]
+
+
+def trim_heap() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc
+    ``malloc_trim``); Paddle's CPU allocator frees into the C heap, which
+    otherwise keeps them resident."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def process_rss() -> int:

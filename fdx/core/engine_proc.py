@@ -134,6 +134,7 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
         return 1
     finally:
         beat.stop.set()
+        engine.close()
         side.close()
 
 
@@ -154,6 +155,8 @@ class StatsLogger:
         self.interval = interval
         self.last_t = time.monotonic()
         self.last_steps = 0
+        self.last_tokens = 0
+        self.last_generated = 0
 
     def maybe_log(self, stats) -> None:  # type: ignore[no-untyped-def]
         now = time.monotonic()
@@ -161,8 +164,11 @@ class StatsLogger:
             return
         dt = now - self.last_t
         log.info(
-            "steps/s=%.1f running=%d waiting=%d kv_usage=%.1f%% prefix_hit=%d/%d preemptions=%d",
+            "steps/s=%.1f tokens/s=%.1f gen_tokens/s=%.1f running=%d waiting=%d kv_usage=%.1f%% "
+            "prefix_hit=%d/%d preemptions=%d",
             (stats.steps - self.last_steps) / dt,
+            (stats.num_batched_tokens - self.last_tokens) / dt,
+            (stats.num_generated_tokens - self.last_generated) / dt,
             stats.num_running,
             stats.num_waiting,
             100 * stats.kv_usage,
@@ -171,6 +177,7 @@ class StatsLogger:
             stats.num_preemptions,
         )
         self.last_t, self.last_steps = now, stats.steps
+        self.last_tokens, self.last_generated = stats.num_batched_tokens, stats.num_generated_tokens
 
 
 def main() -> None:

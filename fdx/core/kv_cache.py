@@ -32,7 +32,10 @@ Storage hooks (KV storage tier, :mod:`fdx.core.kv_storage`): when
 ``self.storage`` is not ``None`` the manager calls, and only in these places:
 
 * in :meth:`get_computed_blocks`, after the device prefix match stopped
-  short, ``storage.load_prefix(request, num_matched_blocks, allocate) -> int``.
+  short (at most once per admission attempt series: a request blocked at the
+  head of the queue is not re-probed every step; :meth:`free`, i.e.
+  preemption, re-arms it), ``storage.load_prefix(request, num_matched_blocks,
+  allocate) -> int``.
   ``request.block_hashes[num_matched_blocks:]`` are the candidate hashes
   (already capped so the last token is never covered).  The storage finds
   how many leading candidates it holds, calls ``allocate(k)`` **at most once**
@@ -62,6 +65,8 @@ if TYPE_CHECKING:
 
 #: parent hash of the first block of every chain
 ROOT_HASH = 0x5F3759DF
+#: ``request.extra`` key: the storage tier was already asked for this admission
+_PROBED = "kv_storage_probed"
 
 
 class KVStorageHooks(Protocol):
@@ -161,6 +166,10 @@ class KVCacheManager:
         Returns False (changing nothing) when fewer than the needed blocks
         plus ``watermark`` are available.
         """
+        if computed is None and watermark == 0:
+            # fast path (decode): room left in the last block
+            if request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size:
+                return True
         if not self.can_allocate(request, num_new_tokens, computed, watermark):
             return False
         if computed is not None:
@@ -190,6 +199,7 @@ class KVCacheManager:
             self._release(b)
         request.block_ids.clear()
         request.num_computed_tokens = 0
+        request.extra.pop(_PROBED, None)
         self._committed.pop(request.request_id, None)
 
     def _touch(self, b: int) -> None:
@@ -269,7 +279,10 @@ class KVCacheManager:
             if b is None:
                 break
             blocks.append(b)
-        if self.storage is not None and len(blocks) < max_blocks:
+        if self.storage is not None and len(blocks) < max_blocks and not request.extra.get(_PROBED):
+            # once per admission: a request blocked at the head of the queue
+            # must not hit the storage tier every step (free() re-arms it)
+            request.extra[_PROBED] = True
             blocks.extend(self._load_from_storage(request, blocks, max_blocks))
         return blocks
 

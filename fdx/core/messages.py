@@ -140,6 +140,8 @@ class EngineStats:
     steps: int = 0
     is_paused: bool = False
     weights_version: str = ""
+    num_batched_tokens: int = 0  # cumulative tokens run (prefill + decode)
+    num_generated_tokens: int = 0  # cumulative tokens sampled
 
     @property
     def kv_usage(self) -> float:

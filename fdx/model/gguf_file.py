@@ -198,3 +198,16 @@ def _read_value(data: bytes, pos: int, vtype: int) -> tuple[Any, int]:
         raise ValueError(f"unknown value type {vtype}")
     (v,) = struct.unpack_from(fmt, data, pos)
     return v, pos + struct.calcsize(fmt)
+
+
+def raw_rows(g: GGUFFile, name: str) -> tuple[np.ndarray, int]:
+    """Tensor ``name`` as its raw GGUF bytes, one row per output feature:
+    ``(uint8 [rows, row_bytes], ggml type id)``."""
+    info = g.tensors.get(name)
+    if info is None:
+        raise ModelLoadError(f"{g.path}: missing tensor {name!r}")
+    raw = np.fromfile(g.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    if raw.size != info.nbytes:
+        raise ModelLoadError(f"{g.path}: tensor {name!r} is truncated")
+    rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+    return raw.reshape(rows, -1), info.ggml_type

@@ -20,6 +20,7 @@ order, NEOX "rotate_half" RoPE).
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable
 
 import attrs
@@ -31,6 +32,10 @@ from paddle.incubate.nn.functional import fused_rms_norm
 from fdx.core.errors import ModelLoadError
 from fdx.model.arch import ModelArgs
 from fdx.model.loader import Checkpoint, LayerWeights
+
+
+#: default row limit for the quantized GEMV path (``FDX_QUANT_MAX_ROWS``)
+QUANT_MAX_ROWS = int(os.environ.get("FDX_QUANT_MAX_ROWS", "8"))
 
 
 @attrs.define
@@ -66,6 +71,11 @@ class Layer:
     ffn_norm: paddle.Tensor
     w_gate_up: paddle.Tensor
     w_down: paddle.Tensor
+    # GGUF block-quantized copies for few-row steps: (uint8 [out, bytes], ggml type)
+    q_qkv: tuple[paddle.Tensor, int] | None = None
+    q_o: tuple[paddle.Tensor, int] | None = None
+    q_gate_up: tuple[paddle.Tensor, int] | None = None
+    q_down: tuple[paddle.Tensor, int] | None = None
 
 
 def rope_table(args: ModelArgs, max_pos: int) -> np.ndarray:
@@ -94,6 +104,9 @@ class LlamaModel:
         self.embed: paddle.Tensor | None = None
         self.final_norm: paddle.Tensor | None = None
         self.lm_head: paddle.Tensor | None = None  # [hidden, V] when untied
+        self.q_lm_head: tuple[paddle.Tensor, int] | None = None
+        #: steps with at most this many token rows use the quantized GEMV
+        self.quant_max_rows = QUANT_MAX_ROWS if native_ops is not None else 0
 
     # ------------------------------------------------------------------ weights
 
@@ -126,6 +139,9 @@ class LlamaModel:
             self.lm_head = paddle.to_tensor(np.ascontiguousarray(ckpt.lm_head.T, dtype=np.float32))
         else:
             self.lm_head = None
+        self.q_lm_head = None
+        if ckpt.lm_head_raw is not None:
+            self.q_lm_head = (paddle.to_tensor(ckpt.lm_head_raw[0]), ckpt.lm_head_raw[1])
 
     def release(self) -> None:
         """Drop every weight tensor (sleep)."""
@@ -133,6 +149,7 @@ class LlamaModel:
         self.embed = None
         self.final_norm = None
         self.lm_head = None
+        self.q_lm_head = None
 
     @staticmethod
     def _check(x: np.ndarray | None, shape: tuple[int, ...], what: str, path: str) -> None:
@@ -160,6 +177,14 @@ class LlamaModel:
             ]).astype(np.float32)
         w_gu = np.concatenate([lw.w_gate, lw.w_up], axis=0).T
         t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
+
+        def fuse(*names: str) -> tuple[paddle.Tensor, int] | None:
+            parts = [lw.raw.get(n) for n in names]
+            if any(p is None for p in parts) or len({p[1] for p in parts}) != 1:  # type: ignore[index]
+                return None
+            rows = np.concatenate([p[0] for p in parts], axis=0)  # type: ignore[index]
+            return paddle.to_tensor(rows), parts[0][1]  # type: ignore[index]
+
         return Layer(
             attn_norm=t(lw.attn_norm),
             w_qkv=t(w_qkv),
@@ -168,6 +193,10 @@ class LlamaModel:
             ffn_norm=t(lw.ffn_norm),
             w_gate_up=t(w_gu),
             w_down=t(lw.w_down.T),
+            q_qkv=fuse("wq", "wk", "wv"),
+            q_o=fuse("wo"),
+            q_gate_up=fuse("w_gate", "w_up"),
+            q_down=fuse("w_down"),
         )
 
     # ------------------------------------------------------------------ forward
@@ -188,24 +217,37 @@ class LlamaModel:
         else:
             attend = self._fallback_attention(step, int(caches[0].shape[3]))
 
+        T = int(step.ids.shape[0])
+        qgemv = self.ops.fdx_qgemv if self.ops is not None and T <= self.quant_max_rows else None
+
+        def linear(h: paddle.Tensor, w: paddle.Tensor, q: tuple[paddle.Tensor, int] | None) -> paddle.Tensor:
+            if q is not None and qgemv is not None:
+                return qgemv(h, q[0], q[1])
+            return paddle.matmul(h, w)
+
         x = F.embedding(step.ids, self.embed)
         residual = None
         for layer, cache in zip(self.layers, caches):
             if residual is None:
-                h, residual = fused_rms_norm(x, layer.attn_norm, None, eps, 1, residual=paddle.zeros_like(x))
+                h = fused_rms_norm(x, layer.attn_norm, None, eps, 1)[0]
+                residual = x
             else:
                 h, residual = fused_rms_norm(x, layer.attn_norm, None, eps, 1, residual=residual)
-            qkv = paddle.matmul(h, layer.w_qkv)
+            qkv = linear(h, layer.w_qkv, layer.q_qkv)
             if layer.b_qkv is not None:
                 qkv = qkv + layer.b_qkv
-            x = paddle.matmul(attend(qkv, cache), layer.w_o)
+            x = linear(attend(qkv, cache), layer.w_o, layer.q_o)
             h, residual = fused_rms_norm(x, layer.ffn_norm, None, eps, 1, residual=residual)
-            x = paddle.matmul(F.swiglu(paddle.matmul(h, layer.w_gate_up)), layer.w_down)
+            x = linear(F.swiglu(linear(h, layer.w_gate_up, layer.q_gate_up)), layer.w_down, layer.q_down)
         if step.sample_rows is None:
             return None
-        x = paddle.index_select(x, step.sample_rows)
-        residual = paddle.index_select(residual, step.sample_rows)
+        R = int(step.sample_rows.shape[0])
+        if R != T:
+            x = paddle.index_select(x, step.sample_rows)
+            residual = paddle.index_select(residual, step.sample_rows)
         h, _ = fused_rms_norm(x, self.final_norm, None, eps, 1, residual=residual)
+        if self.q_lm_head is not None and self.ops is not None and R <= self.quant_max_rows:
+            return self.ops.fdx_qgemv(h, self.q_lm_head[0], self.q_lm_head[1])
         if self.lm_head is not None:
             return paddle.matmul(h, self.lm_head)
         return paddle.matmul(h, self.embed, transpose_y=True)

@@ -39,6 +39,9 @@ class LayerWeights:
     bq: np.ndarray | None = None
     bk: np.ndarray | None = None
     bv: np.ndarray | None = None
+    #: GGUF block-quantized rows of the linear weights (same row order as the
+    #: fp32 arrays): name -> (uint8 [out, row_bytes], ggml type id)
+    raw: dict[str, tuple[np.ndarray, int]] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -52,6 +55,8 @@ class Checkpoint:
     final_norm: np.ndarray
     lm_head: np.ndarray | None  # None when tied to ``embed``
     layers: Any  # callable () -> Iterator[LayerWeights]
+    #: raw quantized rows of the LM head (``output`` or the tied embedding)
+    lm_head_raw: tuple[np.ndarray, int] | None = None
 
 
 # --------------------------------------------------------------------------
@@ -87,6 +92,10 @@ def load_checkpoint(model: str | None) -> Checkpoint:
     if src.kind == "gguf":
         return _gguf_checkpoint(src)
     return _hf_checkpoint(src)
+
+
+#: ggml types the C++ ``fdx_qgemv`` kernel reads directly (Q4_0, Q4_1, Q8_0)
+QUANT_KERNEL_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -143,10 +152,28 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
         if tn not in SUPPORTED_QUANTS:
             raise ModelLoadError(f"{src.path}: tensor {name!r} has unsupported type {tn}")
 
+    from fdx.model.gguf_file import raw_rows
+
+    def quant(name: str, n_head: int | None = None) -> tuple[np.ndarray, int] | None:
+        if g.type_name(name) not in QUANT_KERNEL_TYPES:
+            return None
+        rows, qt = raw_rows(g, name)
+        return (_unpermute(rows, n_head) if n_head else rows), qt
+
     def layers() -> Iterator[LayerWeights]:
         for i in range(n_layers):
             p = f"blk.{i}."
+            raw = {
+                "wq": quant(p + "attn_q.weight", n_head),
+                "wk": quant(p + "attn_k.weight", n_kv),
+                "wv": quant(p + "attn_v.weight"),
+                "wo": quant(p + "attn_output.weight"),
+                "w_gate": quant(p + "ffn_gate.weight"),
+                "w_up": quant(p + "ffn_up.weight"),
+                "w_down": quant(p + "ffn_down.weight"),
+            }
             yield LayerWeights(
+                raw={k: v for k, v in raw.items() if v is not None},
                 attn_norm=g.load(p + "attn_norm.weight"),
                 wq=_unpermute(g.load(p + "attn_q.weight"), n_head),
                 wk=_unpermute(g.load(p + "attn_k.weight"), n_kv),
@@ -165,6 +192,7 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
         final_norm=g.load("output_norm.weight"),
         lm_head=None if args.tie_embeddings else g.load("output.weight"),
         layers=layers,
+        lm_head_raw=quant("token_embd.weight" if args.tie_embeddings else "output.weight"),
     )
 
 

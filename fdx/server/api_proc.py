@@ -104,8 +104,13 @@ def main() -> None:
                      "url": f"http://{config.host}:{config.port}"})
 
     client.on_failure.append(lambda reason, was_ready: None if was_ready else board.failed(reason))
-    app = create_app(config, client, plugins=plugins, load_tokenizer=load_tokenizer,
-                     on_startup_failure=board.failed, on_serving=on_serving)
+    try:
+        app = create_app(config, client, plugins=plugins, load_tokenizer=load_tokenizer,
+                         on_startup_failure=board.failed, on_serving=on_serving)
+    except Exception as exc:  # noqa: BLE001 - e.g. a plugin's fdx_add_routes failed
+        board.failed(str(exc))
+        side.close()
+        sys.exit(1)
     class _Server(uvicorn.Server):
         async def shutdown(self, sockets: Any = None) -> None:
             # end open streams at once (503 event) instead of waiting out the grace period

@@ -13,8 +13,10 @@ another watches :class:`~fdx.core.ipc.Liveness`.  Invariants:
 * each handle fires exactly one of the ``fdx_request_finished`` /
   ``fdx_request_aborted`` hooks (and ``fdx_request_first_token`` at most
   once), and is counted once in the metrics;
-* once the engine is declared dead it stays dead (sticky), and new requests
-  and control calls fail at once with 503.
+* while the engine is unavailable, new requests and control calls fail at
+  once with 503.  Death (EngineFailed, pid gone) is final; a hang (no
+  heartbeat, pid alive) ends if the engine speaks again: the requests failed
+  meanwhile are then aborted in the engine, so none keeps KV blocks.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import zmq
 
 from fdx.core.config import EngineConfig
 from fdx.core.errors import RequestError
-from fdx.core.ipc import FrontendSide, IpcPaths, Liveness
+from fdx.core.ipc import FrontendSide, IpcPaths, Liveness, pid_alive
 from fdx.core.messages import (
     AbortRequest,
     AddRequest,
@@ -110,6 +112,7 @@ class EngineClient:
         self._calls: dict[str, asyncio.Future[ControlReply]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        self._hung_ids: list[str] | None = None  # set while a live engine is declared hung
         #: called once with the reason when the engine fails or dies
         self.on_failure: list[Callable[[str, bool], None]] = []
         self.on_ready: list[Callable[[EngineReady], None]] = []
@@ -172,6 +175,11 @@ class EngineClient:
     @property
     def num_live(self) -> int:
         return len(self._live)
+
+    def live_requests(self) -> dict[str, RequestHandle]:
+        """A snapshot: engine request id -> handle of every unfinished
+        request (``handle.tag`` is the caller's data, e.g. the choice)."""
+        return dict(self._live)
 
     def num_waiting(self) -> int:
         """Requests waiting for their first output: the engine's queue plus
@@ -296,6 +304,8 @@ class EngineClient:
                 log.exception("error handling %s", type(msg).__name__)
 
     def _dispatch(self, msg: Message) -> None:
+        if self._hung_ids is not None and isinstance(msg, (OutputBatch, Heartbeat)):
+            self._revive()
         if isinstance(msg, OutputBatch):
             self.liveness.beat()
             if msg.stats is not None:
@@ -328,6 +338,9 @@ class EngineClient:
             log.error("engine failed: %s", msg.message)
             if msg.details:
                 log.debug("%s", msg.details)
+            self._hung_ids = None  # a crash is final
+            if self.failed is not None:
+                self.failed = msg.message
             self._mark_dead(msg.message)
 
     def _route(self, h: RequestHandle, out: RequestOutput, now: float) -> None:
@@ -385,13 +398,16 @@ class EngineClient:
             reason = self.liveness.check()
             if reason is not None:
                 log.error("engine is unavailable: %s", reason)
-                self._mark_dead(reason)
+                hung = self.liveness.pid is not None and pid_alive(self.liveness.pid)
+                self._mark_dead(reason, hung=hung)
 
-    def _mark_dead(self, reason: str) -> None:
+    def _mark_dead(self, reason: str, hung: bool = False) -> None:
         if self.failed is not None:
             return
         was_ready = self.engine is not None
         self.failed = reason
+        if hung:  # it may come back: remember what to abort then
+            self._hung_ids = list(self._live)
         self._fail_all(f"engine unavailable: {reason}")
         for cb in self.on_failure:
             try:
@@ -406,6 +422,20 @@ class EngineClient:
         self._fail_all(message)
         if ids:
             self._send(AbortRequest(ids, "server shutting down"))
+
+    def _revive(self) -> None:
+        """A hung (not dead) engine spoke again: serve again, and abort the
+        requests that were failed while it hung so their KV is freed."""
+        pid = self.liveness.pid
+        if pid is None or not pid_alive(pid):
+            return
+        ids, self._hung_ids = tuple(self._hung_ids or ()), None
+        log.warning("engine %d is responsive again after: %s", pid, self.failed)
+        self.liveness.dead_reason = None
+        self.liveness.beat()
+        self.failed = None
+        if ids:
+            self._send(AbortRequest(ids, "engine was unresponsive"))
 
     def _fail_all(self, message: str) -> None:
         for h in list(self._live.values()):

@@ -61,6 +61,10 @@ class _EngineCollector(Collector):
         yield counter("fdx:kv_storage_errors", "KV storage (cache backend) errors.", s.storage_errors)
         yield counter("fdx:num_preemptions", "Preemptions.", s.num_preemptions)
         yield counter("fdx:engine_steps", "Engine steps.", s.steps)
+        yield counter("fdx:engine_batched_tokens", "Tokens run by the engine (prefill + decode).",
+                      getattr(s, "num_batched_tokens", 0))
+        yield counter("fdx:engine_generated_tokens", "Tokens sampled by the engine.",
+                      getattr(s, "num_generated_tokens", 0))
 
 
 class Metrics:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fdx.core.errors import RequestError
 from fdx.core.messages import SamplingParams
@@ -126,7 +126,8 @@ def validation_error(errors: Any) -> RequestError:
         return RequestError("invalid request", 400)
     e = errs[0]
     # drop 'body' and pydantic's union-branch names (e.g. 'str', 'list[int]')
-    loc = [str(x) for x in e.get("loc", ()) if x != "body" and not _is_type_name(x)]
+    skip = ("body", "query", "path", "header")
+    loc = [str(x) for x in e.get("loc", ()) if x not in skip and not _is_type_name(x)]
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
     if e.get("type") == "json_invalid":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from typing import Any, AsyncIterator, Sequence
@@ -34,6 +35,11 @@ from fdx.server.protocol import (
     sampling_params,
 )
 from fdx.server.sse import EventStreamResponse
+
+
+def _lp(v: float) -> float:
+    """A JSON-safe logprob (-inf, as from a masked token, becomes -9999.0 as in vLLM)."""
+    return v if math.isfinite(v) else -9999.0
 
 
 class _ClientGone(Exception):
@@ -367,10 +373,10 @@ class _Ctx:
             t = self._tok(lp.token_id)
             content.append({
                 "token": t,
-                "logprob": lp.logprob,
+                "logprob": _lp(lp.logprob),
                 "bytes": list(t.encode("utf-8")),
                 "top_logprobs": [
-                    {"token": (tt := self._tok(tid)), "logprob": v, "bytes": list(tt.encode("utf-8"))}
+                    {"token": (tt := self._tok(tid)), "logprob": _lp(v), "bytes": list(tt.encode("utf-8"))}
                     for tid, v in lp.top[:k]
                 ],
             })
@@ -383,11 +389,11 @@ class _Ctx:
         for lp in lps:
             t = self._tok(lp.token_id)
             tokens.append(t)
-            token_lps.append(lp.logprob)
+            token_lps.append(_lp(lp.logprob))
             top: dict[str, float] = {}
             for tid, v in lp.top[:k]:
-                top.setdefault(self._tok(tid), v)
-            top.setdefault(t, lp.logprob)
+                top.setdefault(self._tok(tid), _lp(v))
+            top.setdefault(t, _lp(lp.logprob))
             tops.append(top)
             offsets.append(off)
             off += len(t)

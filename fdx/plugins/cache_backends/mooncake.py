@@ -1,1 +1,253 @@
-"""Placeholder: being written."""
+"""``--cache-backend mooncake``: KV blocks in a Mooncake distributed store
+(``mooncake.store.MooncakeDistributedStore`` over TCP, no RDMA needed).
+
+Configuration, first match wins: ``--cache-backend-config`` options, then
+environment variables, then the JSON file named by ``config_path`` /
+``MOONCAKE_CONFIG_PATH`` (the FastDeploy/vLLM format), then defaults:
+
+=====================  ============================  =====================  ==================
+option                 environment variable          JSON file key          default
+=====================  ============================  =====================  ==================
+``master``             ``MOONCAKE_MASTER``           master_server_address  ``127.0.0.1:50051``
+``local_hostname``     ``MOONCAKE_LOCAL_HOSTNAME``   local_hostname         ``127.0.0.1``
+``metadata_server``    ``MOONCAKE_METADATA_SERVER``  metadata_server        ``P2PHANDSHAKE``
+``protocol``           ``MOONCAKE_PROTOCOL``         protocol               ``tcp``
+``device_name``        ``MOONCAKE_DEVICE_NAME``      device_name            ``""``
+``global_segment_size``  ``MOONCAKE_GLOBAL_SEGMENT_SIZE``  global_segment_size  ``256M``
+``local_buffer_size``  ``MOONCAKE_LOCAL_BUFFER_SIZE``  local_buffer_size    ``128M``
+``timeout``            ``MOONCAKE_TIMEOUT``          --                     ``0.5`` (seconds)
+=====================  ============================  =====================  ==================
+
+``global_segment_size`` is the memory this engine contributes to the pool.
+Objects live in the segment that received them, so they vanish when the
+contributing process exits: to share blocks across engine restarts, run a
+standalone ``mooncake_client`` pool and give the engines ``0``.
+
+Invariants: a missing key (Mooncake answers ``b''``) is a miss; a master
+that is unreachable raises :class:`BackendUnavailable` within ``timeout``
+(the client library itself retries for seconds, so every call is preceded
+by a TCP probe of the master, about 30 us on loopback); a failed put raises.
+Batches are split so each transfer fits the local buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from typing import Any, Sequence
+
+from fdx.core.errors import ConfigError
+from fdx.core.hookspecs import hookimpl
+from fdx.core.interfaces import CacheBackend
+from fdx.plugins.cache_backends._common import (
+    BackendUnavailable,
+    Counters,
+    check_options,
+    float_option,
+    size_option,
+)
+
+#: option -> (environment variable, JSON file key, default)
+SETTINGS: dict[str, tuple[str, str | None, Any]] = {
+    "master": ("MOONCAKE_MASTER", "master_server_address", "127.0.0.1:50051"),
+    "local_hostname": ("MOONCAKE_LOCAL_HOSTNAME", "local_hostname", "127.0.0.1"),
+    "metadata_server": ("MOONCAKE_METADATA_SERVER", "metadata_server", "P2PHANDSHAKE"),
+    "protocol": ("MOONCAKE_PROTOCOL", "protocol", "tcp"),
+    "device_name": ("MOONCAKE_DEVICE_NAME", "device_name", ""),
+    "global_segment_size": ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "global_segment_size", "256M"),
+    "local_buffer_size": ("MOONCAKE_LOCAL_BUFFER_SIZE", "local_buffer_size", "128M"),
+    "timeout": ("MOONCAKE_TIMEOUT", None, 0.5),
+}
+
+
+class MooncakeBackend(CacheBackend):
+    name = "mooncake"
+
+    def __init__(
+        self,
+        master: str,
+        *,
+        local_hostname: str = "127.0.0.1",
+        metadata_server: str = "P2PHANDSHAKE",
+        protocol: str = "tcp",
+        device_name: str = "",
+        global_segment_size: int = 256 << 20,
+        local_buffer_size: int = 128 << 20,
+        timeout: float = 0.5,
+    ) -> None:
+        host, _, port = master.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"mooncake master must be HOST:PORT, got {master!r}")
+        self.master = master
+        self._master_addr = (host, int(port))
+        self._setup_args = (local_hostname, metadata_server, global_segment_size, local_buffer_size,
+                            protocol, device_name, master)
+        self.local_buffer_size = local_buffer_size
+        self.timeout = timeout
+        self._store: Any = None
+        self._lock = threading.Lock()
+        self._max_value = 0
+        self._counters = Counters()
+
+    # ------------------------------------------------------------------
+    def _probe(self) -> None:
+        """Raise fast when the master does not accept connections."""
+        try:
+            socket.create_connection(self._master_addr, timeout=self.timeout).close()
+        except OSError as exc:
+            raise BackendUnavailable(f"mooncake master {self.master} unreachable: {exc}") from None
+
+    def _get_store(self) -> Any:
+        self._probe()
+        store = self._store
+        if store is not None:
+            return store
+        with self._lock:
+            if self._store is None:
+                os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+                from mooncake.store import MooncakeDistributedStore
+
+                s = MooncakeDistributedStore()
+                rc = s.setup(*self._setup_args)
+                if rc != 0:
+                    raise BackendUnavailable(f"mooncake setup against master {self.master} failed (rc={rc})")
+                self._store = s
+            return self._store
+
+    def _budget(self) -> int:
+        """Bytes one transfer may move (half the registered local buffer)."""
+        return max(1, self.local_buffer_size // 2)
+
+    def _fail(self, exc_or_msg: Exception | str) -> BaseException:
+        self._counters.add(errors=1)
+        return exc_or_msg if isinstance(exc_or_msg, Exception) else RuntimeError(exc_or_msg)
+
+    # ------------------------------------------------------------------
+    def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        try:
+            store = self._get_store()
+        except Exception as exc:
+            raise self._fail(exc) from None
+        per = max(1, self._budget() // self._max_value) if self._max_value else 16
+        out: list[bytes | None] = []
+        for i in range(0, len(keys), per):
+            vals = store.get_batch(list(keys[i : i + per]))
+            if len(vals) != len(keys[i : i + per]):
+                raise self._fail(f"mooncake get_batch returned {len(vals)} values for {len(keys[i:i+per])} keys")
+            out.extend(v if v else None for v in vals)
+        hits = sum(1 for v in out if v is not None)
+        if hits:
+            self._max_value = max(self._max_value, max(len(v) for v in out if v is not None))
+        self._counters.add(hits=hits, misses=len(keys) - hits, bytes_read=sum(len(v) for v in out if v))
+        return out
+
+    def put_batch(self, items: Sequence[tuple[str, bytes]]) -> None:
+        if not items:
+            return
+        try:
+            store = self._get_store()
+        except Exception as exc:
+            raise self._fail(exc) from None
+        budget = self._budget()
+        i = 0
+        while i < len(items):
+            keys: list[str] = []
+            vals: list[bytes] = []
+            nbytes = 0
+            while i < len(items) and (not keys or nbytes + len(items[i][1]) <= budget):
+                keys.append(items[i][0])
+                vals.append(items[i][1])
+                nbytes += len(items[i][1])
+                i += 1
+            rc = store.put_batch(keys, vals)
+            if rc != 0:
+                raise self._fail(f"mooncake put_batch of {len(keys)} values failed (rc={rc})")
+            self._max_value = max(self._max_value, max(len(v) for v in vals))
+        self._counters.add(puts=len(items), bytes_written=sum(len(v) for _, v in items))
+
+    def exists_batch(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            store = self._get_store()
+        except Exception as exc:
+            raise self._fail(exc) from None
+        res = store.batch_is_exist(list(keys))
+        if len(res) != len(keys) or any(r < 0 for r in res):
+            raise self._fail(f"mooncake batch_is_exist failed: {sorted(set(r for r in res if r < 0))}")
+        return [r == 1 for r in res]
+
+    def stats(self) -> dict[str, float]:
+        return self._counters.snapshot()
+
+    def health(self) -> bool:
+        try:
+            store = self._get_store()
+            return int(store.health_check()) == 0
+        except Exception:  # noqa: BLE001 - unhealthy is the answer
+            return False
+
+    def clear(self, prefix: str = "") -> None:
+        """Remove every object (or those whose key starts with ``prefix``)."""
+        store = self._get_store()
+        if prefix:
+            store.remove_by_regex("^" + "".join(c if c.isalnum() or c == "_" else "\\" + c for c in prefix), True)
+        else:
+            store.remove_all(True)
+
+    def close(self) -> None:
+        with self._lock:
+            store, self._store = self._store, None
+        if store is not None:
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def resolve_settings(options: dict[str, Any] | None) -> dict[str, Any]:
+    """Options > environment > JSON config file > defaults (see module doc)."""
+    opts = check_options("mooncake", options, set(SETTINGS) | {"config_path"})
+    path = opts.pop("config_path", None) or os.environ.get("MOONCAKE_CONFIG_PATH")
+    file_cfg: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path) as f:
+                file_cfg = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"mooncake config file {path!r} unreadable: {exc}") from None
+        if not isinstance(file_cfg, dict):
+            raise ConfigError(f"mooncake config file {path!r} must hold a JSON object")
+    out: dict[str, Any] = {}
+    for name, (env, file_key, default) in SETTINGS.items():
+        if name in opts:
+            out[name] = opts[name]
+        elif os.environ.get(env):
+            out[name] = os.environ[env]
+        elif file_key and file_key in file_cfg:
+            out[name] = file_cfg[file_key]
+        else:
+            out[name] = default
+    for name in ("global_segment_size", "local_buffer_size"):
+        out[name] = size_option("mooncake", name, out[name])
+    out["timeout"] = float_option("mooncake", "timeout", out["timeout"])
+    return out
+
+
+def create(options: dict[str, Any] | None = None) -> MooncakeBackend:
+    s = resolve_settings(options)
+    try:
+        import mooncake.store  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError or a missing shared library
+        raise ConfigError(
+            f"--cache-backend mooncake needs mooncake-transfer-engine-non-cuda (pip install 'fdx[mooncake]') "
+            f"and libibverbs1: {exc}"
+        ) from None
+    return MooncakeBackend(s.pop("master"), **s)
+
+
+@hookimpl
+def fdx_register_cache_backends(register: Any) -> None:
+    register("mooncake", lambda options=None: create(options), description="a Mooncake distributed store (TCP)")

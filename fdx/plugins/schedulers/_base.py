@@ -35,7 +35,7 @@ class BaseScheduler(Scheduler):
         self.num_failed = 0
         self.num_finished = 0
         self.num_scheduled_tokens = 0  # cumulative
-        self.num_prefill_tokens = 0  # cumulative, non-sampling + final prefill chunks
+        self.num_generated_tokens = 0  # cumulative sampled tokens
         self.last_step_tokens = 0
 
     # ------------------------------------------------------------------
@@ -156,6 +156,7 @@ class BaseScheduler(Scheduler):
             tok = token_ids[i]
             reason = None
             if tok >= 0:
+                self.num_generated_tokens += 1
                 reason = req.append_token(int(tok), logprobs[i] if logprobs is not None else None)
             kv.commit(req)
             if reason is not None:
@@ -184,6 +185,7 @@ class BaseScheduler(Scheduler):
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "num_scheduled_tokens": self.num_scheduled_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
             "last_step_tokens": self.last_step_tokens,
             "kv_blocks_used": self.kv.num_used_blocks,
             "kv_blocks_free": self.kv.num_free_blocks,

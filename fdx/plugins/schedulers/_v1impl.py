@@ -14,7 +14,9 @@ Like vLLM v1 / FastDeploy's ResourceManagerV1:
   front of the waiting queue with its output so far; when resumed its prompt
   + output are recomputed (mostly from the prefix cache), so greedy
   decoding yields the same tokens;
-* no request is admitted in a step that preempted one (avoids thrash).
+* no request is admitted in a step that preempted one (avoids thrash);
+* with ``enable_chunked_prefill`` off a prompt is admitted only whole;
+  resumed requests are still recomputed in chunks.
 
 Pause: :meth:`preempt_all` (inherited) removes every request and frees its
 blocks.
@@ -34,7 +36,6 @@ class V1Scheduler(BaseScheduler):
         kv = self.kv
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        scheduled: set[int] = set()
 
         # 1. running requests, oldest first; preempt the newest when short
         i = 0
@@ -51,7 +52,6 @@ class V1Scheduler(BaseScheduler):
                     break
             else:
                 batch.seqs.append(ScheduledSeq(req, num_new))
-                scheduled.add(id(req))
                 budget -= num_new
                 i += 1
                 continue
@@ -65,7 +65,10 @@ class V1Scheduler(BaseScheduler):
                 n_cached = len(computed) * kv.block_size
                 num_new = req.num_tokens - n_cached
                 if num_new > budget:
-                    if not cfg.enable_chunked_prefill:
+                    # without chunked prefill a prompt runs whole; a resumed
+                    # request (prompt + output may exceed the budget) is
+                    # still recomputed in chunks, or it could never resume
+                    if not cfg.enable_chunked_prefill and req.num_preemptions == 0:
                         break
                     num_new = budget
                 if not kv.allocate(req, num_new, computed):

@@ -1,0 +1,53 @@
+"""bench/compare_peers: median-of-rounds selection and the fdx/peer ratio
+table, from synthetic result files (no servers)."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import os
+from typing import Any
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "compare_peers")
+
+
+@pytest.fixture(scope="module")
+def cp() -> Any:
+    loader = importlib.machinery.SourceFileLoader("compare_peers", _PATH)
+    spec = importlib.util.spec_from_loader("compare_peers", loader)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    had = "FDX_COMPARE_NO_REEXEC" in os.environ
+    os.environ["FDX_COMPARE_NO_REEXEC"] = "1"  # importing must never re-exec the test process
+    try:
+        loader.exec_module(mod)
+    finally:
+        if not had:
+            del os.environ["FDX_COMPARE_NO_REEXEC"]
+    return mod
+
+
+def _write(d: Any, name: str, w: str, rnd: int, tput: float, ttft: float, itl: float) -> None:
+    run = {"output_throughput": tput, "median_ttft_ms": ttft, "mean_itl_ms": itl, "failed": 0,
+           "idle": {"checked": True, "idle": True, "busy_fraction": 0.02}}
+    (d / f"{name}-{w}-r{rnd}.json").write_text(json.dumps({"runs": [run]}))
+
+
+def test_median_round_and_ratios(cp: Any, tmp_path: Any) -> None:
+    for rnd, t in enumerate((100.0, 300.0, 200.0)):
+        _write(tmp_path, "fdx", "c4", rnd, t, 50.0 * (rnd + 1), 10.0)
+    _write(tmp_path, "peer", "c4", 0, 100.0, 200.0, 40.0)
+    _write(tmp_path, "fdx", "single", 0, 20.0, 10.0, 50.0)
+    res = cp.collect(str(tmp_path), ["single", "c4", "c32"])
+    assert set(res) == {"single", "c4"}
+    assert res["c4"]["fdx"]["output_throughput"] == 200.0  # median of 100, 200, 300
+    t = cp.table(res, "Peer skipped: test")
+    row = next(line for line in t.splitlines() if line.startswith("| c4 "))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:4] == ["200.0", "100.0", "**2.00**"]  # throughput ratio fdx / peer
+    assert cells[6] == "0.75"  # TTFT 150 / 200
+    assert cells[9] == "0.25"  # ITL 10 / 40
+    single = next(line for line in t.splitlines() if line.startswith("| single "))
+    assert "| - |" in single and "Peer skipped: test" in t
