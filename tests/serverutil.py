@@ -121,7 +121,8 @@ def start_server(
                                    f"{read_log(proc)}")
             try:
                 r = httpx.get(base + "/health", timeout=5)
-                if r.status_code == 200:
+                # the pid check guards against another test's server that grabbed the same port
+                if r.status_code == 200 and r.json().get("launcher_pid") == proc.pid:
                     break
             except httpx.HTTPError:
                 pass

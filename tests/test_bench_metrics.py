@@ -114,6 +114,8 @@ def test_random_prompts_have_exact_token_counts(tokenizer) -> None:  # type: ign
     assert all(85 <= (s.output_len or 0) <= 171 for s in samples)
     assert len({s.text for s in samples}) == 20
     assert all(s.text.startswith("Run abcd request ") for s in samples)
+    fixed_out = random_dataset(tokenizer, 20, 192, 128, 1 / 3, vocab=vocab, output_range_ratio=0.0)
+    assert {s.output_len for s in fixed_out} == {128} and len({s.prompt_len for s in fixed_out}) > 1
     # a 3-token prompt is still exact
     check_exact(tokenizer, random_dataset(tokenizer, 3, 3, 4, vocab=vocab))
 

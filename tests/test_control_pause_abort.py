@@ -22,7 +22,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    with start_server("--num-threads", "1") as (base, _proc):  # 1 thread: reproducible greedy output
+    with start_server() as (base, _proc):
         yield base
 
 
@@ -110,6 +110,21 @@ def test_pause_ends_non_streaming_requests_with_an_error(server: str) -> None:
     for r in got:
         assert r.status_code == 503, r.text
         assert "paused" in r.json()["error"]["message"]
+
+
+def test_pause_resets_the_prefix_cache(server: str) -> None:
+    long_prompt = "Here is a long preamble that spans several KV blocks. " * 8
+
+    def cached() -> int:
+        code, js = greedy(server, long_prompt, 2)
+        assert code == 200, js
+        return int(js["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    cached()
+    assert cached() > 0  # the prompt's full blocks are in the prefix cache
+    ok(server, "pause")
+    ok(server, "resume")
+    assert cached() == 0
 
 
 # --------------------------------------------------------------------------

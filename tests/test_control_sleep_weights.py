@@ -10,6 +10,7 @@ blocks x layers x 2 x kv_heads x block_size x head_dim x 4 bytes.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Iterator
 
 import httpx
@@ -28,9 +29,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    # one compute thread: the engine's greedy output is then bit-reproducible
-    # (with 2 threads the native attention op is not, see the report)
-    with start_server("--num-kv-blocks", str(NUM_KV_BLOCKS), "--num-threads", "1") as (base, _proc):
+    with start_server("--num-kv-blocks", str(NUM_KV_BLOCKS)) as (base, _proc):
         yield base
 
 
@@ -215,6 +214,19 @@ def test_update_weights_swaps_and_restores(server: str, baseline: list[str], per
     ok(server, "sleep", params={"tags": "weight"})
     code, js = control(server, "update_weights", {"path": original})
     assert code == 400 and "asleep" in js["message"]
+    ok(server, "wakeup")
+    assert outputs(server) == changed
+    # a failing method is a 500 with the reason; the engine stays paused and asleep until a wakeup works
+    ok(server, "sleep", params={"tags": "weight"})
+    st = os.path.join(perturbed_folder, "model.safetensors")
+    os.rename(st, st + ".moved")
+    try:
+        code, js = control(server, "wakeup")
+        assert code == 500 and "control method wakeup failed" in js["message"] and "safetensors" in js["message"], js
+        assert ok(server, "is_paused", method="GET") == {"is_paused": True, "sleeping": ["weight"]}
+        assert greedy(server, PROMPTS[0])[0] == 503
+    finally:
+        os.rename(st + ".moved", st)
     ok(server, "wakeup")
     assert outputs(server) == changed
     # swap back: identical output to before

@@ -191,11 +191,11 @@ def test_v1_preempts_newest_and_resumes_first() -> None:
 
 
 def test_v1_resume_without_chunked_prefill() -> None:
-    # prompt 60 fits the 64-token budget whole; after 30 outputs a preempted
-    # request needs 90 tokens recomputed: it must resume in chunks
+    # r1's prompt (60) fits the 64-token budget whole; preempted after more
+    # than 4 outputs it needs > 64 tokens recomputed: it must resume in chunks
     sched, kv = build("v1", 14, enable_chunked_prefill=False, max_num_batched_tokens=64)
     runner = FakeRunner(kv, vocab=64, eos=-5)
-    reqs = [make_request(f"r{i}", [i + 1] * 60, 40) for i in range(2)]
+    reqs = [make_request("r0", [1] * 20, 40), make_request("r1", [2] * 60, 40)]
     for r in reqs:
         r.eos_token_ids = frozenset()
         sched.add_request(r)

@@ -128,15 +128,18 @@ def random_dataset(
     seed: int = 0,
     nonce: str | None = None,
     vocab: WordVocab | None = None,
+    output_range_ratio: float | None = None,
 ) -> list[SampleRequest]:
-    """``num_prompts`` prompts of ``input_len * [1-r, 1+r]`` tokens."""
+    """``num_prompts`` prompts of ``input_len * [1-r, 1+r]`` tokens, asking
+    for ``output_len * [1-r', 1+r']`` tokens (``r'`` defaults to ``r``)."""
     if input_len < 1 or output_len < 1:
         raise ValueError("--random-input-len and --random-output-len must be >= 1")
     rng = np.random.default_rng(seed)
     vocab = vocab or WordVocab(tokenizer)
     nonce = nonce or secrets.token_hex(4)
     in_lens = _lengths(rng, num_prompts, input_len, range_ratio)
-    out_lens = _lengths(rng, num_prompts, output_len, range_ratio)
+    out_ratio = range_ratio if output_range_ratio is None else output_range_ratio
+    out_lens = _lengths(rng, num_prompts, output_len, out_ratio)
     out = []
     for i in range(num_prompts):
         text, ids = _prompt(tokenizer, vocab, rng, f"Run {nonce} request {i}:", int(in_lens[i]))

@@ -59,6 +59,8 @@ def build_parser(prog: str = "fdx bench serve") -> argparse.ArgumentParser:
     g.add_argument("--random-input-len", type=int, default=DEFAULT_INPUT_LEN)
     g.add_argument("--random-output-len", type=int, default=DEFAULT_OUTPUT_LEN)
     g.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths drawn uniformly from len*[1-r, 1+r]")
+    g.add_argument("--random-output-range-ratio", type=float, default=None,
+                   help="the same for output lengths (default: --random-range-ratio)")
     g.add_argument("--shared-prefix-groups", type=int, default=4)
     g.add_argument("--shared-prefix-len", type=int, default=512, help="tokens in each group's system prompt")
     g.add_argument("--shared-prefix-suffix-len", type=int, default=32, help="tokens in each request's own question")
@@ -152,7 +154,8 @@ async def run_once(
 def _make_samples(args: argparse.Namespace, tok: Any, vocab: Any, n: int, seed: int, nonce: str) -> list[ds.SampleRequest]:
     if args.dataset == "random":
         return ds.random_dataset(
-            tok, n, args.random_input_len, args.random_output_len, args.random_range_ratio, seed=seed, nonce=nonce, vocab=vocab
+            tok, n, args.random_input_len, args.random_output_len, args.random_range_ratio, seed=seed, nonce=nonce,
+            vocab=vocab, output_range_ratio=args.random_output_range_ratio,
         )
     if args.dataset == "shared-prefix":
         return ds.shared_prefix_dataset(
@@ -355,6 +358,7 @@ async def _run(args: argparse.Namespace) -> int:
             "random_input_len": args.random_input_len,
             "random_output_len": args.random_output_len,
             "random_range_ratio": args.random_range_ratio,
+            "random_output_range_ratio": args.random_output_range_ratio,
             "shared_prefix_groups": args.shared_prefix_groups,
             "shared_prefix_len": args.shared_prefix_len,
             "shared_prefix_suffix_len": args.shared_prefix_suffix_len,

@@ -150,6 +150,10 @@ class Engine:
             return outputs
         batch = self.scheduler.schedule()
         if batch:
+            now = time.time()
+            for seq in batch.seqs:
+                if seq.request.first_scheduled_time is None:
+                    seq.request.first_scheduled_time = now
             model_out = self.runner.execute(batch)
             self.scheduler.update(batch, model_out)
             self.steps += 1
@@ -186,6 +190,10 @@ class Engine:
             if not req.pending_token_ids and req.finish_reason is None:
                 continue
             toks, lps = req.take_pending()
+            qt = None
+            if not req.queue_time_sent and req.first_scheduled_time is not None:
+                qt = max(0.0, req.first_scheduled_time - req.arrival_time)
+                req.queue_time_sent = True
             outs.append(
                 RequestOutput(
                     req.request_id,
@@ -195,6 +203,7 @@ class Engine:
                     req.num_cached_tokens,
                     req.num_output_tokens,
                     lps,
+                    queue_time=qt,
                 )
             )
         return outs

@@ -122,6 +122,9 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] | None = None
     error: str | None = None
     error_code: int = 0
+    #: seconds from arrival to the request's first scheduling; sent once, with
+    #: the request's first output
+    queue_time: float | None = None
 
 
 @attrs.frozen

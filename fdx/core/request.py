@@ -43,6 +43,8 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    queue_time_sent: bool = False
     # tokens produced since the last RequestOutput was emitted
     pending_token_ids: list[int] = attrs.field(factory=list)
     pending_logprobs: list[TokenLogprob] = attrs.field(factory=list)

@@ -344,6 +344,8 @@ class EngineClient:
             self._mark_dead(msg.message)
 
     def _route(self, h: RequestHandle, out: RequestOutput, now: float) -> None:
+        if out.queue_time is not None and self.metrics is not None:
+            self.metrics.queue.observe(out.queue_time)
         if out.new_token_ids:
             k = len(out.new_token_ids)
             if h.first_token_time is None:
@@ -351,7 +353,6 @@ class EngineClient:
                 ttft = now - h.arrival
                 if self.metrics is not None:
                     self.metrics.ttft.observe(ttft)
-                    self.metrics.queue.observe(ttft)
                     if k > 1:
                         self.metrics.itl.observe(0.0)
                 self._call_hook("fdx_request_first_token", request_id=h.request_id, ttft=ttft)

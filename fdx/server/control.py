@@ -32,6 +32,7 @@ user's id to all of them and the reply groups them back under that id.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -101,16 +102,15 @@ def engine_ids_for(client: Any, rid: str) -> list[str]:
 def api_ids(client: Any) -> dict[str, str]:
     """engine id -> id the API returned, for every live request.  A choice
     ``rid-<k>`` maps to ``rid`` when its siblings are still live or k > 0
-    (an n > 1 request whose other choices all ended keeps ``rid-0``)."""
+    (an n > 1 request whose other choices all ended keeps ``rid-0``).
+    Siblings are the handles sharing one sink queue (one HTTP request)."""
     live = _live(client)
-    by_sink: dict[int, int] = {}
-    for h in live.values():
-        by_sink[id(getattr(h, "sink", h))] = by_sink.get(id(getattr(h, "sink", h)), 0) + 1
+    per_sink = collections.Counter(id(getattr(h, "sink", h)) for h in live.values())
     out = {}
     for eid, h in live.items():
         idx = getattr(getattr(h, "tag", None), "index", None)
         suffix = f"-{idx}"
-        grouped = isinstance(idx, int) and (idx > 0 or by_sink[id(getattr(h, "sink", h))] > 1)
+        grouped = isinstance(idx, int) and (idx > 0 or per_sink[id(getattr(h, "sink", h))] > 1)
         out[eid] = eid[: -len(suffix)] if grouped and eid.endswith(suffix) else eid
     return out
 

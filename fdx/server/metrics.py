@@ -83,7 +83,7 @@ class Metrics:
         self.e2e = Histogram("fdx:e2e_request_latency_seconds", "End-to-end request latency.", lab,
                              buckets=_E2E_BUCKETS, registry=reg).labels(model)
         self.queue = Histogram("fdx:request_queue_time_seconds",
-                               "Arrival to the engine's first output (queue + prefill).", lab,
+                               "Arrival to the request's first scheduling in the engine.", lab,
                                buckets=_E2E_BUCKETS, registry=reg).labels(model)
         self.prompt_tokens = Counter("fdx:prompt_tokens", "Prompt tokens processed.", lab, registry=reg).labels(model)
         self.generation_tokens = Counter("fdx:generation_tokens", "Tokens generated.", lab,

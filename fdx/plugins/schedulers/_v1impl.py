@@ -55,7 +55,7 @@ class V1Scheduler(BaseScheduler):
                 budget -= num_new
                 i += 1
                 continue
-            break  # req itself was preempted: nothing older is left to serve
+            break  # req itself was preempted: every newer request is gone too
 
         # 2. waiting requests, FIFO (preempted ones first)
         if not batch.preempted:
