@@ -137,6 +137,9 @@ def main() -> None:
 
     print(f"\n## prefix cache: {args.prefix_len}-token prompt, TTFT cold vs cached, median of {args.prefix_repeat}")
     prompt = workload(1, args.prefix_len, args.prefix_len, seed=7)[0]
+    if -(-(args.prefix_len + 1) // base.block_size) > args.num_kv_blocks:
+        print(f"skipped: a {args.prefix_len}-token prompt does not fit in {args.num_kv_blocks} KV blocks")
+        return
     for n, eng in engines.items():
         cold, warm = [], []
         cached_tokens = 0

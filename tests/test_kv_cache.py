@@ -278,3 +278,18 @@ def test_invariant_checker_catches_bad_tables() -> None:
         kv.check_invariants([a, b])
     with pytest.raises(AssertionError):
         kv.check_invariants([])
+
+
+def test_storage_exception_frees_its_blocks() -> None:
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True)
+
+    class Broken(FakeStorage):
+        def load_prefix(self, request: Request, n: int, allocate: Callable[[int], list[int]]) -> int:
+            allocate(3)
+            raise OSError("backend went away")
+
+    kv.storage = Broken()
+    r = req("r", list(range(1, 20)))
+    assert kv.get_computed_blocks(r) == []
+    kv.check_invariants([])
+    assert kv.num_free_blocks == 8

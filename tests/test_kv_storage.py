@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import pytest
 
@@ -345,3 +345,67 @@ def test_write_failure_on_device_is_counted_not_raised(tmp_path: Path) -> None:
     assert b.serve(r) == 0  # recomputed
     assert b.storage.stats()["errors"] == 1
     b.kv.check_invariants([r])  # the blocks allocated for the load went back
+
+
+# ---------------------------------------------------------------- real servers
+
+
+from kvservices import MooncakeMaster, MooncakePool, RedisServer, have_mooncake, have_redis  # noqa: E402
+
+
+def _real_backend(kind: str, stack: Any) -> tuple[Any, Callable[[str, bytes], None]]:
+    """A backend on a real server plus ``overwrite(key, value)`` that
+    bypasses the storage tier (to plant corrupt data)."""
+    if kind == "redis":
+        import redis as redis_py
+
+        from fdx.plugins.cache_backends.redis import create as create_redis
+
+        srv = stack.enter_context(RedisServer())
+        raw = redis_py.Redis.from_url(srv.url)
+        stack.callback(raw.close)
+        return create_redis({"url": srv.url}), lambda k, v: raw.set("fdx:kv:" + k, v)
+    from fdx.plugins.cache_backends.mooncake import create as create_mc
+
+    master = stack.enter_context(MooncakeMaster())
+    stack.enter_context(MooncakePool(master, "256 MB"))
+    b = create_mc({"master": master.address, "global_segment_size": 0, "local_buffer_size": "16M"})
+
+    def overwrite(k: str, v: bytes) -> None:
+        store = b._get_store()
+        store.remove(k, True)
+        assert store.put(k, v) == 0
+
+    return b, overwrite
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param("redis", marks=[pytest.mark.redis, pytest.mark.skipif(not have_redis(), reason="no redis")]),
+        pytest.param("mooncake",
+                     marks=[pytest.mark.mooncake, pytest.mark.skipif(not have_mooncake(), reason="no mooncake")]),
+    ],
+)
+def test_shared_real_server_round_trip_corrupt_and_foreign(kind: str) -> None:
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        backend, overwrite = _real_backend(kind, stack)
+        a = Engine(backend)
+        r = req("a", prompt(41))
+        a.serve(r)
+        assert a.storage.drain(10) and a.storage.stats()["puts"] == 10
+        assert Engine(backend).serve(req("b", prompt(41))) == 10  # another engine: all from the server
+        assert Engine(backend, FakeRunner("model-b")).serve(req("c", prompt(41))) == 0  # foreign model
+        fpd = fingerprint_digest(a.runner.kv_fingerprint())
+        key = storage_key(fpd, r.block_hashes[3])
+        good = backend.get_batch([key])[0]
+        bad = bytearray(good)
+        bad[-5] ^= 0x40
+        overwrite(key, bytes(bad))
+        e = Engine(backend)
+        assert e.serve(req("d", prompt(41))) == 3  # stops at the corrupt block
+        assert e.storage.stats()["rejected"] == 1
+        a.close()
+        e.close()

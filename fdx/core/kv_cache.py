@@ -44,9 +44,9 @@ Storage hooks (KV storage tier, :mod:`fdx.core.kv_storage`): when
   returns how many leading ids it filled.  The manager registers those as
   cached blocks (hash ``request.block_hashes[num_matched_blocks + j]``) and
   frees the rest.  Matched device blocks are pinned during the call, so the
-  allocation can never evict them.  Exceptions propagate to the caller:
-  the storage must catch its own I/O errors and return 0 (degrade to
-  recompute).
+  allocation can never evict them.  The storage should catch its own I/O
+  errors and return 0; an exception that escapes is logged and treated as
+  0 (recompute), and the allocated blocks are freed.
 * in :meth:`commit`, ``storage.on_block_full(block_id, block_hash)`` each time
   a block becomes full, computed and registered (its KV is valid on the
   device now; write-through point);
@@ -58,10 +58,13 @@ Storage hooks (KV storage tier, :mod:`fdx.core.kv_storage`): when
 from __future__ import annotations
 
 import collections
+import logging
 from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 if TYPE_CHECKING:
     from fdx.core.request import Request
+
+log = logging.getLogger("fdx.kv")
 
 #: parent hash of the first block of every chain
 ROOT_HASH = 0x5F3759DF
@@ -307,6 +310,9 @@ class KVCacheManager:
             self._touch(b)
         try:
             filled = int(self.storage.load_prefix(request, n0, allocate))
+        except Exception:  # noqa: BLE001 - a storage bug must not leak blocks or kill the engine
+            log.exception("storage load_prefix failed for %s; recomputing", request.request_id)
+            filled = 0
         finally:
             for b in matched:
                 self._release(b)

@@ -29,12 +29,18 @@ Invariants:
   ``errors``, logged once as a warning, and marks the backend down; while
   down nothing touches it from the engine thread (loads miss, new blocks are
   not queued) and the writer thread probes ``backend.health()`` every
-  ``retry_interval`` seconds until it answers, then logs the recovery.  No
-  request ever fails because of the storage tier.
+  ``retry_interval`` seconds until it answers, then logs the recovery (a
+  backend that fails again within a minute of recovering is retried with a
+  doubling interval, up to ``max_retry_interval``, so a flapping store does
+  not flood the log).  No request ever fails because of the storage tier.
+* **Shutdown writes what is queued**: :meth:`close` (and, for an engine
+  that is never closed, an ``atexit`` hook) drains the queue, bounded in
+  time.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import hashlib
 import logging
@@ -43,6 +49,7 @@ import queue
 import struct
 import threading
 import time
+import weakref
 import zlib
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -106,6 +113,7 @@ class KVStorage:
         max_queue_bytes: int = 256 << 20,
         put_batch_bytes: int = 32 << 20,
         retry_interval: float = 2.0,
+        max_retry_interval: float = 60.0,
         max_unsaved: int = 65536,
     ) -> None:
         self.backend = backend
@@ -115,6 +123,10 @@ class KVStorage:
         self.max_queue_bytes = max_queue_bytes
         self.put_batch_bytes = put_batch_bytes
         self.retry_interval = retry_interval
+        self.base_retry_interval = retry_interval
+        self.max_retry_interval = max_retry_interval
+        self._up_since = 0.0
+        self._closed = False
         self.name = getattr(backend, "name", "") or type(backend).__name__
         self._fp_cache: tuple[str, str, bytes] | None = None  # (weights_version, fingerprint, digest)
         # engine-thread state
@@ -137,6 +149,7 @@ class KVStorage:
         self._clock = threading.Lock()
         self._writer = threading.Thread(target=self._run, name=f"fdx-kv-storage-{self.name}", daemon=True)
         self._writer.start()
+        atexit.register(_drain_at_exit, weakref.ref(self))
 
     def _inc(self, key: str, n: float = 1) -> None:
         with self._clock:
@@ -379,6 +392,7 @@ class KVStorage:
             ok = False
         if ok:
             self._up = True
+            self._up_since = time.monotonic()
             if self._ever_up:
                 log.warning("KV storage %s: backend is reachable again; storage tier resumed", self.name)
             else:
@@ -394,6 +408,10 @@ class KVStorage:
         self._inc("errors", 1)
         if self._up:
             self._up = False
+            if time.monotonic() - self._up_since < 60.0:  # flapping: back off
+                self.retry_interval = min(self.max_retry_interval, self.retry_interval * 2)
+            else:
+                self.retry_interval = self.base_retry_interval
             log.warning("KV storage %s: backend failed during %s (%s: %s); serving by recompute until it "
                         "recovers (retrying every %gs)", self.name, op, type(exc).__name__, exc,
                         self.retry_interval)
@@ -430,7 +448,10 @@ class KVStorage:
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued (up to ``timeout``), stop the writer, close
-        the backend."""
+        the backend.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.flush()
         except Exception:  # noqa: BLE001
@@ -448,3 +469,14 @@ class KVStorage:
 
 
 __all__ = ["KVStorage", "fingerprint_digest", "storage_key", "pack", "unpack", "HEADER"]
+
+
+def _drain_at_exit(ref: weakref.ref[KVStorage]) -> None:
+    """Interpreter exit (e.g. an offline ``fdx.LLM`` never closed): write
+    what is queued, briefly; the writer is a daemon thread."""
+    storage = ref()
+    if storage is not None and not storage._closed:
+        try:
+            storage.close(timeout=5.0)
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
