@@ -5,8 +5,12 @@ figures for llama.cpp's ``llama-server`` (2 threads, same GGUF) when
 ``/opt/peers/bin/llama-server`` exists.
 
 Runs the runner directly with hand-built batches (no scheduler, no HTTP):
-this measures the forward pass + sampling.  The machine is shared and noisy:
-compare the fdx/peer ratio printed in the same run, not absolute figures.
+this measures the forward pass + sampling.  llama-server's figures come from
+its own per-request ``timings`` (no HTTP overhead either); for 8/32
+sequences the per-request decode rates of concurrent requests are summed.
+Every figure is the best of ``--repeats`` runs.  The machine is shared and
+noisy: compare the fdx/peer ratio printed in the same run, not absolute
+figures.
 
     .venv/bin/python bench/bench_model.py [--decode-steps 64] [--no-peer]
 """
@@ -95,14 +99,16 @@ def bench_fdx(args: argparse.Namespace) -> dict[str, float]:
         best = min(best, time.perf_counter() - t)
     res["prefill_tok_s"] = args.prefill_len / best
     for batch in (1, 8, 32):
-        reqs = make_requests(runner, prompts_of(batch, args.prompt_len, batch), args.decode_steps + 2)
-        step(runner, reqs)  # prefill (not timed)
-        step(runner, reqs)
-        t = time.perf_counter()
-        for _ in range(args.decode_steps):
+        best = 0.0
+        for rep in range(args.repeats):
+            reqs = make_requests(runner, prompts_of(batch, args.prompt_len, batch + rep), args.decode_steps + 2)
+            step(runner, reqs)  # prefill (not timed)
             step(runner, reqs)
-        dt = time.perf_counter() - t
-        res[f"decode_b{batch}_tok_s"] = batch * args.decode_steps / dt
+            t = time.perf_counter()
+            for _ in range(args.decode_steps):
+                step(runner, reqs)
+            best = max(best, batch * args.decode_steps / (time.perf_counter() - t))
+        res[f"decode_b{batch}_tok_s"] = best
     res["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return res
 
@@ -144,14 +150,17 @@ def bench_peer(args: argparse.Namespace, gguf: str) -> dict[str, float]:
             raise RuntimeError("llama-server did not start")
         res: dict[str, float] = {}
         # prefill / single stream from the server's own timings (no HTTP overhead)
-        out = _post(base + "/completion", {"prompt": prompts_of(1, args.prefill_len, 1)[0], "n_predict": 1,
-                                           "cache_prompt": False})
-        res["prefill_tok_s"] = out["timings"]["prompt_per_second"]
-        out = _post(base + "/completion", {"prompt": prompts_of(1, args.prompt_len, 2)[0],
-                                           "n_predict": args.decode_steps, "ignore_eos": True, "cache_prompt": False})
-        res["decode_b1_tok_s"] = out["timings"]["predicted_per_second"]
-        for batch in (8, 32):
-            ps = prompts_of(batch, args.prompt_len, 100 + batch)
+        res["prefill_tok_s"] = res["decode_b1_tok_s"] = 0.0
+        for rep in range(args.repeats):
+            out = _post(base + "/completion", {"prompt": prompts_of(1, args.prefill_len, 1 + rep)[0], "n_predict": 1,
+                                               "cache_prompt": False})
+            res["prefill_tok_s"] = max(res["prefill_tok_s"], out["timings"]["prompt_per_second"])
+            out = _post(base + "/completion", {"prompt": prompts_of(1, args.prompt_len, 20 + rep)[0],
+                                               "n_predict": args.decode_steps, "ignore_eos": True,
+                                               "cache_prompt": False})
+            res["decode_b1_tok_s"] = max(res["decode_b1_tok_s"], out["timings"]["predicted_per_second"])
+        for batch, rep in [(b, r) for b in (8, 32) for r in range(args.repeats)]:
+            ps = prompts_of(batch, args.prompt_len, 100 + batch + 7 * rep)
             rates: list[float] = []
 
             def one(p: list[int]) -> None:
@@ -165,7 +174,8 @@ def bench_peer(args: argparse.Namespace, gguf: str) -> dict[str, float]:
             for th in ths:
                 th.join()
             # per-request decode rates measured by the server while all run together
-            res[f"decode_b{batch}_tok_s"] = sum(rates)
+            key = f"decode_b{batch}_tok_s"
+            res[key] = max(res.get(key, 0.0), sum(rates))
         return res
     finally:
         proc.terminate()
@@ -181,6 +191,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=700)
+    ap.add_argument("--repeats", type=int, default=3, help="best of N (filters out a busy machine)")
     ap.add_argument("--attention", choices=("native", "paddle"), default="native")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end")

@@ -14,6 +14,8 @@
 // so chunks of several new tokens per sequence (prefill) work.
 // RoPE is NEOX "rotate_half" style (Hugging Face q/k order).
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -34,6 +36,51 @@ inline void rope_rotate(const float* x, float* y, const float* cs, int half) {
     y[i] = x1 * c[i] - x2 * s[i];
     y[i + half] = x2 * c[i] + x1 * s[i];
   }
+}
+
+// exp(x) for 16 lanes: range reduction x = n*ln2 + r (|r| <= ln2/2, Cody-Waite
+// split of ln2), degree-7 Taylor polynomial for e^r, then scale by 2^n.
+// Relative error ~1e-7 (float rounding level); x < -87 gives 0.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// In-place softmax of r[0..n).
+inline void softmax(float* r, int n) {
+  __m512 vmx = _mm512_set1_ps(-INFINITY);
+  int j = 0;
+  for (; j + 16 <= n; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(r + j));
+  float mx = _mm512_reduce_max_ps(vmx);
+  for (int k = j; k < n; ++k) mx = std::max(mx, r[k]);
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 vs = _mm512_setzero_ps();
+  for (j = 0; j + 16 <= n; j += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(r + j), m));
+    _mm512_storeu_ps(r + j, e);
+    vs = _mm512_add_ps(vs, e);
+  }
+  if (j < n) {
+    const __mmask16 k = (__mmask16)((1u << (n - j)) - 1u);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, r + j), m)));
+    _mm512_mask_storeu_ps(r + j, k, e);
+    vs = _mm512_add_ps(vs, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vs));
+  for (j = 0; j + 16 <= n; j += 16) _mm512_storeu_ps(r + j, _mm512_mul_ps(_mm512_loadu_ps(r + j), inv));
+  for (; j < n; ++j) r[j] *= _mm512_cvtss_f32(inv);
 }
 
 inline float dot(const float* a, const float* b, int n) {
@@ -140,18 +187,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const padd
         }
       }
       // softmax per head
-      for (int g = 0; g < G; ++g) {
-        float* r = sc.data() + (size_t)g * n;
-        float mx = r[0];
-        for (int j = 1; j < n; ++j) mx = std::max(mx, r[j]);
-        float sum = 0.f;
-        for (int j = 0; j < n; ++j) {
-          r[j] = std::exp(r[j] - mx);
-          sum += r[j];
-        }
-        const float inv = 1.f / sum;
-        for (int j = 0; j < n; ++j) r[j] *= inv;
-      }
+      for (int g = 0; g < G; ++g) softmax(sc.data() + (size_t)g * n, n);
       // weighted values
       float* og = o + ((size_t)t * H + (size_t)kh * G) * D;
       std::memset(og, 0, sizeof(float) * G * D);

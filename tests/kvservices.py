@@ -15,6 +15,7 @@ exist, so tests can skip with a clear reason instead of failing.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -57,6 +58,19 @@ def have_mooncake() -> bool:
     return True
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the test process dies, so a
+    crashed test run never leaves a server behind (Linux ``PR_SET_PDEATHSIG``;
+    it fires when the *thread* that started the service exits: start services
+    from the main thread)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
 def _port_open(port: int) -> bool:
     try:
         with socket.create_connection((HOST, port), timeout=0.2):
@@ -80,7 +94,7 @@ class Service:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})}, cwd=self.workdir,
+            env={**os.environ, **(env or {})}, cwd=self.workdir, preexec_fn=_die_with_parent,
         )
 
     def _wait_ready(self, check: Any, timeout: float = 15.0) -> None:
@@ -203,6 +217,20 @@ class MooncakeMaster(Service):
     def address(self) -> str:
         return f"{HOST}:{self.port}"
 
+    def metric(self, name: str) -> float:
+        """One unlabelled sample from the master's Prometheus endpoint (0 if absent)."""
+        with urllib.request.urlopen(f"http://{HOST}:{self.metrics_port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+        m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def capacity(self) -> int:
+        """Bytes of memory segments mounted in the store."""
+        return int(self.metric("master_total_capacity_bytes"))
+
+    def key_count(self) -> int:
+        return int(self.metric("master_key_count"))
+
 
 class MooncakePool(Service):
     """A standalone ``mooncake_client`` contributing a memory segment, so
@@ -229,6 +257,6 @@ class MooncakePool(Service):
             ],
             env={"MC_LOG_LEVEL": "WARNING"},
         )
-        self._wait_ready(lambda: _port_open(self.port))
-        # the segment is mounted shortly after the RPC port opens
-        time.sleep(0.5)
+        before = self.master.capacity()
+        # ready once the master counts this pool's segment
+        self._wait_ready(lambda: _port_open(self.port) and self.master.capacity() > before)

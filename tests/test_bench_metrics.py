@@ -129,3 +129,32 @@ def test_shared_prefix_groups_share_their_prefix(tokenizer) -> None:  # type: ig
     assert samples[0].token_ids[:100] == samples[2].token_ids[:100]
     assert samples[0].token_ids[:100] != samples[1].token_ids[:100]
     assert samples[0].text == (samples[0].system or "") + " " + (samples[0].user or "")
+
+
+def test_cpu_sampler_attributes_the_server_tree() -> None:
+    import subprocess
+    import sys
+    import time
+
+    from fdx.bench.machine import CpuSampler, describe_idle, idle_check
+
+    # a "server" whose busy child must count as the server's, not as noise
+    code = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'while True: pass'])"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(0.5)
+        s = CpuSampler(frozenset({proc.pid}))
+        s.start()
+        time.sleep(1.0)
+        out = s.stop()
+    finally:
+        import os
+        import signal
+
+        for line in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split():
+            os.kill(int(line), signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+    assert out["checked"] and out["server_cores"] > 0 and out["others_cores"] >= 0
+    info = idle_check(0.2)
+    assert info["checked"] and describe_idle(info).startswith("machine idle: ")

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -311,7 +312,10 @@ def test_mooncake_master_down_raises_fast_then_recovers() -> None:
                     op()
             assert b.stats()["errors"] >= 3
             master.start()  # same port, empty metadata
-            assert b.health()
+            deadline = time.monotonic() + 30  # the client reconnects on its own schedule
+            while not b.health():
+                assert time.monotonic() < deadline, "mooncake client did not reconnect"
+                time.sleep(0.2)
             assert b.get_batch([key(1)]) == [None]
         finally:
             b.close()
@@ -328,3 +332,24 @@ def test_mooncake_master_absent_at_start_is_not_fatal() -> None:
     with pytest.raises(ConnectionError):
         b.get_batch([key(1)])
     b.close()
+
+
+@needs_mooncake
+@pytest.mark.mooncake
+def test_mooncake_first_get_in_a_fresh_client_fits_its_buffer(mooncake_pool: MooncakeMaster) -> None:
+    """A reader that never put anything still splits a 45 MB get to fit a
+    16 MB local buffer."""
+    from fdx.plugins.cache_backends.mooncake import create
+
+    opts = {"master": mooncake_pool.address, "global_segment_size": 0, "local_buffer_size": "16M"}
+    writer = create(opts)
+    payloads = [bytes([i]) * BLOCK for i in range(62)]
+    writer.put_batch([(key(i, "fresh"), p) for i, p in enumerate(payloads)])
+    reader = create(opts)
+    try:
+        got = reader.get_batch([key(i, "fresh") for i in range(62)])
+        assert [g == p for g, p in zip(got, payloads)] == [True] * 62
+    finally:
+        writer.clear("fdx_testfresh")
+        writer.close()
+        reader.close()

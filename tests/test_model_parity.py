@@ -8,8 +8,8 @@ un-permutes q/k and uses rotate_half).  fdx runs in fp32 through the runner
 
 Greedy decoding is compared token for token.  If the two ever disagree, the
 test requires the step to be a genuine near-tie in the reference logits
-(top-2 gap < 1e-3) and stops comparing that prompt there; so far none has
-flipped (see the report in bench/ / the PR notes).
+(top-2 gap < 1e-3) and stops comparing that prompt there, and at most one
+prompt may do so.  Measured: all 5 x 64 tokens are exact.
 """
 
 from __future__ import annotations
@@ -233,21 +233,26 @@ def runner() -> Any:
     return PaddleModelRunner(make_config(num_kv_blocks=400, max_model_len=1024), CPUDevice())
 
 
-def _compare(got: list[int], want: list[int], ref_logits: list[np.ndarray], label: str) -> None:
+def _compare(got: list[int], want: list[int], ref_logits: list[np.ndarray], label: str) -> bool:
+    """True when token-exact; False after an allowed near-tie flip."""
     for i, (g, w) in enumerate(zip(got, want)):
         if g != w:
             top = np.sort(ref_logits[i])[-2:]
             gap = float(top[1] - top[0])
             assert gap < 1e-3, f"{label}: token {i} differs ({g} vs {w}) and is not a near-tie (gap {gap:.4g})"
-            return
-    assert len(got) == len(want), label
+            return False
+    assert len(got) == len(want) == N_TOKENS, label
+    return True
 
 
 def test_greedy_parity_with_numpy(runner: Any, reference: NumpyLlama, prompt_ids: list[list[int]]) -> None:
     got = run_greedy(runner, prompt_ids, N_TOKENS)
+    exact = 0
     for p, g in zip(prompt_ids, got):
         want, logits = reference.greedy(p, N_TOKENS)
-        _compare(g, want, logits, f"prompt {p[-12:]}")
+        exact += _compare(g, want, logits, f"prompt {p[-12:]}")
+    # measured: all 5 x 64 tokens are exact; allow one documented near-tie flip
+    assert exact >= len(prompt_ids) - 1
 
 
 def test_chunked_prefill_and_paddle_fallback_match(runner: Any, prompt_ids: list[list[int]]) -> None:

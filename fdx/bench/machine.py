@@ -124,3 +124,75 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
+
+
+def _ppids() -> dict[int, int]:
+    out: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", encoding="utf-8", errors="replace") as f:
+                s = f.read()
+            out[int(d)] = int(s[s.rfind(")") + 2 :].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _tree(roots: frozenset[int], ppids: dict[int, int]) -> set[int]:
+    tree = set(r for r in roots if r in ppids)
+    changed = True
+    while changed:
+        changed = False
+        for pid, ppid in ppids.items():
+            if ppid in tree and pid not in tree:
+                tree.add(pid)
+                changed = True
+    return tree
+
+
+class CpuSampler:
+    """CPU used *during* a run by everything except the benchmark itself and
+    the server's process tree (``server_pids``), in cores: the noise the run
+    suffered on a shared machine.  Without ``server_pids`` only the total
+    busy fraction is known."""
+
+    def __init__(self, server_pids: frozenset[int] = frozenset()) -> None:
+        self.server_pids = server_pids
+        self._t0 = 0.0
+        self._cpu0: tuple[int, int] | None = None
+        self._p0: dict[int, tuple[str, int]] = {}
+
+    def start(self) -> None:
+        self._t0 = time.monotonic()
+        self._cpu0 = _cpu_times()
+        self._p0 = _proc_times()
+
+    def stop(self) -> dict[str, Any]:
+        cpu1 = _cpu_times()
+        if self._cpu0 is None or cpu1 is None:
+            return {"checked": False}
+        elapsed = max(time.monotonic() - self._t0, 1e-6)
+        p1 = _proc_times()
+        hz = os.sysconf("SC_CLK_TCK")
+        ncpu = os.cpu_count() or 1
+        total = max(cpu1[0] - self._cpu0[0], 1)
+        busy_ticks = total - (cpu1[1] - self._cpu0[1])
+        out: dict[str, Any] = {
+            "checked": True,
+            "seconds": round(elapsed, 2),
+            "busy_fraction": round(busy_ticks / total, 3),
+        }
+        if self.server_pids:
+            mine = _tree(self.server_pids, _ppids()) | {os.getpid()}
+            own = 0
+            for pid in mine:
+                if pid in p1:
+                    own += p1[pid][1] - (self._p0[pid][1] if pid in self._p0 else 0)
+            # busy ticks are summed over all CPUs; process ticks are too
+            others = max(busy_ticks - own, 0) / hz if hz else 0.0
+            out["others_cores"] = round(others / elapsed, 2)
+            out["server_cores"] = round(max(own, 0) / hz / elapsed, 2) if hz else 0.0
+        out["cpus"] = ncpu
+        return out

@@ -23,6 +23,12 @@ def format_report(run: dict[str, Any], *, label: str = "", pcts: Sequence[float]
     idle = run.get("idle") or {}
     if idle.get("checked"):
         out.append(_line("Machine idle before run:", f"{'yes' if idle['idle'] else 'NO'} ({idle['busy_fraction'] * 100:.0f}%)"))
+    during = run.get("cpu_during_run") or {}
+    if during.get("checked"):
+        text = f"{during['busy_fraction'] * 100:.0f}% busy"
+        if "others_cores" in during:
+            text += f", others {during['others_cores']:.2f} cores"
+        out.append(_line("CPU during run:", text))
     out += [
         _line("Successful requests:", run["completed"]),
         _line("Failed requests:", run["failed"]),

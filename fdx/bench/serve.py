@@ -75,6 +75,9 @@ def build_parser(prog: str = "fdx bench serve") -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-idle-check", action="store_true", help="skip sampling /proc/stat before each run")
+    g.add_argument("--server-pid", type=int, action="append", default=[], metavar="PID",
+                   help="the server's PID (repeatable, local servers only): report the CPU other processes "
+                   "used during the run, excluding the server's process tree")
     g.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
                    help="before each run, wait up to S seconds for the machine to be idle")
 
@@ -224,7 +227,7 @@ def _percentiles(text: str) -> tuple[float, ...]:
 
 async def _run(args: argparse.Namespace) -> int:
     from fdx.bench.client import RequestOptions, accepts_token_ids, get_models
-    from fdx.bench.machine import describe_idle, idle_check, machine_info
+    from fdx.bench.machine import CpuSampler, describe_idle, idle_check, machine_info
     from fdx.bench.report import format_report
 
     concurrencies = _validate(args)
@@ -311,6 +314,10 @@ async def _run(args: argparse.Namespace) -> int:
                 await asyncio.sleep(1.0)
                 idle = idle_check(1.0)
             print(describe_idle(idle), file=sys.stderr)
+        sampler = None
+        if not args.no_idle_check:
+            sampler = CpuSampler(frozenset(args.server_pid))
+            sampler.start()
         results, duration = await run_once(
             samples,
             opts,
@@ -320,12 +327,14 @@ async def _run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             desc=f"c={conc if conc else 'inf'}",
         )
+        during = sampler.stop() if sampler is not None else {"checked": False}
         metrics = compute_metrics(results, duration, slos=slos, percentiles=pcts)
         run = {
             "max_concurrency": conc,
             "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
             "num_prompts": args.num_prompts,
             "idle": idle,
+            "cpu_during_run": during,
             **metrics,
             "per_request": [
                 {

@@ -96,6 +96,7 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(args.head_dim)
         rt = rope_table(args, max_pos)
         self.rope = paddle.to_tensor(rt)
+        self._no_residual = paddle.zeros([0], dtype="float32")
         half = args.head_dim // 2
         # fallback tables: x*cos_full + roll(x, half)*sin_signed == rotate_half RoPE
         self._cos_full = paddle.to_tensor(np.concatenate([rt[:, :half], rt[:, :half]], axis=1))
@@ -225,27 +226,36 @@ class LlamaModel:
                 return qgemv(h, q[0], q[1])
             return paddle.matmul(h, w)
 
+        if self.ops is not None:
+            add_norm_op, swiglu = self.ops.fdx_add_rms_norm, self.ops.fdx_swiglu
+
+            def add_norm(x: paddle.Tensor, res: paddle.Tensor | None, w: paddle.Tensor) -> Any:
+                return add_norm_op(x, self._no_residual if res is None else res, w, eps)
+        else:
+            swiglu = F.swiglu
+
+            def add_norm(x: paddle.Tensor, res: paddle.Tensor | None, w: paddle.Tensor) -> Any:
+                if res is None:
+                    return fused_rms_norm(x, w, None, eps, 1)[0], x
+                return fused_rms_norm(x, w, None, eps, 1, residual=res)
+
         x = F.embedding(step.ids, self.embed)
         residual = None
         for layer, cache in zip(self.layers, caches):
-            if residual is None:
-                h = fused_rms_norm(x, layer.attn_norm, None, eps, 1)[0]
-                residual = x
-            else:
-                h, residual = fused_rms_norm(x, layer.attn_norm, None, eps, 1, residual=residual)
+            h, residual = add_norm(x, residual, layer.attn_norm)
             qkv = linear(h, layer.w_qkv, layer.q_qkv)
             if layer.b_qkv is not None:
                 qkv = qkv + layer.b_qkv
             x = linear(attend(qkv, cache), layer.w_o, layer.q_o)
-            h, residual = fused_rms_norm(x, layer.ffn_norm, None, eps, 1, residual=residual)
-            x = linear(F.swiglu(linear(h, layer.w_gate_up, layer.q_gate_up)), layer.w_down, layer.q_down)
+            h, residual = add_norm(x, residual, layer.ffn_norm)
+            x = linear(swiglu(linear(h, layer.w_gate_up, layer.q_gate_up)), layer.w_down, layer.q_down)
         if step.sample_rows is None:
             return None
         R = int(step.sample_rows.shape[0])
         if R != T:
             x = paddle.index_select(x, step.sample_rows)
             residual = paddle.index_select(residual, step.sample_rows)
-        h, _ = fused_rms_norm(x, self.final_norm, None, eps, 1, residual=residual)
+        h, _ = add_norm(x, residual, self.final_norm)
         if self.q_lm_head is not None and self.ops is not None and R <= self.quant_max_rows:
             return self.ops.fdx_qgemv(h, self.q_lm_head[0], self.q_lm_head[1])
         if self.lm_head is not None:

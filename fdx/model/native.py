@@ -3,8 +3,15 @@
 The build is cached under ``$FDX_CACHE_DIR`` (default ``~/.cache/fdx``) in
 a folder keyed by a hash of the sources, Paddle's version and the flags, and
 guarded by a file lock so concurrent processes build it once.  When the
-compiler is missing or the build fails, :func:`load_ops` returns ``None`` and
-the model falls back to pure Paddle ops (slower, same results).
+compiler is missing or the build fails (the kernels need AVX-512F and F16C),
+:func:`load_ops` returns ``None`` and the model falls back to pure Paddle ops
+(slower, same results).
+
+Ops: ``fdx_paged_attention`` (csrc/paged_attention.cc: RoPE + KV write +
+paged causal attention), ``fdx_qgemv`` (csrc/qgemv.cc: few-row matmul
+straight from GGUF Q4_0/Q4_1/Q8_0 blocks), ``fdx_add_rms_norm`` and
+``fdx_swiglu`` (csrc/small_ops.cc).  Both use OpenMP through Paddle's
+libiomp5 -- the runtime MKL uses -- never libgomp.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import Any
 log = logging.getLogger("fdx.model")
 
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "csrc")
-SOURCES = ("paged_attention.cc", "qgemv.cc")
+SOURCES = ("paged_attention.cc", "qgemv.cc", "small_ops.cc")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only")
 
 _ops: Any = None
@@ -62,9 +69,23 @@ def _ldflags() -> list[str]:
     return ["-fopenmp"]
 
 
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return ""
+
+
 def _build() -> Any:
     import paddle
-    from paddle.utils import cpp_extension
+
+    with warnings.catch_warnings():  # "No ccache found" on import
+        warnings.simplefilter("ignore")
+        from paddle.utils import cpp_extension
 
     paths = [os.path.join(CSRC, s) for s in SOURCES]
     h = hashlib.sha256()
@@ -74,6 +95,7 @@ def _build() -> Any:
     h.update(paddle.__version__.encode())
     h.update(" ".join(CFLAGS + tuple(_ldflags())).encode())
     h.update(sys.version.encode())
+    h.update(_cpu_flags().encode())  # -march=native builds are CPU specific
     key = h.hexdigest()[:16]
     build_dir = os.path.join(cache_dir(), "ops", key)
     os.makedirs(build_dir, exist_ok=True)

@@ -88,6 +88,11 @@ class MooncakeBackend(CacheBackend):
         self.timeout = timeout
         self._store: Any = None
         self._lock = threading.Lock()
+        # calls in flight; close() waits for them (closing the native store
+        # under a running call crashes the process)
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._closed = False
         self._max_value = 0
         self._counters = Counters()
 
@@ -98,6 +103,24 @@ class MooncakeBackend(CacheBackend):
             socket.create_connection(self._master_addr, timeout=self.timeout).close()
         except OSError as exc:
             raise BackendUnavailable(f"mooncake master {self.master} unreachable: {exc}") from None
+
+    def _enter(self) -> Any:
+        """Register a call in flight and return the store (raises when
+        closed or unreachable)."""
+        with self._cond:
+            if self._closed:
+                raise BackendUnavailable("mooncake backend is closed")
+            self._inflight += 1
+        try:
+            return self._get_store()
+        except BaseException:
+            self._exit()
+            raise
+
+    def _exit(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
 
     def _get_store(self) -> Any:
         self._probe()
@@ -126,17 +149,27 @@ class MooncakeBackend(CacheBackend):
 
     # ------------------------------------------------------------------
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
         try:
-            store = self._get_store()
+            store = self._enter()
         except Exception as exc:
             raise self._fail(exc) from None
-        per = max(1, self._budget() // self._max_value) if self._max_value else 16
-        out: list[bytes | None] = []
-        for i in range(0, len(keys), per):
-            vals = store.get_batch(list(keys[i : i + per]))
-            if len(vals) != len(keys[i : i + per]):
-                raise self._fail(f"mooncake get_batch returned {len(vals)} values for {len(keys[i:i+per])} keys")
-            out.extend(v if v else None for v in vals)
+        try:
+            if not self._max_value:  # first get in this process: size the chunks from one value
+                size = int(store.get_size(keys[0]))
+                if size > 0:
+                    self._max_value = size
+            per = max(1, self._budget() // self._max_value) if self._max_value else 16
+            out: list[bytes | None] = []
+            for i in range(0, len(keys), per):
+                part = list(keys[i : i + per])
+                vals = store.get_batch(part)
+                if len(vals) != len(part):
+                    raise self._fail(f"mooncake get_batch returned {len(vals)} values for {len(part)} keys")
+                out.extend(v if v else None for v in vals)
+        finally:
+            self._exit()
         hits = sum(1 for v in out if v is not None)
         if hits:
             self._max_value = max(self._max_value, max(len(v) for v in out if v is not None))
@@ -147,34 +180,40 @@ class MooncakeBackend(CacheBackend):
         if not items:
             return
         try:
-            store = self._get_store()
+            store = self._enter()
         except Exception as exc:
             raise self._fail(exc) from None
-        budget = self._budget()
-        i = 0
-        while i < len(items):
-            keys: list[str] = []
-            vals: list[bytes] = []
-            nbytes = 0
-            while i < len(items) and (not keys or nbytes + len(items[i][1]) <= budget):
-                keys.append(items[i][0])
-                vals.append(items[i][1])
-                nbytes += len(items[i][1])
-                i += 1
-            rc = store.put_batch(keys, vals)
-            if rc != 0:
-                raise self._fail(f"mooncake put_batch of {len(keys)} values failed (rc={rc})")
-            self._max_value = max(self._max_value, max(len(v) for v in vals))
+        try:
+            budget = self._budget()
+            i = 0
+            while i < len(items):
+                keys: list[str] = []
+                vals: list[bytes] = []
+                nbytes = 0
+                while i < len(items) and (not keys or nbytes + len(items[i][1]) <= budget):
+                    keys.append(items[i][0])
+                    vals.append(items[i][1])
+                    nbytes += len(items[i][1])
+                    i += 1
+                rc = store.put_batch(keys, vals)
+                if rc != 0:
+                    raise self._fail(f"mooncake put_batch of {len(keys)} values failed (rc={rc})")
+                self._max_value = max(self._max_value, max(len(v) for v in vals))
+        finally:
+            self._exit()
         self._counters.add(puts=len(items), bytes_written=sum(len(v) for _, v in items))
 
     def exists_batch(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
         try:
-            store = self._get_store()
+            store = self._enter()
         except Exception as exc:
             raise self._fail(exc) from None
-        res = store.batch_is_exist(list(keys))
+        try:
+            res = store.batch_is_exist(list(keys))
+        finally:
+            self._exit()
         if len(res) != len(keys) or any(r < 0 for r in res):
             raise self._fail(f"mooncake batch_is_exist failed: {sorted(set(r for r in res if r < 0))}")
         return [r == 1 for r in res]
@@ -184,20 +223,34 @@ class MooncakeBackend(CacheBackend):
 
     def health(self) -> bool:
         try:
-            store = self._get_store()
-            return int(store.health_check()) == 0
+            store = self._enter()
         except Exception:  # noqa: BLE001 - unhealthy is the answer
             return False
+        try:
+            return int(store.health_check()) == 0
+        except Exception:  # noqa: BLE001
+            return False
+        finally:
+            self._exit()
 
     def clear(self, prefix: str = "") -> None:
         """Remove every object (or those whose key starts with ``prefix``)."""
-        store = self._get_store()
-        if prefix:
-            store.remove_by_regex("^" + "".join(c if c.isalnum() or c == "_" else "\\" + c for c in prefix), True)
-        else:
-            store.remove_all(True)
+        store = self._enter()
+        try:
+            if prefix:
+                store.remove_by_regex("^" + "".join(c if c.isalnum() or c == "_" else "\\" + c for c in prefix), True)
+            else:
+                store.remove_all(True)
+        finally:
+            self._exit()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Refuse new calls, wait (bounded) for those in flight, then close
+        the native client."""
+        with self._cond:
+            self._closed = True
+            if not self._cond.wait_for(lambda: self._inflight == 0, timeout):
+                return  # a call is stuck in the library: leak the client rather than crash
         with self._lock:
             store, self._store = self._store, None
         if store is not None:
