@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "simd_math.h"
 
 namespace {
 constexpr int64_t kParallelElems = 1 << 16;
@@ -91,8 +92,14 @@ std::vector<paddle::Tensor> Swiglu(const paddle::Tensor& x) {
     const float* g = xp + t * F2;
     const float* u = g + F;
     float* o = op + t * F;
-#pragma omp simd
-    for (int64_t i = 0; i < F; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    int64_t i = 0;
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= F; i += 16) {
+      const __m512 gv = _mm512_loadu_ps(g + i);
+      const __m512 e = fdx::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+      _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+    }
+    for (; i < F; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
   }
   return {out};
 }

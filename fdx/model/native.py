@@ -30,6 +30,7 @@ log = logging.getLogger("fdx.model")
 
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "csrc")
 SOURCES = ("paged_attention.cc", "qgemv.cc", "small_ops.cc")
+HEADERS = ("simd_math.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only")
 
 _ops: Any = None
@@ -89,7 +90,7 @@ def _build() -> Any:
 
     paths = [os.path.join(CSRC, s) for s in SOURCES]
     h = hashlib.sha256()
-    for p in paths:
+    for p in paths + [os.path.join(CSRC, x) for x in HEADERS]:
         with open(p, "rb") as f:
             h.update(f.read())
     h.update(paddle.__version__.encode())
@@ -109,6 +110,7 @@ def _build() -> Any:
                 sources=paths,
                 extra_cxx_cflags=list(CFLAGS),
                 extra_ldflags=_ldflags(),
+                extra_include_paths=[CSRC],
                 build_directory=build_dir,
                 verbose=False,
             )
