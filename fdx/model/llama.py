@@ -35,7 +35,7 @@ from fdx.model.loader import Checkpoint, LayerWeights
 
 
 #: default row limit for the quantized GEMV path (``FDX_QUANT_MAX_ROWS``)
-QUANT_MAX_ROWS = int(os.environ.get("FDX_QUANT_MAX_ROWS", "8"))
+QUANT_MAX_ROWS = int(os.environ.get("FDX_QUANT_MAX_ROWS", "64"))
 
 
 @attrs.define
