@@ -141,13 +141,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _bench(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: fdx bench serve [options]   (see `fdx bench serve --help`)")
+        print("usage: fdx bench serve|plot [options]   (see `fdx bench serve --help`)")
         return 0
     if argv[0] == "serve":
         from fdx.bench.serve import main as bench_main
 
         return bench_main(argv[1:])
-    print(f"fdx: error: unknown bench command {argv[0]!r}; choices: serve", file=sys.stderr)
+    if argv[0] == "plot":
+        from fdx.bench.plot import main as plot_main
+
+        return plot_main(argv[1:])
+    print(f"fdx: error: unknown bench command {argv[0]!r}; choices: serve, plot", file=sys.stderr)
     return 2
 
 

@@ -294,7 +294,6 @@ class LlamaModel:
                 n0, n = int(step.q_starts[s]), int(step.q_lens[s])
                 rowmap[s, :n] = np.arange(n0, n0 + n)
                 qpos[s, :n] = pos[n0 : n0 + n]
-            valid = (rowmap + 0)[qpos >= 0]
             valid_idx = np.flatnonzero((qpos >= 0).reshape(-1))
             allowed = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < step.ctx_lens[:, None, None])
             mask = np.where(allowed, 0.0, -1e30).astype(np.float32)  # [S, qmax, lmax]
@@ -309,7 +308,6 @@ class LlamaModel:
                 valid_idx=paddle.to_tensor(valid_idx),
                 mask=paddle.to_tensor(mask),
             )
-            del valid
         half = D // 2
 
         def attend(qkv: paddle.Tensor, cache: paddle.Tensor) -> paddle.Tensor:
