@@ -108,7 +108,13 @@ def shared_store_scenario(args: tuple[str, ...], count_keys: Callable[[], int], 
     with start_server(*args) as (base_a, _), start_server(*args) as (base_b, proc_b):
         text_a, n_prompt, cached_a = complete(base_a, prompt)
         assert cached_a == 0
-        wait_for(lambda: count_keys() >= n_prompt // 16)  # A's writer thread stored the full blocks
+        # A's writer thread stored the full blocks.  A key counted by the store
+        # is not yet readable (Mooncake counts it from the start of its put,
+        # while exists() stays false until the put ends), so wait for A's
+        # completed writes, then for the store's key count.
+        n_blocks = n_prompt // 16
+        wait_for(lambda: metric(base_a, "fdx:kv_storage_puts_total") >= n_blocks, 120)
+        wait_for(lambda: count_keys() >= n_blocks)
         text_b, _, cached_b = complete(base_b, prompt)
         assert text_b == text_a
         assert cached_b >= 0.9 * n_prompt, (cached_b, n_prompt)

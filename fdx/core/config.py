@@ -63,7 +63,7 @@ class EngineConfig:
     # KV cache
     block_size: int = attrs.field(default=16, validator=_positive)
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)
-    kv_cache_memory: int = attrs.field(default=2 << 30, validator=_positive)  # bytes
+    kv_cache_memory: int = attrs.field(default=1 << 30, validator=_positive)  # bytes
 
     # components (chosen by name from the registries)
     scheduler: str = "v1"

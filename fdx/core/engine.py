@@ -226,6 +226,7 @@ class Engine:
             weights_version=self.runner.weights_version,
             num_batched_tokens=int(s.get("num_scheduled_tokens", 0)),
             num_generated_tokens=int(s.get("num_generated_tokens", 0)),
+            storage_puts=int(st.get("puts", 0)),
         )
 
     # ------------------------------------------------------------------

@@ -145,6 +145,7 @@ class EngineStats:
     weights_version: str = ""
     num_batched_tokens: int = 0  # cumulative tokens run (prefill + decode)
     num_generated_tokens: int = 0  # cumulative tokens sampled
+    storage_puts: int = 0  # cumulative KV blocks written to the storage backend (put completed)
 
     @property
     def kv_usage(self) -> float:

@@ -59,6 +59,8 @@ class _EngineCollector(Collector):
         yield counter("fdx:prefix_cache_hits", "Prefix-cache hits (tokens).", s.prefix_hits)
         yield counter("fdx:kv_storage_hits", "KV storage (cache backend) hits.", s.storage_hits)
         yield counter("fdx:kv_storage_errors", "KV storage (cache backend) errors.", s.storage_errors)
+        yield counter("fdx:kv_storage_puts", "KV blocks written to the storage backend (write completed).",
+                      getattr(s, "storage_puts", 0))
         yield counter("fdx:num_preemptions", "Preemptions.", s.num_preemptions)
         yield counter("fdx:engine_steps", "Engine steps.", s.steps)
         yield counter("fdx:engine_batched_tokens", "Tokens run by the engine (prefill + decode).",
