@@ -125,7 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_plugins(plugins)
         if args.command == "serve":
             cfg = config_from_args(args, plugins)
+            from fdx.model.loader import load_tokenizer
             from fdx.server.launcher import serve
+
+            load_tokenizer(cfg.model)  # a missing/corrupt model fails here, in one line, before any process starts
 
             return serve(cfg)
         parser.print_help()

@@ -54,3 +54,14 @@ def test_cli_bad_flag_value_is_one_line() -> None:
     r = subprocess.run([sys.executable, "-m", "fdx", "serve", "--max-num-seqs", "0"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["fdx: error: --max-num-seqs must be > 0, got 0"]
+
+
+def test_cli_bad_model_is_one_line_before_any_process_starts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"garbage")
+    for model, why in ((str(tmp_path / "missing.gguf"), "file not found"), (str(bad), "not a GGUF file")):
+        r = subprocess.run([sys.executable, "-m", "fdx", "serve", "--model", model, "--port", "0"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"fdx: error: {model}: {why}"), r.stderr
