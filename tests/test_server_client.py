@@ -148,7 +148,10 @@ def test_routing_hooks_and_control(env: tuple[EngineClient, FakeEngine, Recorder
         client.abort([c], "again")  # idempotent
         d = client.submit("d", [1], SamplingParams(max_tokens=10_000), time.time())
         client.finish(d, "stop")
-        await asyncio.sleep(0.3)
+        # the fake engine streams c's and d's tokens before it reads the aborts
+        deadline = time.monotonic() + 30
+        while len(eng.aborted) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         await client.close()
 
     asyncio.run(main())

@@ -250,12 +250,18 @@ class EngineClient:
         (400/500) or 504 when no reply came within ``timeout`` seconds."""
         self.check_available()
         call_id = uuid.uuid4().hex
-        fut: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[ControlReply] = loop.create_future()
+        deadline = loop.time() + timeout
         self._calls[call_id] = fut
         try:
             self._send(ControlRequest(call_id, method, dict(args or {})))
             try:
                 reply = await asyncio.wait_for(fut, timeout)
+                # a busy event loop may run the reply's callback before the
+                # expired timer: a reply seen after the deadline is still late
+                if loop.time() > deadline:
+                    raise asyncio.TimeoutError
             except asyncio.TimeoutError:
                 raise ControlCallError(f"control call {method!r} timed out after {timeout:g}s", 504) from None
         finally:
