@@ -36,7 +36,8 @@ import json
 import os
 import socket
 import threading
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 from fdx.core.errors import ConfigError
 from fdx.core.hookspecs import hookimpl
@@ -122,6 +123,19 @@ class MooncakeBackend(CacheBackend):
             self._inflight -= 1
             self._cond.notify_all()
 
+    @contextmanager
+    def _call(self) -> Iterator[Any]:
+        """A data call in flight: the store, with failures to reach it
+        counted as backend errors."""
+        try:
+            store = self._enter()
+        except Exception as exc:
+            raise self._fail(exc) from None
+        try:
+            yield store
+        finally:
+            self._exit()
+
     def _get_store(self) -> Any:
         self._probe()
         store = self._store
@@ -151,11 +165,7 @@ class MooncakeBackend(CacheBackend):
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
-        try:
-            store = self._enter()
-        except Exception as exc:
-            raise self._fail(exc) from None
-        try:
+        with self._call() as store:
             if not self._max_value:  # first get in this process: size the chunks from one value
                 size = int(store.get_size(keys[0]))
                 if size > 0:
@@ -168,8 +178,6 @@ class MooncakeBackend(CacheBackend):
                 if len(vals) != len(part):
                     raise self._fail(f"mooncake get_batch returned {len(vals)} values for {len(part)} keys")
                 out.extend(v if v else None for v in vals)
-        finally:
-            self._exit()
         hits = sum(1 for v in out if v is not None)
         if hits:
             self._max_value = max(self._max_value, max(len(v) for v in out if v is not None))
@@ -179,11 +187,7 @@ class MooncakeBackend(CacheBackend):
     def put_batch(self, items: Sequence[tuple[str, bytes]]) -> None:
         if not items:
             return
-        try:
-            store = self._enter()
-        except Exception as exc:
-            raise self._fail(exc) from None
-        try:
+        with self._call() as store:
             budget = self._budget()
             i = 0
             while i < len(items):
@@ -199,21 +203,13 @@ class MooncakeBackend(CacheBackend):
                 if rc != 0:
                     raise self._fail(f"mooncake put_batch of {len(keys)} values failed (rc={rc})")
                 self._max_value = max(self._max_value, max(len(v) for v in vals))
-        finally:
-            self._exit()
         self._counters.add(puts=len(items), bytes_written=sum(len(v) for _, v in items))
 
     def exists_batch(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
-        try:
-            store = self._enter()
-        except Exception as exc:
-            raise self._fail(exc) from None
-        try:
+        with self._call() as store:
             res = store.batch_is_exist(list(keys))
-        finally:
-            self._exit()
         if len(res) != len(keys) or any(r < 0 for r in res):
             raise self._fail(f"mooncake batch_is_exist failed: {sorted(set(r for r in res if r < 0))}")
         return [r == 1 for r in res]
