@@ -74,12 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results", nargs="+", metavar="RESULT.json")
     p.add_argument("-o", "--output", default="bench.png", metavar="FILE.png")
     args = p.parse_args(argv)
+    return plot_files(args.results, args.output)
+
+
+def plot_files(paths: list[str], output: str) -> int:
+    """Plot saved result JSONs into ``output``; an exit code (2 on a bad file)."""
     try:
-        plot_results(load_results(args.results), args.output)
+        plot_results(load_results(paths), output)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output}", file=sys.stderr)
+    print(f"wrote {output}", file=sys.stderr)
     return 0
 
 

@@ -397,15 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_from:
         if not args.plot:
             parser.error("--plot-from needs --plot FILE.png")
-        from fdx.bench.plot import load_results, plot_results
+        from fdx.bench.plot import plot_files
 
-        try:
-            plot_results(load_results(args.plot_from), args.plot)
-        except (OSError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        print(f"wrote {args.plot}", file=sys.stderr)
-        return 0
+        return plot_files(args.plot_from, args.plot)
     try:
         return asyncio.run(_run(args))
     except ValueError as exc:
