@@ -20,7 +20,7 @@ from typing import Callable
 
 from fdx.core.messages import SamplingParams
 from fdx.model.loader import load_tokenizer
-from fdx.plugins.token_processors._detok import DefaultTokenProcessor
+from fdx.plugins.token_processors.detokenizer import DefaultTokenProcessor
 
 SAMPLE = (
     "Héllo wörld, crème brûlée; 你好，世界。日本語のテキスト 😀🎉👍🏽 and ✨.\r\n"

@@ -45,6 +45,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     k.add_argument("--cache-backend", help="KV storage backend plugin (default: none)")
     k.add_argument("--cache-backend-config", help="JSON object passed to the cache backend")
     k.add_argument("--device", help="device plugin (default cpu)")
+    k.add_argument("--model-runner", help="model runner plugin (default: the device's own, e.g. 'cpu' for --device cpu)")
     k.add_argument("--num-threads", type=int, help="compute threads (default: all cores)")
     k.add_argument("--disable-plugin", dest="disable_plugins", action="append", metavar="NAME",
                    help="do not load this plugin (entry-point or distribution name); repeatable")
@@ -94,6 +95,8 @@ def check_component_names(cfg: Any, plugins: Any) -> None:
     plugins.registry("scheduler").get(cfg.scheduler)
     plugins.registry("token_processor").get(cfg.token_processor)
     plugins.registry("device").get(cfg.device)
+    if cfg.model_runner:
+        plugins.registry("model_runner").get(cfg.model_runner)
     if cfg.cache_backend:
         plugins.registry("cache_backend").get(cfg.cache_backend)
 

@@ -8,7 +8,7 @@ import pytest
 
 from fdx.core.kv_cache import KVCacheManager
 from fdx.core.request import Request
-from fdx.plugins.schedulers._sim import make_request
+from fdx.testing import make_request
 
 BS = 4
 

@@ -17,7 +17,7 @@ from fdx.core.kv_storage import HEADER, KVStorage, fingerprint_digest, pack, sto
 from fdx.core.request import Request
 from fdx.plugins.cache_backends.file import FileBackend
 from fdx.plugins.cache_backends.memory import MemoryBackend
-from fdx.plugins.schedulers._sim import make_request
+from fdx.testing import make_request
 
 BS = 4
 BODY = 256

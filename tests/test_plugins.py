@@ -14,7 +14,7 @@ from fdx.core.errors import PluginError
 from fdx.core.hookspecs import hookimpl
 from fdx.core.plugins import collect, load_entry_points
 
-KINDS = ("scheduler", "token_processor", "cache_backend", "device")
+KINDS = ("scheduler", "token_processor", "cache_backend", "device", "model_runner")
 
 
 class _Alpha:

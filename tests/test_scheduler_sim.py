@@ -13,7 +13,7 @@ from fdx.core.config import make_config
 from fdx.core.interfaces import ModelOutput
 from fdx.core.kv_cache import KVCacheManager
 from fdx.core.request import Status
-from fdx.plugins.schedulers._sim import FakeRunner, make_request, simulate
+from fdx.testing import FakeRunner, make_request, simulate
 from fdx.plugins.schedulers._v0impl import V0Scheduler
 from fdx.plugins.schedulers._v1impl import V1Scheduler
 

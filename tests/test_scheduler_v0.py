@@ -9,7 +9,7 @@ import pytest
 
 from fdx.core.config import make_config
 from fdx.core.kv_cache import KVCacheManager
-from fdx.plugins.schedulers._sim import FakeRunner, make_request
+from fdx.testing import FakeRunner, make_request
 from fdx.plugins.schedulers._v0impl import OUT_OF_BLOCKS, V0Scheduler, partial_chunked_tokens, plan_chunks
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from fdx.core.interfaces import TextDelta, TokenStream
 from fdx.core.messages import SamplingParams
-from fdx.plugins.token_processors._detok import DefaultTokenProcessor, StopMatcher
+from fdx.plugins.token_processors.detokenizer import DefaultTokenProcessor, StopMatcher
 
 TEXTS = [
     "Héllo wörld, crème brûlée à la française; ñandú, Ærø, Ελληνικά, Привет!",

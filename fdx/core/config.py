@@ -71,6 +71,8 @@ class EngineConfig:
     cache_backend: str | None = None
     cache_backend_config: dict[str, Any] = attrs.field(factory=dict)
     device: str = "cpu"
+    #: ``None``: the device's :attr:`~fdx.core.interfaces.Device.default_runner`
+    model_runner: str | None = None
     num_threads: int | None = attrs.field(default=None, validator=_positive)
     disable_plugins: tuple[str, ...] = ()
     #: values of options that plugins added through ``fdx_add_cli_options``

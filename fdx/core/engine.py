@@ -35,14 +35,14 @@ class ControlError(FdxError):
 
 
 def build_runner(config: EngineConfig, plugins: Plugins) -> ModelRunner:
-    """Create the device (by name) and the model runner on it."""
+    """Create the device (by name), then the model runner on it (by name:
+    ``--model-runner``, else the device's ``default_runner``)."""
     device = plugins.create("device", config.device)
     if not device.is_available():
         raise FdxError(f"device {config.device!r} is not available on this machine")
     device.configure_env(config.num_threads)
-    from fdx.model.runner import PaddleModelRunner  # heavy: imports Paddle
-
-    return PaddleModelRunner(config, device)
+    name = config.model_runner or device.default_runner
+    return plugins.create("model_runner", name, config=config, device=device)
 
 
 class Engine:

@@ -103,6 +103,31 @@ def fdx_register_devices(register: Register) -> None:
     """
 
 
+@hookspec
+def fdx_register_model_runners(register: Register) -> None:
+    """Contribute model runners, selected with ``--model-runner NAME``.
+
+    A model runner loads the weights onto a device, owns the device's KV
+    pool and runs one forward pass (plus sampling) per engine step.  When
+    ``--model-runner`` is not given, the device plugin's
+    :attr:`fdx.core.interfaces.Device.default_runner` is used, so
+    ``--device cuda`` picks a GPU runner with no other flag.
+
+    Called once at start-up, in the engine process (and in ``fdx plugins``).
+    Must not import Paddle or load a model: that belongs in the factory.
+
+    :param register: call ``register(name, factory)`` for each runner.
+        ``factory(config, device)`` must return a
+        :class:`fdx.core.interfaces.ModelRunner`; ``config`` is the frozen
+        :class:`fdx.core.config.EngineConfig` and ``device`` the
+        :class:`fdx.core.interfaces.Device` chosen by ``--device``, already
+        created, checked available and configured (``configure_env``).
+
+    Return nothing.  Registering a name twice (from any two plugins) is an
+    error that names both plugins.
+    """
+
+
 # --------------------------------------------------------------------------
 # Extension hooks
 # --------------------------------------------------------------------------

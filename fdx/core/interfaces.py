@@ -224,6 +224,9 @@ class Device(abc.ABC):
     """
 
     name: str = ""
+    #: the model runner (a ``fdx_register_model_runners`` name) used when
+    #: ``--model-runner`` is not given
+    default_runner: str = "cpu"
 
     @abc.abstractmethod
     def is_available(self) -> bool:

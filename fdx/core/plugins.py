@@ -28,6 +28,7 @@ KINDS: dict[str, str] = {
     "token_processor": "fdx_register_token_processors",
     "cache_backend": "fdx_register_cache_backends",
     "device": "fdx_register_devices",
+    "model_runner": "fdx_register_model_runners",
 }
 
 

@@ -20,7 +20,7 @@ class _UpperStream(TokenStream):
 class UpperTokenProcessor(TokenProcessor):
     def __init__(self, tokenizer, config=None) -> None:  # type: ignore[no-untyped-def]
         super().__init__(tokenizer, config)
-        from fdx.plugins.token_processors._detok import DefaultTokenProcessor
+        from fdx.plugins.token_processors.detokenizer import DefaultTokenProcessor
 
         self.inner = DefaultTokenProcessor(tokenizer, config)
 

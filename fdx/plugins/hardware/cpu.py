@@ -33,6 +33,7 @@ def meminfo() -> tuple[int, int]:
 
 class CPUDevice(Device):
     name = "cpu"
+    default_runner = "cpu"
 
     def is_available(self) -> bool:
         return True

@@ -1,5 +1,5 @@
 """The ``default`` token processor plugin: incremental detokenization that is
-exact for byte-level BPE, plus stop strings (see ``_detok``)."""
+exact for byte-level BPE, plus stop strings (see ``detokenizer``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from fdx.core.hookspecs import Register, hookimpl
 @hookimpl
 def fdx_register_token_processors(register: Register) -> None:
     def factory(tokenizer: Any, config: Any = None) -> Any:
-        from fdx.plugins.token_processors._detok import DefaultTokenProcessor
+        from fdx.plugins.token_processors.detokenizer import DefaultTokenProcessor
 
         return DefaultTokenProcessor(tokenizer, config)
 

@@ -1,33 +1,127 @@
-"""A fake model runner and a driver to simulate schedulers without a model.
+"""Test doubles for fdx and for third-party plugin authors (public API).
 
-:class:`FakeRunner` keeps, for every KV slot, the token id and position
-written there, and on each step verifies that every position a request has
-already computed is present in its block table (so prefix sharing,
-preemption and block reuse are checked for real), that no written slot lies
-in a block registered in the prefix cache, and samples a token that depends
-only on the request's token list (so greedy outputs are schedule
-independent).
+* :class:`EchoRunner` -- a complete, tiny :class:`~fdx.core.interfaces.ModelRunner`
+  without a model: each request's output repeats its prompt, token by token;
+  KV blocks are real (they hold the token ids written there).  Register it
+  with :class:`EchoRunnerPlugin` (``--model-runner echo``) to drive the real
+  engine, scheduler and front end without Paddle.
+* :class:`FakeRunner` and :func:`simulate` -- a scheduler simulator: the fake
+  runner checks that every position a request has computed is present in its
+  block table (so prefix sharing, preemption and block reuse are checked for
+  real), that no written slot lies in a block registered in the prefix
+  cache, and samples a token that depends only on the request's token list
+  (so greedy outputs are schedule independent).
 """
 
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import attrs
 import numpy as np
 
-from fdx.core.interfaces import ModelOutput, ScheduledBatch
+from fdx.core.errors import FdxError
+from fdx.core.hookspecs import hookimpl
+from fdx.core.interfaces import ModelOutput, ModelRunner, ScheduledBatch
 from fdx.core.messages import SamplingParams
 from fdx.core.request import Request
 
 if TYPE_CHECKING:
-    from fdx.core.interfaces import Scheduler
+    from fdx.core.config import EngineConfig
+    from fdx.core.hookspecs import Register
+    from fdx.core.interfaces import Device, Scheduler
     from fdx.core.kv_cache import KVCacheManager
 
 
+class EchoRunner(ModelRunner):
+    """A model runner without a model: output token ``k`` of a request is
+    ``prompt_token_ids[k % len(prompt)]``, so greedy or not, a request
+    generates its own prompt again.
+
+    Its KV pool is real: every step writes each computed token id into its
+    slot (``block_ids[pos // block_size] * block_size + pos % block_size``)
+    and checks that the already computed positions hold the request's
+    tokens, so a scheduler or a storage tier that hands out wrong blocks
+    fails loudly.  ``read_kv_blocks``/``write_kv_blocks`` move those slots as
+    bytes; ``release``/``restore`` and ``load_weights`` keep the state the
+    engine's control plane expects.
+    """
+
+    vocab_size = 1 << 17
+
+    def __init__(self, config: EngineConfig, device: Device | None = None, num_kv_blocks: int = 256) -> None:
+        self.config = config
+        self.device = device
+        self.block_size = config.block_size
+        self.num_kv_blocks = int(config.num_kv_blocks or num_kv_blocks)
+        self.max_model_len = int(config.max_model_len or 2048)
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self.weights_version = ""
+        self.released: set[str] = set()
+        self.slots: np.ndarray | None = np.full(self.num_kv_blocks * self.block_size, -1, dtype=np.int64)
+
+    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+        if self.released or self.slots is None:
+            raise FdxError(f"echo runner is sleeping ({','.join(sorted(self.released))})")
+        out = np.full(len(batch.seqs), -1, dtype=np.int64)
+        bs = self.block_size
+        for i, seq in enumerate(batch.seqs):
+            r = seq.request
+            c, n = r.num_computed_tokens, seq.num_new_tokens
+            toks = np.asarray(r.all_token_ids, dtype=np.int64)
+            pos = np.arange(0, c + n)
+            table = np.asarray(r.block_ids, dtype=np.int64)
+            if len(table) * bs < c + n:
+                raise FdxError(f"request {r.request_id}: {len(table)} blocks cannot hold {c + n} tokens")
+            slot = table[pos // bs] * bs + pos % bs
+            if not (self.slots[slot[:c]] == toks[:c]).all():
+                raise FdxError(f"request {r.request_id}: KV of computed positions is wrong")
+            self.slots[slot[c:]] = toks[c : c + n]
+            if c + n >= r.num_tokens:
+                out[i] = r.prompt_token_ids[r.num_output_tokens % r.num_prompt_tokens]
+        return ModelOutput(out)
+
+    def kv_fingerprint(self) -> str:
+        return f"echo-{self.block_size}-{self.weights_version}"
+
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        assert self.slots is not None
+        bs = self.block_size
+        return [self.slots[b * bs : (b + 1) * bs].tobytes() for b in block_ids]
+
+    def write_kv_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+        assert self.slots is not None
+        bs = self.block_size
+        for b, p in zip(block_ids, payloads):
+            self.slots[b * bs : (b + 1) * bs] = np.frombuffer(p, dtype=np.int64)
+
+    def release(self, tags: Sequence[str]) -> None:
+        self.released.update(tags)
+        if "kv_cache" in tags:
+            self.slots = None
+
+    def restore(self, tags: Sequence[str]) -> None:
+        if "kv_cache" in tags and self.slots is None:
+            self.slots = np.full(self.num_kv_blocks * self.block_size, -1, dtype=np.int64)
+        self.released.difference_update(tags)
+
+    def load_weights(self, path: str, version: str) -> None:
+        self.weights_version = version
+
+
+class EchoRunnerPlugin:
+    """A plugin registering :class:`EchoRunner` as model runner ``echo``:
+    ``pm.register(EchoRunnerPlugin())``, then ``--model-runner echo``."""
+
+    @hookimpl
+    def fdx_register_model_runners(self, register: Register) -> None:
+        register("echo", EchoRunner, description="test double: repeats the prompt (fdx.testing)")
+
+
 class FakeRunner:
-    """Checks KV placement; samples ``token = f(all tokens)``."""
+    """Scheduler-simulator runner: checks KV placement against the
+    :class:`~fdx.core.kv_cache.KVCacheManager`; samples ``token = f(all tokens)``."""
 
     def __init__(self, kv: KVCacheManager, vocab: int = 64, eos: int = 0) -> None:
         self.kv = kv
@@ -78,6 +172,8 @@ class FakeRunner:
 
 @attrs.define
 class SimResult:
+    """What :func:`simulate` observed: each request's output, how it ended."""
+
     outputs: dict[str, list[int]]
     ends: dict[str, str]  # request id -> finished/failed/aborted
     steps: int
@@ -86,6 +182,7 @@ class SimResult:
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int, max_model_len: int = 4096) -> Request:
+    """A greedy request with EOS token 0, as the simulator makes them."""
     return Request(
         request_id=rid,
         prompt_token_ids=prompt,

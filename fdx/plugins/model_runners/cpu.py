@@ -1,0 +1,24 @@
+"""Registers the ``cpu`` model runner: fdx's Paddle runner (float32 weights
+and KV, mixed prefill/decode forward, NumPy sampling), the default of the
+``cpu`` device.  Paddle and the model are imported only by the factory."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fdx.core.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from fdx.core.config import EngineConfig
+    from fdx.core.interfaces import Device, ModelRunner
+
+
+def create(config: EngineConfig, device: Device) -> ModelRunner:
+    from fdx.model.runner import PaddleModelRunner  # heavy: imports Paddle
+
+    return PaddleModelRunner(config, device)
+
+
+@hookimpl
+def fdx_register_model_runners(register: Any) -> None:
+    register("cpu", create, description="Paddle float32 runner (C++ paged attention on the CPU device)")
