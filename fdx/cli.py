@@ -26,6 +26,14 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     s.add_argument("--host", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (default 8000)")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--control-api-key",
+                   help="key the control routes (/v1/pause, /v1/sleep, /v1/update_weights, ...) require as "
+                        "'Authorization: Bearer KEY' (default: --api-key)")
+    s.add_argument("--allowed-weights-dir", dest="allowed_weights_dirs", action="append", metavar="DIR",
+                   help="update_weights may load checkpoints from inside DIR; repeatable "
+                        "(default: none, update_weights is refused)")
+    s.add_argument("--max-request-bytes",
+                   help="largest request body, e.g. 4M; a bigger one gets 413 before it is read (default 4M)")
     s.add_argument("--max-waiting", type=int, help="requests queued before 429 (default 1024)")
     s.add_argument("--max-logprobs", type=int, help="largest logprobs/top_logprobs allowed (default 20)")
     s.add_argument("--log-level", help="debug, info, warning, error")

@@ -19,7 +19,10 @@ HTTP_TIMEOUT = 600.0
 
 def control(base: str, route: str, body: dict[str, Any] | None = None, *, method: str = "POST",
             params: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-    """Call ``/v1/<route>``; returns (HTTP status, JSON body)."""
+    """Call ``/v1/<route>``; returns (HTTP status, JSON body).  A POST always
+    sends a JSON body (``{}`` by default), as the control guard requires."""
+    if method == "POST" and body is None:
+        body = {}
     r = httpx.request(method, f"{base}/v1/{route}", json=body, params=params, headers=headers,
                       timeout=HTTP_TIMEOUT)
     return r.status_code, r.json()

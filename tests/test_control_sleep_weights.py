@@ -28,8 +28,14 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    with start_server("--num-kv-blocks", str(NUM_KV_BLOCKS)) as (base, _proc):
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from fdx.model.source import embedded_gguf_path
+
+    # update_weights loads the checkpoints written under the session's temp
+    # root and, to swap back, the embedded model
+    allowed = (str(tmp_path_factory.getbasetemp()), os.path.dirname(embedded_gguf_path()))
+    with start_server("--num-kv-blocks", str(NUM_KV_BLOCKS), "--allowed-weights-dir", allowed[0],
+                      "--allowed-weights-dir", allowed[1]) as (base, _proc):
         yield base
 
 
@@ -198,8 +204,12 @@ def test_update_weights_swaps_and_restores(server: str, baseline: list[str], per
     ok(server, "pause")
     code, js = control(server, "update_weights", {"version": "x"})
     assert code == 400 and "path" in js["message"]
-    code, js = control(server, "update_weights", {"path": "/no/such/model.gguf"})
+    missing = os.path.join(os.path.dirname(small_folder), "no-such-model.gguf")  # inside an allowed dir
+    code, js = control(server, "update_weights", {"path": missing})
     assert code == 400 and "not found" in js["message"], js
+    # outside every allowed dir: the same 403 whether the file exists or not
+    outside = [control(server, "update_weights", {"path": p}) for p in ("/no/such/model.gguf", "/etc/passwd")]
+    assert outside[0] == outside[1] and outside[0][0] == 403, outside
     code, js = control(server, "update_weights", {"path": small_folder, "version": "small"})
     assert code == 400 and "num_layers=2 (running 30)" in js["message"] and "hidden_size=64" in js["message"], js
     # swap to the perturbed copy: version recorded, output changes

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from fdx.core.config import make_config
-from fdx.core.engine import ControlError, Engine, parse_tags
+from fdx.core.control import ControlError, parse_tags
+from fdx.core.engine import Engine
 from fdx.core.errors import ModelLoadError
 from fdx.core.interfaces import ModelOutput, ScheduledBatch
 from fdx.core.messages import AddRequest, SamplingParams
@@ -233,6 +234,6 @@ def test_api_key_guards_control_routes(tmp_path: Any) -> None:
         for method, path in (("POST", "/v1/pause"), ("GET", "/v1/is_paused"), ("POST", "/v1/sleep"),
                              ("POST", "/v1/update_weights"), ("POST", "/v1/abort_requests")):
             assert http.request(method, path).status_code == 401, path
-        r = http.post("/v1/pause", headers={"Authorization": "Bearer sekret"})
+        r = http.post("/v1/pause", headers={"Authorization": "Bearer sekret"}, json={})
         # authorised, but no engine in this test: a clear 503, in the control reply shape
         assert r.status_code == 503 and r.json()["status"] == "error" and "engine" in r.json()["message"]

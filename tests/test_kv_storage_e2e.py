@@ -13,6 +13,7 @@ mooncake_client pool).
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -77,18 +78,19 @@ def test_file_backend_survives_restart_and_rejects_other_versions(tmp_path: Path
         assert n_prompt >= 900 and cached == 0
     # the stop drained the writer queue: the blocks are on disk
     assert len([p for p in (tmp_path / "kv").rglob("*") if p.is_file()]) >= n_prompt // 16
-    with start_server(*args) as (base, _):
+    from fdx.model.source import embedded_gguf_path
+
+    # update_weights below loads the embedded model again: allow its directory
+    with start_server(*args, "--allowed-weights-dir", os.path.dirname(embedded_gguf_path())) as (base, _):
         text2, _, cached2 = complete(base, prompt)
         assert text2 == text
         assert cached2 >= 0.9 * n_prompt, (cached2, n_prompt)
         assert metric(base, "fdx:kv_storage_hits_total") >= cached2
         # the same weights under another version: other KV fingerprint, so no
         # stored block (nor device block) may be reused
-        from fdx.model.source import embedded_gguf_path
-
         for route, body in (("pause", None), ("update_weights", {"path": embedded_gguf_path(), "version": "v-other"}),
                             ("resume", None)):
-            r = httpx.post(f"{base}/v1/{route}", json=body, timeout=600)
+            r = httpx.post(f"{base}/v1/{route}", json=body or {}, timeout=600)
             assert r.status_code == 200, r.text
         hits_before = metric(base, "fdx:kv_storage_hits_total")
         text3, _, cached3 = complete(base, prompt)

@@ -53,6 +53,12 @@ class EngineConfig:
     max_waiting: int = attrs.field(default=1024, validator=_positive)
     max_logprobs: int = attrs.field(default=20, validator=_non_negative)
     request_timeout: float = attrs.field(default=600.0, validator=_positive)
+    #: a request body larger than this is refused with 413 before it is parsed
+    max_request_bytes: int = attrs.field(default=4 << 20, validator=_positive)
+    #: guards the control routes (/v1/pause, ...); default: ``api_key``
+    control_api_key: str | None = None
+    #: update_weights loads only from inside these directories (none: refused)
+    allowed_weights_dirs: tuple[str, ...] = ()
 
     # scheduling
     max_num_seqs: int = attrs.field(default=64, validator=_positive)
@@ -119,6 +125,15 @@ def make_config(**kwargs: Any) -> EngineConfig:
     except TypeError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.max_num_batched_tokens < cfg.block_size:
+    if isinstance(kwargs.get("allowed_weights_dirs"), str):  # FDX_ALLOWED_WEIGHTS_DIRS=dir1:dir2
+        kwargs["allowed_weights_dirs"] = [d for d in kwargs["allowed_weights_dirs"].split(os.pathsep) if d]
+    if isinstance(kwargs.get("allowed_weights_dirs"), list):
+        kwargs["allowed_weights_dirs"] = tuple(os.path.abspath(d) for d in kwargs["allowed_weights_dirs"])
+    for d in kwargs.get("allowed_weights_dirs") or ():
+        if not os.path.isdir(d):
+            raise ConfigError(f"--allowed-weights-dir {d!r} is not a directory")
+    if isinstance(kwargs.get("max_request_bytes"), str):
+        kwargs["max_request_bytes"] = parse_bytes(kwargs["max_request_bytes"], "--max-request-bytes")
         raise ConfigError(
             f"--max-num-batched-tokens ({cfg.max_num_batched_tokens}) must be >= --block-size ({cfg.block_size})"
         )
@@ -170,6 +185,8 @@ def _coerce_env(name: str, value: str) -> Any:
             return int(value)
         except ValueError:
             raise ConfigError(f"FDX_{name.upper()} must be an integer, got {value!r}") from None
+    if name in ("kv_cache_memory", "max_request_bytes"):
+        return value  # a size like 4M: make_config parses it
     if isinstance(default, float):
         try:
             return float(value)

@@ -2,10 +2,15 @@
 
 :func:`create_app` wires the :class:`EngineClient`, the metrics and the
 OpenAI handlers, then calls the ``fdx_add_routes`` hook once.  Every error
-leaves as the OpenAI envelope (FastAPI's 422 becomes a 400).  When
+leaves as the OpenAI envelope (FastAPI's 422 becomes a 400; a 500 names
+no exception type and no path, only a reference to the server log).  When
 ``config.api_key`` is set, every ``/v1/*`` route (plugin routes included)
-needs ``Authorization: Bearer <key>``; ``/health``, ``/version`` and
-``/metrics`` stay open.
+needs ``Authorization: Bearer <key>``; the control routes have their own
+guard (``--control-api-key``, fdx/server/control.py); ``/health``,
+``/version`` and ``/metrics`` stay open.  A body larger than
+``--max-request-bytes`` gets 413 before it is parsed (Content-Length, or
+the bytes counted as they arrive).  ``/openapi.json`` declares every
+route's request body, responses and error envelope.
 """
 
 from __future__ import annotations
@@ -28,9 +33,23 @@ import fdx
 from fdx.core.config import EngineConfig
 from fdx.core.errors import RequestError
 from fdx.server.client import EngineClient
-from fdx.server.control import add_control_routes
+from fdx.server.control import add_control_routes, is_control_path
 from fdx.server.metrics import CONTENT_TYPE, Metrics
-from fdx.server.protocol import error_body, validation_error
+from fdx.server.protocol import (
+    SSE_RESPONSE,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    HealthResponse,
+    ModelList,
+    VersionResponse,
+    add_component_schemas,
+    error_body,
+    error_responses,
+    openapi_body,
+    validation_error,
+)
 from fdx.server.serving import OpenAIServing
 
 log = logging.getLogger("fdx.server")
@@ -48,7 +67,8 @@ class _ApiKeyMiddleware:
         self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
+        if (scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS"
+                and not is_control_path(scope["path"])):
             auth = b""
             for k, v in scope.get("headers", ()):
                 if k == b"authorization":
@@ -62,6 +82,50 @@ class _ApiKeyMiddleware:
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _BodyTooLarge(RequestError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body exceeds --max-request-bytes ({limit} bytes)", 413)
+
+
+class _BodyLimitMiddleware:
+    """Pure ASGI: a body larger than ``limit`` gets 413 without being read
+    (by its Content-Length) or as soon as the counted bytes pass the limit
+    (chunked bodies: ``receive`` raises, the handler's error path answers)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limit
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                try:
+                    too_big = int(v) > limit
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    exc = _BodyTooLarge(limit)
+                    resp = JSONResponse(error_body(str(exc), 413), status_code=413, headers={"connection": "close"})
+                    await resp(scope, receive, send)
+                    return
+        seen = 0
+
+        async def counted() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _BodyTooLarge(limit)
+            return message
+
+        await self.app(scope, counted, send)
 
 
 def create_app(
@@ -137,9 +201,10 @@ def create_app(
         return error_response(str(exc.detail), exc.status_code)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> Response:
-        log.exception("internal error")
-        return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500)
+    async def _internal(request: Request, exc: Exception) -> Response:
+        ref = os.urandom(4).hex()
+        log.exception("internal error on %s (ref %s)", request.url.path, ref)
+        return error_response(f"internal server error (ref {ref}; the server log has the details)", 500)
 
     # -- routes ----------------------------------------------------------
 
@@ -153,7 +218,8 @@ def create_app(
             "weights_version": client.weights_version,
         }
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": HealthResponse, "description": "serving"},
+                                   503: {"model": HealthResponse, "description": "starting or unavailable"}})
     async def health() -> Response:
         reason = serving.unavailable_reason()
         if reason is None:
@@ -164,15 +230,15 @@ def create_app(
         body = {"status": status, "reason": reason, **engine_info()}
         return JSONResponse({**error_body(reason, 503), **body}, status_code=503)
 
-    @app.get("/ping")
+    @app.get("/ping", responses={200: {"model": HealthResponse}, 503: {"model": HealthResponse}})
     async def ping() -> Response:
         return await health()
 
-    @app.get("/version")
+    @app.get("/version", responses={200: {"model": VersionResponse}})
     async def version() -> Response:
         return JSONResponse({"version": fdx_version(), **engine_info()})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(401)})
     async def models() -> Response:
         card = {
             "id": config.model_name,
@@ -186,19 +252,28 @@ def create_app(
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}},
+                                          "description": "Prometheus text format"}})
     async def prom() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/v1/completions")
+    gen_errors = error_responses(400, 401, 404, 413, 429, 500, 503, 504)
+
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest),
+              responses={200: {"model": CompletionResponse, "content": SSE_RESPONSE,
+                               "description": "the completion (JSON), or with stream=true an event stream"},
+                         **gen_errors})
     async def completions(request: Request) -> Response:
         return await serving.completions(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest),
+              responses={200: {"model": ChatCompletionResponse, "content": SSE_RESPONSE,
+                               "description": "the chat completion (JSON), or with stream=true an event stream"},
+                         **gen_errors})
     async def chat(request: Request) -> Response:
         return await serving.chat(request)
 
-    add_control_routes(app, client)  # /v1/pause, /v1/sleep, ... (fdx/server/control.py)
+    add_control_routes(app, client, config)  # /v1/pause, /v1/sleep, ... (fdx/server/control.py)
 
     if plugins is not None:
         try:
@@ -208,6 +283,19 @@ def create_app(
 
     if config.api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(_BodyLimitMiddleware, limit=config.max_request_bytes)  # outermost: before auth and parsing
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            spec = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                               description="fdx: an OpenAI-compatible server. Every error carries the OpenAI "
+                                           "envelope {error: {message, type, param, code}}.")
+            app.openapi_schema = add_component_schemas(spec)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 

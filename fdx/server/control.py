@@ -1,4 +1,4 @@
-"""HTTP routes of the control plane.
+"""HTTP routes of the control plane, and their guard.
 
 =============================  ============================================
 ``POST /v1/pause``             stop admitting work; end running/waiting
@@ -21,8 +21,20 @@ Every route sends one ``ControlRequest`` over the same IPC as requests
 method, bad arguments or a refused call, 500 when the method failed (the
 message says why), 503 when the engine is unavailable, 504 when no reply
 came in time ("timed out after N s").  Every call waits at most its
-method's timeout (:data:`TIMEOUTS`, or ``?timeout=SECONDS``).  The routes
-live under ``/v1`` so ``--api-key`` guards them.
+method's timeout (:data:`TIMEOUTS`, or ``?timeout=SECONDS``).
+
+The guard (:func:`check_guard`, run before any argument is read):
+
+* a browser request from another origin is refused with 403: an
+  ``Origin`` header that does not match ``Host``, or
+  ``Sec-Fetch-Site: cross-site`` / ``same-site``;
+* ``--control-api-key`` (default: ``--api-key``) must come as
+  ``Authorization: Bearer <key>`` (401);
+* a POST must say ``Content-Type: application/json`` (415), so a browser
+  cannot send one without a CORS preflight, which this server never grants;
+* ``update_weights`` (directly or through ``/v1/control/update_weights``)
+  only loads from inside an ``--allowed-weights-dir``
+  (:func:`resolve_weights_path`; none by default: 403).
 
 Request ids: users abort by the id the API returned (``cmpl-...`` /
 ``chatcmpl-...``).  A request with ``n > 1`` (or several prompts) runs as
@@ -33,16 +45,20 @@ user's id to all of them and the reply groups them back under that id.
 from __future__ import annotations
 
 import collections
-import json
+import hmac
 import logging
 import math
-from typing import Any
+import os
+import re
+from typing import Any, Awaitable, Callable, Sequence, Union
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from starlette.responses import JSONResponse, Response
 
 from fdx.core.errors import RequestError
-from fdx.server.protocol import error_body
+from fdx.server.protocol import ErrorDetail, error_body, error_responses, loads_object, openapi_body
 
 log = logging.getLogger("fdx.server")
 
@@ -59,20 +75,169 @@ TIMEOUTS: dict[str, float] = {
 DEFAULT_TIMEOUT = 60.0
 MAX_TIMEOUT = 3600.0
 
+#: the control routes (the ``--api-key`` middleware leaves them to :func:`check_guard`)
+CONTROL_PATHS = frozenset({"/v1/pause", "/v1/resume", "/v1/is_paused", "/v1/abort_requests", "/v1/sleep",
+                           "/v1/wakeup", "/v1/update_weights"})
+CONTROL_PREFIX = "/v1/control/"
+_METHOD_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_BYTES_REPR = re.compile(r"""\(?bad magic b(['"]).*?(?<!\\)\1\)?|\bb(['"]).*?(?<!\\)\2""")
+_EXC_TYPE = re.compile(r"\b[A-Z][A-Za-z0-9_]*(?:Error|Exception|Warning|Interrupt|Exit): ")
+
+
+def is_control_path(path: str) -> bool:
+    return path in CONTROL_PATHS or path.startswith(CONTROL_PREFIX)
+
 
 class _BadCall(RequestError):
-    def __init__(self, message: str) -> None:
-        super().__init__(message, 400)
+    def __init__(self, message: str, code: int = 400, param: str | None = None) -> None:
+        super().__init__(message, code, param=param)
 
 
 def success(result: Any) -> JSONResponse:
     return JSONResponse({"status": "success", "result": result})
 
 
-def failure(message: str, code: int) -> JSONResponse:
+def failure(message: str, code: int, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(
-        {"status": "error", "result": None, "message": message, **error_body(message, code)}, status_code=code
+        {"status": "error", "result": None, "message": message, **error_body(message, code, param)},
+        status_code=code, headers=headers,
     )
+
+
+# --------------------------------------------------------------------------
+# schemas (for /openapi.json; the routes parse their bodies strictly)
+# --------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class EmptyControlBody(_Body):
+    """No arguments (an empty body or ``{}``)."""
+
+
+class TagsBody(_Body):
+    tags: Union[StrictStr, list[StrictStr], None] = Field(
+        None, description="'weight', 'kv_cache' or both (comma-separated or a list); default: both / all asleep")
+
+
+class AbortRequestsBody(_Body):
+    req_ids: Union[StrictStr, list[StrictStr], None] = Field(None, description="ids the API returned")
+    abort_all: StrictBool = False
+
+
+class UpdateWeightsBody(_Body):
+    path: StrictStr = Field(description="a .gguf file or a Hugging Face folder inside an --allowed-weights-dir "
+                            "(a relative path is taken inside the first one)")
+    version: Union[StrictStr, int, None] = Field(None, description="recorded version (default: the path)")
+
+
+class ControlArgs(BaseModel):
+    """Keyword arguments of the engine control method."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ControlSuccess(BaseModel):
+    status: str = Field(description="'success'")
+    result: Any = None
+
+
+class ControlFailure(BaseModel):
+    status: str = Field(description="'error'")
+    result: None = None
+    message: str
+    error: ErrorDetail
+
+
+def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    out: dict[int | str, dict[str, Any]] = {200: {"model": ControlSuccess, "description": "the method's result"}}
+    for code, entry in error_responses(*codes).items():
+        out[code] = {**entry, "model": ControlFailure}
+    return out
+
+
+# --------------------------------------------------------------------------
+# the guard
+# --------------------------------------------------------------------------
+
+
+def _origin_matches(origin: str, host: str) -> bool:
+    """Whether a browser's ``Origin`` names the host the request was sent to."""
+    try:
+        o = urlsplit(origin)
+        h = urlsplit("//" + host)
+        o_port = o.port or {"http": 80, "https": 443}.get(o.scheme)
+        h_port = h.port or o_port
+    except ValueError:
+        return False
+    if o.scheme not in ("http", "https") or not o.hostname or not h.hostname:
+        return False
+    return o.hostname.lower() == h.hostname.lower() and o_port == h_port
+
+
+def check_guard(request: Request, control_key: str | None) -> None:
+    """Refuse a cross-origin browser request (403), a missing or wrong
+    control key (401) and a POST that is not ``application/json`` (415)."""
+    headers = request.headers
+    origin = headers.get("origin")
+    site = headers.get("sec-fetch-site", "").lower()
+    if (origin is not None and not _origin_matches(origin, headers.get("host", ""))) or site in (
+            "cross-site", "same-site"):
+        raise _BadCall("cross-origin requests to the control plane are refused (Origin does not match Host)", 403)
+    if control_key:
+        auth = headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), control_key.encode()):
+            msg = ("missing control API key (send 'Authorization: Bearer <key>' with the --control-api-key, "
+                   "default --api-key)" if not auth else "invalid control API key")
+            raise _BadCall(msg, 401)
+    if request.method == "POST":
+        ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if ctype != "application/json":
+            raise _BadCall("control requests must be sent with 'Content-Type: application/json'", 415)
+
+
+def resolve_weights_path(path: str, allowed: Sequence[str]) -> str:
+    """The real path of ``path`` if it lies inside one of the ``allowed``
+    directories (symlinks resolved, no ``..`` escape; for a folder, every
+    entry too), else a 403 that says nothing about the path itself.  A
+    relative path is taken inside the first allowed directory."""
+    if not allowed:
+        raise _BadCall("update_weights is disabled: start fdx serve with --allowed-weights-dir DIR (repeatable) "
+                       "to allow loading checkpoints from DIR", 403, param="path")
+    outside = _BadCall("'path' is not inside any --allowed-weights-dir", 403, param="path")
+    if "\x00" in path:
+        raise outside
+    roots = [os.path.realpath(d) for d in allowed]
+
+    def inside(p: str) -> bool:
+        return any(p == r or p.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+
+    real = os.path.realpath(path if os.path.isabs(path) else os.path.join(roots[0], path))
+    if not inside(real):
+        raise outside
+    if os.path.isdir(real):
+        try:
+            entries = os.listdir(real)
+        except OSError:
+            entries = []
+        if any(not inside(os.path.realpath(os.path.join(real, e))) for e in entries):
+            raise outside
+    return real
+
+
+def clean_message(message: str, replace: dict[str, str] | None = None) -> str:
+    """An engine error fit for a client: no Python exception type names,
+    no file bytes (``b'...'`` reprs), ``replace`` applied (real path ->
+    the path the client sent)."""
+    for old, new in (replace or {}).items():
+        if old and old != new:
+            message = message.replace(old, new)
+    message = _BYTES_REPR.sub("", message)
+    message = _EXC_TYPE.sub("", message)
+    return re.sub(r"\s+([,;:)])", r"\1", re.sub(r"  +", " ", message)).strip()
 
 
 # --------------------------------------------------------------------------
@@ -142,13 +307,7 @@ async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if not raw.strip():
         return {}
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise _BadCall(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise _BadCall("request body must be a JSON object")
-    return body
+    return loads_object(raw)
 
 
 def _timeout(request: Request, method: str) -> float:
@@ -158,29 +317,30 @@ def _timeout(request: Request, method: str) -> float:
     try:
         t = float(raw)
     except ValueError:
-        raise _BadCall(f"'timeout' must be a number of seconds, got {raw!r}") from None
-    if not (0 < t <= MAX_TIMEOUT) or math.isnan(t):
-        raise _BadCall(f"'timeout' must be in (0, {MAX_TIMEOUT:g}] seconds, got {raw}")
+        raise _BadCall("'timeout' must be a number of seconds", param="timeout") from None
+    if math.isnan(t) or not (0 < t <= MAX_TIMEOUT):
+        raise _BadCall(f"'timeout' must be in (0, {MAX_TIMEOUT:g}] seconds", param="timeout")
     return t
 
 
 def _only(body: dict[str, Any], allowed: tuple[str, ...], route: str) -> None:
     extra = sorted(set(body) - set(allowed))
     if extra:
-        raise _BadCall(f"{route}: unknown field(s) {', '.join(extra)}; allowed: {', '.join(allowed) or 'none'}")
+        shown = ", ".join(repr(e)[1:-1][:64] for e in extra[:5])
+        raise _BadCall(f"{route}: unknown field(s) {shown}; allowed: {', '.join(allowed) or 'none'}",
+                       param=extra[0][:64])
 
 
-async def _tags(request: Request, route: str) -> dict[str, Any]:
+def _tags(request: Request, body: dict[str, Any], route: str) -> dict[str, Any]:
     """``tags`` from the query (``?tags=weight,kv_cache``) or a JSON body."""
-    body = await _json_body(request)
     _only(body, ("tags",), route)
     tags = request.query_params.get("tags")
     if tags is None:
         tags = body.get("tags")
     if tags is None:
         return {}
-    if not isinstance(tags, (str, list)):
-        raise _BadCall(f"{route}: 'tags' must be a string like 'weight,kv_cache' or a list")
+    if not isinstance(tags, (str, list)) or (isinstance(tags, list) and not all(isinstance(t, str) for t in tags)):
+        raise _BadCall(f"{route}: 'tags' must be a string like 'weight,kv_cache' or a list of strings", param="tags")
     return {"tags": tags}
 
 
@@ -189,83 +349,89 @@ async def _tags(request: Request, route: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------
 
 
-def add_control_routes(app: FastAPI, client: Any) -> None:
-    """Mount the control routes on ``app`` (called by ``create_app``)."""
+def add_control_routes(app: FastAPI, client: Any, config: Any = None) -> None:
+    """Mount the control routes on ``app`` (called by ``create_app``).
+    ``config`` gives the guard: ``control_api_key`` (default ``api_key``)
+    and ``allowed_weights_dirs``."""
+    control_key = (getattr(config, "control_api_key", None) or getattr(config, "api_key", None)) or None
+    allowed: tuple[str, ...] = tuple(getattr(config, "allowed_weights_dirs", ()) or ())
 
     async def call(request: Request, method: str, args: dict[str, Any]) -> Any:
         return await client.call(method, args, timeout=_timeout(request, method))
 
-    async def run(request: Request, method: str, args: dict[str, Any] | None = None) -> Response:
+    async def run(request: Request, method: str, args: dict[str, Any] | None = None,
+                  replace: dict[str, str] | None = None) -> Response:
         try:
             return success(await call(request, method, args or {}))
         except RequestError as exc:
             log.warning("control %s failed (%d): %s", method, exc.code, exc)
-            return failure(str(exc), exc.code)
+            return failure(clean_message(str(exc), replace), exc.code, exc.param)
 
-    def guarded(fn):  # type: ignore[no-untyped-def]
+    Handler = Callable[[Request, dict[str, Any]], Awaitable[Response]]
+
+    def guarded(fn: Handler, *, reads_body: bool = True) -> Callable[[Request], Awaitable[Response]]:
         async def wrapper(request: Request) -> Response:
             try:
-                return await fn(request)
+                check_guard(request, control_key)
+                body = await _json_body(request) if reads_body else {}
+                return await fn(request, body)
             except RequestError as exc:
-                return failure(str(exc), exc.code)
-            except Exception as exc:  # noqa: BLE001
-                log.exception("control route failed")
-                return failure(f"internal server error: {type(exc).__name__}: {exc}", 500)
+                headers = {"www-authenticate": "Bearer"} if exc.code == 401 else None
+                return failure(str(exc), exc.code, exc.param, headers)
+            except Exception:  # noqa: BLE001
+                ref = os.urandom(4).hex()
+                log.exception("control route %s failed (ref %s)", request.url.path, ref)
+                return failure(f"internal server error (ref {ref}; the server log has the details)", 500)
 
         wrapper.__name__ = fn.__name__
         return wrapper
 
-    @guarded
-    async def pause(request: Request) -> Response:
-        _only(await _json_body(request), (), "/v1/pause")
+    async def pause(request: Request, body: dict[str, Any]) -> Response:
+        _only(body, (), "/v1/pause")
         return await run(request, "pause")
 
-    @guarded
-    async def resume(request: Request) -> Response:
-        _only(await _json_body(request), (), "/v1/resume")
+    async def resume(request: Request, body: dict[str, Any]) -> Response:
+        _only(body, (), "/v1/resume")
         return await run(request, "resume")
 
-    @guarded
-    async def is_paused(request: Request) -> Response:
+    async def is_paused(request: Request, body: dict[str, Any]) -> Response:
         return await run(request, "is_paused")
 
-    @guarded
-    async def sleep(request: Request) -> Response:
-        return await run(request, "sleep", await _tags(request, "/v1/sleep"))
+    async def sleep(request: Request, body: dict[str, Any]) -> Response:
+        return await run(request, "sleep", _tags(request, body, "/v1/sleep"))
 
-    @guarded
-    async def wakeup(request: Request) -> Response:
-        return await run(request, "wakeup", await _tags(request, "/v1/wakeup"))
+    async def wakeup(request: Request, body: dict[str, Any]) -> Response:
+        return await run(request, "wakeup", _tags(request, body, "/v1/wakeup"))
 
-    @guarded
-    async def update_weights(request: Request) -> Response:
-        body = await _json_body(request)
+    async def update_weights(request: Request, body: dict[str, Any]) -> Response:
         _only(body, ("path", "version"), "/v1/update_weights")
         path = body.get("path")
         if not isinstance(path, str) or not path:
-            raise _BadCall("/v1/update_weights needs 'path' (a .gguf file or a Hugging Face model folder)")
+            raise _BadCall("/v1/update_weights needs 'path' (a .gguf file or a Hugging Face model folder)",
+                           param="path")
         version = body.get("version")
-        if version is not None and not isinstance(version, (str, int)):
-            raise _BadCall("/v1/update_weights: 'version' must be a string")
-        args: dict[str, Any] = {"path": path}
-        if version is not None:
-            args["version"] = str(version)
-        return await run(request, "update_weights", args)
+        if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):
+            raise _BadCall("/v1/update_weights: 'version' must be a string", param="version")
+        real = resolve_weights_path(path, allowed)
+        args: dict[str, Any] = {"path": real, "version": path if version is None else str(version)}
+        response = await run(request, "update_weights", args, replace={real: path})
+        if response.status_code == 200:
+            return success({"version": args["version"], "path": path})
+        return response
 
-    @guarded
-    async def abort_requests(request: Request) -> Response:
-        body = await _json_body(request)
+    async def abort_requests(request: Request, body: dict[str, Any]) -> Response:
         _only(body, ("req_ids", "abort_all"), "/v1/abort_requests")
         abort_all = body.get("abort_all", False)
         req_ids = body.get("req_ids")
         if not isinstance(abort_all, bool):
-            raise _BadCall("/v1/abort_requests: 'abort_all' must be true or false")
+            raise _BadCall("/v1/abort_requests: 'abort_all' must be true or false", param="abort_all")
         if isinstance(req_ids, str):
             req_ids = [req_ids]
         if req_ids is not None and (not isinstance(req_ids, list) or not all(isinstance(i, str) for i in req_ids)):
-            raise _BadCall("/v1/abort_requests: 'req_ids' must be a list of request ids")
+            raise _BadCall("/v1/abort_requests: 'req_ids' must be a list of request ids", param="req_ids")
         if not abort_all and not req_ids:
-            raise _BadCall("/v1/abort_requests needs 'req_ids' (a non-empty list) or 'abort_all': true")
+            raise _BadCall("/v1/abort_requests needs 'req_ids' (a non-empty list) or 'abort_all': true",
+                           param="req_ids")
         if abort_all:
             owner = api_ids(client)
             result = await call(request, "abort_requests", {"abort_all": True})
@@ -280,19 +446,47 @@ def add_control_routes(app: FastAPI, client: Any) -> None:
         done = {a["request_id"] for a in aborted}
         return success({"aborted": aborted, "not_found": [r for r in asked if r not in done]})
 
-    @guarded
-    async def generic(request: Request) -> Response:
+    named: dict[str, Handler] = {"pause": pause, "resume": resume, "is_paused": is_paused, "sleep": sleep,
+                                 "wakeup": wakeup, "update_weights": update_weights,
+                                 "abort_requests": abort_requests}
+
+    async def generic(request: Request, body: dict[str, Any]) -> Response:
         method = request.path_params["method"]
-        return await run(request, method, await _json_body(request))
+        if not _METHOD_NAME.fullmatch(method):
+            raise _BadCall("unknown control method: a method name is lowercase letters, digits and '_'",
+                           param="method")
+        if method in named:  # same checks as the named route (update_weights' allowed dirs above all)
+            return await named[method](request, body)
+        return await run(request, method, body)
 
-    app.add_api_route("/v1/pause", pause, methods=["POST"])
-    app.add_api_route("/v1/resume", resume, methods=["POST"])
-    app.add_api_route("/v1/is_paused", is_paused, methods=["GET"])
-    app.add_api_route("/v1/abort_requests", abort_requests, methods=["POST"])
-    app.add_api_route("/v1/sleep", sleep, methods=["POST"])
-    app.add_api_route("/v1/wakeup", wakeup, methods=["POST"])
-    app.add_api_route("/v1/update_weights", update_weights, methods=["POST"])
-    app.add_api_route("/v1/control/{method}", generic, methods=["POST"])
+    timeout_param = {"name": "timeout", "in": "query", "required": False,
+                     "description": f"seconds to wait for the reply (default per method, at most {MAX_TIMEOUT:g})",
+                     "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_TIMEOUT}}
+    tags_param = {"name": "tags", "in": "query", "required": False,
+                  "description": "'weight', 'kv_cache' or 'weight,kv_cache'", "schema": {"type": "string"}}
+    method_param = {"name": "method", "in": "path", "required": True, "description": "the control method",
+                    "schema": {"type": "string", "pattern": "^[a-z][a-z0-9_]{0,63}$"}}
+
+    def route(path: str, fn: Handler, method: str, body: type[BaseModel] | None, codes: tuple[int, ...],
+              summary: str) -> None:
+        extra: dict[str, Any] = openapi_body(body, required=False) if body is not None else {}
+        extra["parameters"] = [timeout_param] + ([tags_param] if path in ("/v1/sleep", "/v1/wakeup") else []) + (
+            [method_param] if "{method}" in path else [])
+        app.add_api_route(path, guarded(fn, reads_body=method == "POST"), methods=[method], summary=summary,
+                          responses=_responses(*codes), openapi_extra=extra, tags=["control"])
+
+    common = (400, 401, 403, 413, 415, 503, 504)
+    route("/v1/pause", pause, "POST", EmptyControlBody, common + (500,), "Pause: end every request, admit none")
+    route("/v1/resume", resume, "POST", EmptyControlBody, common + (500,), "Resume serving")
+    route("/v1/is_paused", is_paused, "GET", None, (401, 403, 503, 504), "Whether the engine is paused or asleep")
+    route("/v1/abort_requests", abort_requests, "POST", AbortRequestsBody, common + (500,), "Abort requests by id")
+    route("/v1/sleep", sleep, "POST", TagsBody, common + (500,), "Free weights and/or the KV cache")
+    route("/v1/wakeup", wakeup, "POST", TagsBody, common + (500,), "Reload what sleep freed, then resume")
+    route("/v1/update_weights", update_weights, "POST", UpdateWeightsBody, common + (500,),
+          "Load a checkpoint from inside an --allowed-weights-dir (paused only)")
+    route("/v1/control/{method}", generic, "POST", ControlArgs, common + (500,),
+          "Any engine control method; the JSON body is its keyword arguments")
 
 
-__all__ = ["add_control_routes", "api_ids", "engine_ids_for", "TIMEOUTS"]
+__all__ = ["add_control_routes", "api_ids", "check_guard", "clean_message", "engine_ids_for",
+           "is_control_path", "resolve_weights_path", "TIMEOUTS"]

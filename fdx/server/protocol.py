@@ -1,18 +1,34 @@
-"""OpenAI request schemas, their validation, and the error envelope.
+"""OpenAI request and response schemas, the strict JSON reader, validation
+and the error envelope.
 
-Parsing is two-stage: pydantic checks types (a wrong type is a 400, never
-FastAPI's 422), then :func:`sampling_params` checks ranges and builds the
-frozen :class:`~fdx.core.messages.SamplingParams` of one choice.  Every
-rejection is a :class:`~fdx.core.errors.RequestError` carrying the HTTP
-status and the offending parameter, rendered by :func:`error_body`.
+Parsing has three stages, each a 400 naming the field when it fails:
+
+1. :func:`loads_strict` reads the bytes as strict JSON within declared
+   limits: UTF-8 only, nesting at most :data:`MAX_JSON_DEPTH` deep, no
+   ``NaN``/``Infinity`` literals or overflowing floats, no integer of
+   2^64 or more, no lone UTF-16 surrogate in any string or key.
+2. pydantic checks types strictly (booleans are not numbers, numbers are
+   not booleans, strings are not numbers) and the ranges every consumer
+   can take: integers fit in int64, seeds in [0, 2^63-1], floats are
+   finite.  A wrong type is a 400, never FastAPI's 422.
+3. :func:`sampling_params` checks what depends on the server (vocabulary,
+   ``--max-logprobs``) and builds the frozen
+   :class:`~fdx.core.messages.SamplingParams` of one choice.
+
+Every rejection is a :class:`~fdx.core.errors.RequestError` carrying the
+HTTP status and the offending parameter, rendered by :func:`error_body`.
+The same pydantic models document ``/openapi.json`` (:func:`openapi_body`,
+:data:`ERROR_RESPONSES`), so the schema describes what the server takes.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+import math
+import re
+from typing import Annotated, Any, Iterator, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr, ValidationError
 
 from fdx.core.errors import RequestError
 from fdx.core.messages import SamplingParams
@@ -26,11 +42,21 @@ ERROR_TYPES: dict[int, str] = {
     405: "invalid_request_error",
     408: "timeout_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
     504: "timeout_error",
 }
+
+#: deepest JSON nesting accepted in a request body (objects and arrays)
+MAX_JSON_DEPTH = 64
+#: default of ``--max-request-bytes``
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+#: integers in a body must lie in [-2^63, 2^64) wherever they appear
+#: (known fields are bounded tighter by their schema)
+JSON_INT_LIMIT = 2**64
 
 
 def error_body(message: str, code: int, param: str | None = None, err_type: str | None = None) -> dict[str, Any]:
@@ -46,73 +72,215 @@ def error_body(message: str, code: int, param: str | None = None, err_type: str 
 
 
 # --------------------------------------------------------------------------
-# Schemas (types only; ranges are checked in sampling_params)
+# Strict JSON
 # --------------------------------------------------------------------------
 
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_LONG_INT = re.compile(r"\d{19,}")
+_BIG_EXPONENT = re.compile(r"[0-9.][eE]\+?\d{3,}")
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False
+
+def json_depth_exceeds(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the JSON text ``raw`` nests objects/arrays deeper than
+    ``limit`` (brackets inside strings do not count).  Cheap: a count
+    answers most bodies; only a body with more than ``limit`` opening
+    brackets is scanned."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    brackets = _STRINGS.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if len(brackets) <= limit:
+        return False
+    import numpy as np
+
+    steps = np.frombuffer(brackets, dtype=np.uint8)
+    delta = np.where((steps == ord("[")) | (steps == ord("{")), 1, -1).astype(np.int32)
+    return int(np.cumsum(delta).max()) > limit
 
 
-class _Common(BaseModel):
+def _walk(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, value) for every value and every key of a parsed JSON tree,
+    iteratively; paths look like ``messages[0].content``."""
+    stack: list[tuple[str, Any]] = [(path, obj)]
+    while stack:
+        p, o = stack.pop()
+        yield p, o
+        if isinstance(o, dict):
+            for k, v in o.items():
+                kp = f"{p}.{k}" if p else str(k)
+                yield kp, k
+                stack.append((kp, v))
+        elif isinstance(o, list):
+            stack.extend((f"{p}[{i}]", v) for i, v in enumerate(o))
+
+
+def _top(path: str) -> str | None:
+    return re.split(r"[.\[]", path, maxsplit=1)[0] or None if path else None
+
+
+def _printable(path: str) -> str:
+    return path.encode("ascii", "backslashreplace").decode("ascii")
+
+
+def loads_strict(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse a request body as strict JSON, or raise a 400
+    :class:`RequestError` that says what is wrong and where."""
+    if isinstance(raw, bytes):
+        if json_depth_exceeds(raw, max_depth):
+            raise RequestError(f"JSON body is nested deeper than {max_depth} levels", 400)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"request body is not valid UTF-8 (byte {exc.start})", 400) from None
+    else:
+        text = raw
+        if json_depth_exceeds(text.encode("utf-8", "surrogatepass"), max_depth):
+            raise RequestError(f"JSON body is nested deeper than {max_depth} levels", 400)
+    constants: list[str] = []
+
+    def constant(name: str) -> float:
+        constants.append(name)
+        return float(name.replace("Infinity", "inf"))
+
+    try:
+        data = json.loads(text, parse_constant=constant)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"malformed JSON body: {exc.msg} at line {exc.lineno} column {exc.colno}", 400) from None
+    except RecursionError:
+        raise RequestError(f"JSON body is nested deeper than {max_depth} levels", 400) from None
+    except ValueError:  # an integer literal of more than 4300 digits
+        raise RequestError("JSON body holds an integer that is too large (integers must be below 2^64)", 400) \
+            from None
+    if constants or _BIG_EXPONENT.search(text):
+        for p, v in _walk(data):
+            if isinstance(v, float) and not math.isfinite(v):
+                what = constants[0] if constants else "a number too large for a 64-bit float"
+                raise RequestError(f"'{_printable(p) or 'body'}' is {what}: numbers must be finite "
+                                   "(NaN and Infinity are not JSON)", 400, param=_top(p))
+    if _LONG_INT.search(text):
+        for p, v in _walk(data):
+            if type(v) is int and not INT64_MIN <= v < JSON_INT_LIMIT:
+                raise RequestError(f"'{_printable(p) or 'body'}' is an integer out of range "
+                                   "(integers must lie in [-2^63, 2^64))", 400, param=_top(p))
+    if _SURROGATE_ESCAPE.search(text):
+        for p, v in _walk(data):
+            if isinstance(v, str) and _SURROGATE.search(v):
+                raise RequestError(f"'{_printable(p) or 'body'}' holds a lone UTF-16 surrogate escape "
+                                   "(\\ud800-\\udfff without its pair): strings must be valid Unicode", 400,
+                                   param=_top(_printable(p)))
+    return data
+
+
+def loads_object(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """:func:`loads_strict`, and the result must be a JSON object."""
+    data = loads_strict(raw, max_depth=max_depth)
+    if not isinstance(data, dict):
+        raise RequestError("request body must be a JSON object", 400)
+    return data
+
+
+# --------------------------------------------------------------------------
+# Field types
+# --------------------------------------------------------------------------
+
+Int64 = Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)]
+NonNegInt = Annotated[int, Strict(), Field(ge=0, le=INT64_MAX)]
+PosInt = Annotated[int, Strict(), Field(ge=1, le=INT64_MAX)]
+Finite = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+
+#: what a field takes, appended to pydantic's message for that field
+FIELD_HINTS: dict[str, str] = {
+    "seed": "an integer in [0, 2^63-1]",
+    "top_k": "-1 or 0 (disabled) or an integer from 1 to the vocabulary size",
+    "n": "an integer in [1, 128]",
+    "max_tokens": "an integer >= 1",
+    "max_completion_tokens": "an integer >= 1",
+    "min_tokens": "an integer >= 0",
+    "temperature": "a finite number >= 0",
+    "top_p": "a number in (0, 1]",
+    "min_p": "a number in [0, 1]",
+    "presence_penalty": "a number in [-2, 2]",
+    "frequency_penalty": "a number in [-2, 2]",
+    "repetition_penalty": "a number in (0, 10]",
+    "stream": "true or false",
+    "echo": "true or false",
+    "ignore_eos": "true or false",
+    "add_generation_prompt": "true or false",
+    "stop": "a string or a list of at most 16 strings",
+    "stop_token_ids": "a list of token ids",
+    "logprobs": "for completions an integer >= 0; for chat true or false",
+    "top_logprobs": "an integer >= 0",
+    "request_id": "a string of at most 256 characters",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False
+
+
+class _Common(_Strict):
     """Fields shared by completions and chat completions.  Unknown fields
     are ignored (clients send many we don't implement)."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    n: int | None = 1
-    stream: bool | None = False
+    model: StrictStr | None = Field(None, description="the served model name (optional)")
+    n: Annotated[int, Strict(), Field(ge=1, le=128)] | None = Field(1, description="choices per prompt")
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = None
-    max_tokens: int | None = None
-    min_tokens: int | None = 0
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = False
-    user: str | None = None
-    request_id: str | None = None
+    stop: Union[StrictStr, Annotated[list[StrictStr], Field(max_length=16)], None] = Field(
+        None, description="up to 16 stop strings")
+    stop_token_ids: list[NonNegInt] | None = Field(None, description="token ids that end the output")
+    max_tokens: PosInt | None = None
+    min_tokens: NonNegInt | None = 0
+    temperature: Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Strict(), Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_k: Annotated[int, Strict(), Field(ge=-1, le=INT64_MAX)] | None = Field(
+        None, description="-1 or 0: disabled; otherwise at most the vocabulary size")
+    min_p: Annotated[float, Strict(), Field(ge=0, le=1, allow_inf_nan=False)] | None = None
+    seed: Annotated[int, Strict(), Field(ge=0, le=INT64_MAX)] | None = Field(
+        None, description="seeds are non-negative 64-bit integers; choice j of n uses seed + j")
+    presence_penalty: Annotated[float, Strict(), Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
+    frequency_penalty: Annotated[float, Strict(), Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
+    repetition_penalty: Annotated[float, Strict(), Field(gt=0, le=10, allow_inf_nan=False)] | None = None
+    ignore_eos: StrictBool | None = False
+    user: StrictStr | None = None
+    request_id: Annotated[str, Strict(), Field(max_length=256)] | None = Field(
+        None, description="your id for the request (used by /v1/abort_requests); default: generated")
 
 
 class CompletionRequest(_Common):
     # smart-mode union: list[int] before list[str] is resolved by exactness
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    echo: bool | None = False
-    logprobs: int | None = None
-    suffix: str | None = None
+    prompt: Union[StrictStr, list[Int64], list[StrictStr], list[list[Int64]]] = Field(
+        description="a string, a list of strings, a list of token ids or a list of token-id lists")
+    echo: StrictBool | None = False
+    logprobs: NonNegInt | None = None
+    suffix: StrictStr | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: Union[str, list[dict[str, Any]], None] = None
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    role: StrictStr
+    content: Union[StrictStr, list[dict[str, Any]], None] = Field(
+        None, description="a string or a list of {'type': 'text', 'text': ...} parts")
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool | None = True
+    max_completion_tokens: PosInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: NonNegInt | None = None
+    add_generation_prompt: StrictBool | None = True
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """Bytes -> validated request model, or a 400 :class:`RequestError`."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(f"malformed JSON body: {exc}", 400) from None
-    if not isinstance(data, dict):
-        raise RequestError("request body must be a JSON object", 400)
+    data = loads_object(raw)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -131,13 +299,17 @@ def validation_error(errors: Any) -> RequestError:
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
     if e.get("type") == "json_invalid":
-        return RequestError(f"malformed JSON body: {e.get('msg')}", 400)
+        return RequestError("malformed JSON body", 400)
     if param == "prompt" and e.get("type") != "missing":
         return RequestError("'prompt' must be a string, a list of strings, a list of token ids or a list of "
-                            "token-id lists", 400, param="prompt")
+                            "token-id lists (token ids are integers)", 400, param="prompt")
     if e.get("type") == "missing":
         return RequestError(f"missing required parameter '{where}'", 400, param=param)
-    return RequestError(f"invalid value for '{where}': {e.get('msg')}", 400, param=param)
+    hint = FIELD_HINTS.get(param or "")
+    msg = f"invalid value for '{where}': {e.get('msg')}"
+    if hint:
+        msg += f" ({param} takes {hint})"
+    return RequestError(msg, 400, param=param)
 
 
 # --------------------------------------------------------------------------
@@ -146,7 +318,8 @@ def validation_error(errors: Any) -> RequestError:
 
 
 def _is_type_name(x: Any) -> bool:
-    return isinstance(x, str) and (x in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in x)
+    return isinstance(x, str) and (x in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in x
+                                   or x.startswith(("constrained-", "function-")))
 
 
 def _bad(msg: str, param: str) -> RequestError:
@@ -175,7 +348,9 @@ def sampling_params(
     """Check ranges and build the params of choice 0 (``seed`` unshifted).
 
     ``max_tokens`` is the already-resolved output budget; ``num_logprobs``
-    the number of top alternatives (``None``: no logprobs).
+    the number of top alternatives (``None``: no logprobs).  Seeds are
+    never wrapped: a seed outside [0, 2^63-1] (or whose ``seed + n - 1``
+    for the last choice is) is refused.
     """
     n = 1 if req.n is None else req.n
     if n < 1:
@@ -190,14 +365,16 @@ def sampling_params(
     if min_tokens > max_tokens:
         raise _bad(f"'min_tokens' ({min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
     temperature = 1.0 if req.temperature is None else req.temperature
-    if not temperature >= 0.0:
-        raise _bad(f"'temperature' must be >= 0, got {temperature}", "temperature")
+    if not (math.isfinite(temperature) and temperature >= 0.0):
+        raise _bad(f"'temperature' must be a finite number >= 0, got {temperature}", "temperature")
     top_p = 1.0 if req.top_p is None else req.top_p
     if not 0.0 < top_p <= 1.0:
         raise _bad(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
     top_k = 0 if req.top_k is None else req.top_k
     if top_k < -1:
         raise _bad(f"'top_k' must be -1 (disabled), 0 (disabled) or >= 1, got {top_k}", "top_k")
+    if top_k > vocab_size:
+        raise _bad(f"'top_k' must be at most the vocabulary size ({vocab_size}), got {top_k}", "top_k")
     min_p = 0.0 if req.min_p is None else req.min_p
     if not 0.0 <= min_p <= 1.0:
         raise _bad(f"'min_p' must be in [0, 1], got {min_p}", "min_p")
@@ -217,8 +394,12 @@ def sampling_params(
     for t in stop_ids:
         if not 0 <= t < vocab_size:
             raise _bad(f"stop_token_ids contains {t}, outside the vocabulary [0, {vocab_size})", "stop_token_ids")
-    if req.seed is not None and not -(2**63) <= req.seed < 2**63:
-        raise _bad("'seed' must fit in 64 bits", "seed")
+    if req.seed is not None:
+        if not 0 <= req.seed <= INT64_MAX:
+            raise _bad(f"'seed' must be an integer in [0, 2^63-1], got {req.seed}", "seed")
+        if req.seed + n - 1 > INT64_MAX:
+            raise _bad(f"'seed' + n - 1 must be <= 2^63-1 (choice j uses seed + j), got seed {req.seed} with n {n}",
+                       "seed")
     return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=min_tokens,
@@ -261,3 +442,168 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 FinishReason = Literal["stop", "length", "abort"]
+
+
+# --------------------------------------------------------------------------
+# Response schemas (for /openapi.json; the handlers build plain dicts)
+# --------------------------------------------------------------------------
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorDetail(_Doc):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(_Doc):
+    """The OpenAI error envelope every 4xx/5xx carries."""
+
+    error: ErrorDetail
+
+
+class Usage(_Doc):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionChoice(_Doc):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: Union[FinishReason, None] = None
+
+
+class CompletionResponse(_Doc):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatResponseMessage(_Doc):
+    role: Literal["assistant"]
+    content: str | None = None
+
+
+class ChatChoice(_Doc):
+    index: int
+    message: ChatResponseMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: Union[FinishReason, None] = None
+
+
+class ChatCompletionResponse(_Doc):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(_Doc):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    version: str | None = None
+
+
+class ModelList(_Doc):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class HealthResponse(_Doc):
+    """``status`` is ``ok`` (200), ``starting`` or ``unavailable`` (503,
+    with the error envelope and ``reason``)."""
+
+    status: Literal["ok", "starting", "unavailable"]
+    engine_pid: int | None = None
+    api_pid: int | None = None
+    model: str | None = None
+    reason: str | None = None
+    error: ErrorDetail | None = None
+
+
+class VersionResponse(_Doc):
+    version: str
+    engine_pid: int | None = None
+    api_pid: int | None = None
+    model: str | None = None
+
+
+_ERROR_TEXT = {
+    400: "a bad request: the message names the field",
+    401: "missing or wrong API key",
+    403: "refused (cross-origin browser request, or a path outside --allowed-weights-dir)",
+    404: "unknown model or route",
+    413: "the body exceeds --max-request-bytes",
+    415: "the body is not application/json",
+    429: "too many requests waiting (--max-waiting)",
+    500: "the server failed (the message says what failed, never how)",
+    503: "the engine is unavailable, paused or starting",
+    504: "no reply in time",
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI ``responses=`` entries declaring the error envelope."""
+    return {c: {"model": ErrorResponse, "description": _ERROR_TEXT.get(c, "error")} for c in codes}
+
+
+def openapi_body(model: type[BaseModel], *, required: bool = True, description: str | None = None) -> dict[str, Any]:
+    """``openapi_extra`` declaring ``model`` as the JSON request body of a
+    route that parses its body itself (strictly, via :func:`parse_body`).
+    :func:`add_component_schemas` puts the schema under components."""
+    _BODY_MODELS[model.__name__] = model
+    body: dict[str, Any] = {
+        "required": required,
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+    }
+    if description:
+        body["description"] = description
+    return {"requestBody": body}
+
+
+_BODY_MODELS: dict[str, type[BaseModel]] = {}
+
+
+def add_component_schemas(spec: dict[str, Any]) -> dict[str, Any]:
+    """Put the JSON schema of every model named by :func:`openapi_body`
+    (and its nested models) under ``components.schemas`` of ``spec``."""
+    schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+    for name, model in _BODY_MODELS.items():
+        js = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="validation")
+        for sub, sub_js in js.pop("$defs", {}).items():
+            schemas.setdefault(sub, sub_js)
+        schemas[name] = js
+    return spec
+
+
+SSE_RESPONSE: dict[str, Any] = {
+    "text/event-stream": {
+        "schema": {"type": "string", "description": "with stream=true: 'data: <chunk JSON>' events, then "
+                   "'data: [DONE]'; an error mid-stream is a 'data: {\"error\": {...}}' event"}
+    }
+}
+
+__all__ = [
+    "ChatCompletionRequest", "CompletionRequest", "ErrorResponse", "MAX_JSON_DEPTH", "add_component_schemas",
+    "chat_messages", "error_body", "error_responses", "loads_object", "loads_strict", "openapi_body", "parse_body",
+    "sampling_params", "validation_error",
+]
