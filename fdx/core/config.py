@@ -118,13 +118,6 @@ def make_config(**kwargs: Any) -> EngineConfig:
             raise ConfigError("--cache-backend-config must be a JSON object")
     if isinstance(kwargs.get("disable_plugins"), list):
         kwargs["disable_plugins"] = tuple(kwargs["disable_plugins"])
-    if isinstance(kwargs.get("kv_cache_memory"), str):
-        kwargs["kv_cache_memory"] = parse_bytes(kwargs["kv_cache_memory"], "--kv-cache-memory")
-    try:
-        cfg = EngineConfig(**kwargs)
-    except TypeError as exc:
-        raise ConfigError(str(exc)) from None
-    if cfg.max_num_batched_tokens < cfg.block_size:
     if isinstance(kwargs.get("allowed_weights_dirs"), str):  # FDX_ALLOWED_WEIGHTS_DIRS=dir1:dir2
         kwargs["allowed_weights_dirs"] = [d for d in kwargs["allowed_weights_dirs"].split(os.pathsep) if d]
     if isinstance(kwargs.get("allowed_weights_dirs"), list):
@@ -134,6 +127,13 @@ def make_config(**kwargs: Any) -> EngineConfig:
             raise ConfigError(f"--allowed-weights-dir {d!r} is not a directory")
     if isinstance(kwargs.get("max_request_bytes"), str):
         kwargs["max_request_bytes"] = parse_bytes(kwargs["max_request_bytes"], "--max-request-bytes")
+    if isinstance(kwargs.get("kv_cache_memory"), str):
+        kwargs["kv_cache_memory"] = parse_bytes(kwargs["kv_cache_memory"], "--kv-cache-memory")
+    try:
+        cfg = EngineConfig(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.max_num_batched_tokens < cfg.block_size:
         raise ConfigError(
             f"--max-num-batched-tokens ({cfg.max_num_batched_tokens}) must be >= --block-size ({cfg.block_size})"
         )
@@ -178,6 +178,8 @@ def from_args(args: Any) -> EngineConfig:
 def _coerce_env(name: str, value: str) -> Any:
     field = attrs.fields_dict(EngineConfig)[name]
     default = field.default
+    if name in ("kv_cache_memory", "max_request_bytes"):
+        return value  # a size like 4M: make_config parses it
     if isinstance(default, bool):
         return value.lower() in ("1", "true", "yes", "on")
     if isinstance(default, int) and not isinstance(default, bool):
@@ -185,8 +187,6 @@ def _coerce_env(name: str, value: str) -> Any:
             return int(value)
         except ValueError:
             raise ConfigError(f"FDX_{name.upper()} must be an integer, got {value!r}") from None
-    if name in ("kv_cache_memory", "max_request_bytes"):
-        return value  # a size like 4M: make_config parses it
     if isinstance(default, float):
         try:
             return float(value)
