@@ -1,0 +1,376 @@
+"""The Llama / Qwen2 forward of the GPU runner: half-precision weights and
+KV, Paddle's fused kernels where the device has them, plain Paddle elsewhere.
+
+Weights live on the device in the runner's dtype (bfloat16, float16, or
+float32 for the CPU-place fallback).  GGUF quantized tensors are dequantized
+to float32 on the host by the loader and cast on the device; the raw quant
+blocks the CPU runner keeps for its C++ GEMV are never uploaded (no kernel
+here reads them).
+
+One :meth:`GPULlama.forward` runs every token of a step (flattened to ``T``
+rows), per layer: RMSNorm(+residual) -> one q/k/v matmul -> RoPE -> KV write
+-> paged attention -> o matmul -> RMSNorm(+residual) -> one gate/up matmul ->
+SwiGLU -> down matmul.  RMSNorm, RoPE and SwiGLU are the fused or plain ops
+chosen by :func:`fdx.model.fused_kernels.probe_kernels`.
+
+KV cache: per layer one flat ``[2 * num_blocks * num_kv_heads * block_size,
+head_dim]`` tensor (row ``((kv * NB + block) * KV + head) * BS + slot``, the
+``[2, NB, KV, BS, D]`` layout of the CPU runner, flattened once at
+allocation).  New K/V are scattered to their slots; attention reads K/V only
+through the block tables, in :class:`AttnGroup`\\ s planned on the host once
+per step:
+
+* ``varlen`` groups gather each sequence's context rows and call the
+  variable-length flash kernel (**GPU-only**; ``flash_attn_unpadded``);
+* ``plain`` groups run a padded, masked attention in plain Paddle (any
+  place; softmax in float32) -- the path the CPU tests exercise.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import attrs
+import numpy as np
+
+from fdx.core.errors import ModelLoadError
+from fdx.model.arch import ModelArgs
+from fdx.model.fused_kernels import Kernels
+
+
+@attrs.define
+class AttnGroup:
+    """Sequences attended together.  ``rows``: their token rows in the step
+    (``None``: all rows, in order).  ``kind`` is ``varlen`` or ``plain``."""
+
+    kind: str
+    rows: Any | None
+    causal: bool = True
+    # varlen
+    read_rows: Any = None
+    cu_q: Any = None
+    cu_k: Any = None
+    max_q: int = 0
+    max_k: int = 0
+    # plain
+    pad_rows: Any = None  # [S*KV*lmax] cache rows (padded contexts)
+    rowmap: Any = None  # [S*qmax] token row per padded query slot
+    valid: Any = None  # padded query slots that are real tokens
+    mask: Any = None  # [S, 1, qmax*G, lmax] additive
+    S: int = 0
+    qmax: int = 0
+    lmax: int = 0
+
+
+@attrs.define
+class GPUStep:
+    """Per-step device tensors (built once per step, never per layer)."""
+
+    ids: Any
+    cos: Any  # [T, 1, D]
+    sin: Any
+    write_rows: Any  # [T*KV] K rows; V rows are + half
+    groups: list[AttnGroup]
+    sample_rows: Any | None
+    num_tokens: int
+
+
+@attrs.define
+class GPULayer:
+    attn_norm: Any
+    w_qkv: Any
+    b_qkv: Any | None
+    w_o: Any
+    ffn_norm: Any
+    w_gate_up: Any
+    w_down: Any
+
+
+def rope_tables(args: ModelArgs, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
+    """``([cos, cos], [sin, sin])`` rows ``[max_pos, head_dim]`` (float32)."""
+    half = args.head_dim // 2
+    inv = 1.0 / (args.rope_theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / args.head_dim))
+    ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
+    cos, sin = np.cos(ang), np.sin(ang)
+    return (np.concatenate([cos, cos], axis=1).astype(np.float32),
+            np.concatenate([sin, sin], axis=1).astype(np.float32))
+
+
+class GPULlama:
+    """Weights + forward on one Paddle place.  Not thread-safe."""
+
+    def __init__(self, args: ModelArgs, max_pos: int, dtype: str, kernels: Kernels) -> None:
+        import paddle
+
+        self.args = args
+        self.dtype = dtype
+        self.kernels = kernels
+        self.max_pos = max_pos
+        self.scale = 1.0 / math.sqrt(args.head_dim)
+        cos, sin = rope_tables(args, max_pos)
+        self.cos = paddle.to_tensor(cos).astype(dtype)
+        self.sin = paddle.to_tensor(sin).astype(dtype)
+        self.layers: list[GPULayer] = []
+        self.embed: Any | None = None
+        self.final_norm: Any | None = None
+        self.lm_head: Any | None = None  # [hidden, V] when untied
+        #: GGUF tensors dequantized at the last load (their raw blocks stay on the host)
+        self.dequantized = 0
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def loaded(self) -> bool:
+        return self.embed is not None
+
+    def _t(self, x: np.ndarray) -> Any:
+        import paddle
+
+        t = paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))
+        return t if self.dtype == "float32" else t.astype(self.dtype)
+
+    def load(self, ckpt: Any, progress: bool = True) -> None:
+        """Convert a checkpoint (numpy float32, HF layout) into fused device
+        tensors in the runner's dtype.  Raw GGUF quant blocks are dropped."""
+        a = self.args
+        if ckpt.args != a:
+            raise ModelLoadError(f"{ckpt.source.path}: architecture mismatch ({ckpt.args.describe()} != {a.describe()})")
+        self.release()
+        layers: list[GPULayer] = []
+        dq = 0
+        it = ckpt.layers()
+        if progress:
+            from tqdm.auto import tqdm
+
+            it = tqdm(it, total=a.num_layers, desc=f"loading {ckpt.source.name} ({self.dtype})", unit="layer", leave=False)
+        h, q, kv, ff = a.hidden_size, a.q_size, a.kv_size, a.intermediate_size
+        for lw in it:
+            i = len(layers)
+            for name, shape in (
+                ("wq", (q, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q)),
+                ("w_gate", (ff, h)), ("w_up", (ff, h)), ("w_down", (h, ff)),
+                ("attn_norm", (h,)), ("ffn_norm", (h,)),
+            ):
+                _check(getattr(lw, name), shape, f"layer {i} {name}", ckpt.source.path)
+            dq += len(lw.raw)
+            lw.raw = {}  # never uploaded: no kernel of this runner reads quant blocks
+            b_qkv = None
+            if lw.bq is not None or lw.bk is not None or lw.bv is not None:
+                z = np.zeros
+                b_qkv = np.concatenate([
+                    lw.bq if lw.bq is not None else z(q, np.float32),
+                    lw.bk if lw.bk is not None else z(kv, np.float32),
+                    lw.bv if lw.bv is not None else z(kv, np.float32),
+                ])
+            layers.append(GPULayer(
+                attn_norm=self._t(lw.attn_norm),
+                w_qkv=self._t(np.concatenate([lw.wq, lw.wk, lw.wv], axis=0).T),
+                b_qkv=self._t(b_qkv) if b_qkv is not None else None,
+                w_o=self._t(lw.wo.T),
+                ffn_norm=self._t(lw.ffn_norm),
+                w_gate_up=self._t(np.concatenate([lw.w_gate, lw.w_up], axis=0).T),
+                w_down=self._t(lw.w_down.T),
+            ))
+        if len(layers) != a.num_layers:
+            raise ModelLoadError(f"{ckpt.source.path}: expected {a.num_layers} layers, got {len(layers)}")
+        _check(ckpt.embed, (a.vocab_size, a.hidden_size), "embedding", ckpt.source.path)
+        _check(ckpt.final_norm, (a.hidden_size,), "final norm", ckpt.source.path)
+        self.layers = layers
+        self.embed = self._t(ckpt.embed)
+        self.final_norm = self._t(ckpt.final_norm)
+        if ckpt.lm_head is not None:
+            _check(ckpt.lm_head, (a.vocab_size, a.hidden_size), "lm_head", ckpt.source.path)
+            self.lm_head = self._t(ckpt.lm_head.T)
+        if ckpt.lm_head_raw is not None:
+            dq += 1
+        self.dequantized = dq
+
+    def release(self) -> None:
+        """Drop every weight tensor (sleep)."""
+        self.layers = []
+        self.embed = None
+        self.final_norm = None
+        self.lm_head = None
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, step: GPUStep, caches: Sequence[Any]) -> Any | None:
+        """Run the step; return float32 logits ``[len(sample_rows), V]`` (or None)."""
+        import paddle
+        import paddle.nn.functional as F
+
+        a, k = self.args, self.kernels
+        eps = a.rms_eps
+        H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
+        T = step.num_tokens
+        x = F.embedding(step.ids, self.embed)
+        residual = None
+        for layer, cache in zip(self.layers, caches):
+            h, residual = k.rms_norm(x, layer.attn_norm, eps, residual)
+            qkv = paddle.matmul(h, layer.w_qkv)
+            if layer.b_qkv is not None:
+                qkv = qkv + layer.b_qkv
+            q, kk, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)
+            q, kk = k.rope(q.reshape([T, H, D]), kk.reshape([T, KV, D]), step.cos, step.sin)
+            v = v.reshape([T, KV, D])
+            half = int(cache.shape[0]) // 2
+            paddle.scatter_(cache, step.write_rows, kk.reshape([T * KV, D]), overwrite=True)
+            paddle.scatter_(cache, step.write_rows + half, v.reshape([T * KV, D]), overwrite=True)
+            o = self._attention(step, q, cache, half)
+            x = paddle.matmul(o, layer.w_o)
+            h, residual = k.rms_norm(x, layer.ffn_norm, eps, residual)
+            x = paddle.matmul(k.swiglu(paddle.matmul(h, layer.w_gate_up)), layer.w_down)
+        if step.sample_rows is None:
+            return None
+        if int(step.sample_rows.shape[0]) != T:
+            x = paddle.index_select(x, step.sample_rows)
+            residual = paddle.index_select(residual, step.sample_rows)
+        h, _ = k.rms_norm(x, self.final_norm, eps, residual)
+        if self.lm_head is not None:
+            logits = paddle.matmul(h, self.lm_head)
+        else:
+            logits = paddle.matmul(h, self.embed, transpose_y=True)
+        return logits if logits.dtype == paddle.float32 else logits.astype("float32")
+
+    def _attention(self, step: GPUStep, q: Any, cache: Any, half: int) -> Any:
+        """``[T, H*D]`` attention output of every token row."""
+        import paddle
+
+        a = self.args
+        H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
+        T = step.num_tokens
+        outs = []
+        for g in step.groups:
+            qg = q if g.rows is None else paddle.index_select(q, g.rows)
+            if g.kind == "varlen":
+                kg = paddle.index_select(cache, g.read_rows).reshape([-1, KV, D])
+                vg = paddle.index_select(cache, g.read_rows + half).reshape([-1, KV, D])
+                o = self.kernels.varlen_attention(qg, kg, vg, g.cu_q, g.cu_k, g.max_q, g.max_k, self.scale, g.causal)
+                outs.append(o.reshape([-1, H * D]))
+            else:
+                outs.append(self._plain_attention(g, qg, cache, half))
+        if len(step.groups) == 1 and step.groups[0].rows is None:
+            return outs[0]
+        out = paddle.zeros([T, H * D], dtype=q.dtype)
+        for g, o in zip(step.groups, outs):
+            paddle.scatter_(out, g.rows, o, overwrite=True)
+        return out
+
+    def _plain_attention(self, g: AttnGroup, q: Any, cache: Any, half: int) -> Any:
+        """Padded causal attention over the group's block tables (plain
+        Paddle; scores and softmax in float32)."""
+        import paddle
+        import paddle.nn.functional as F
+
+        a = self.args
+        H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
+        G = H // KV
+        S, qmax, lmax = g.S, g.qmax, g.lmax
+        kk = paddle.index_select(cache, g.pad_rows).reshape([S, KV, lmax, D])
+        vv = paddle.index_select(cache, g.pad_rows + half).reshape([S, KV, lmax, D])
+        qp = paddle.index_select(q.reshape([-1, H * D]), g.rowmap).reshape([S, qmax, KV, G, D])
+        qp = qp.transpose([0, 2, 1, 3, 4]).reshape([S, KV, qmax * G, D])
+        sc = paddle.matmul(qp, kk, transpose_y=True)
+        if sc.dtype != paddle.float32:
+            sc = sc.astype("float32")
+        p = F.softmax(sc * self.scale + g.mask, axis=-1)
+        if vv.dtype != paddle.float32:
+            p = p.astype(vv.dtype)
+        o = paddle.matmul(p, vv)  # [S, KV, qmax*G, D]
+        o = o.reshape([S, KV, qmax, G, D]).transpose([0, 2, 1, 3, 4]).reshape([S * qmax, H * D])
+        return paddle.index_select(o, g.valid)
+
+
+# --------------------------------------------------------------------------
+# host-side planning (numpy; once per step)
+# --------------------------------------------------------------------------
+
+
+def plan_groups(
+    kernels: Kernels, q_lens: np.ndarray, starts: np.ndarray, tables: np.ndarray,
+    num_kv_heads: int, block_size: int, group_size: int,
+) -> list[dict[str, Any]]:
+    """Split a step's sequences into attention groups (as numpy dicts; the
+    runner uploads them).  With a bottom-right-causal flash kernel: one
+    ``varlen`` group.  With a top-left one: decode rows (causal off) and
+    chunks from position 0 go to flash, the rest to ``plain``.  Without
+    flash: one ``plain`` group."""
+    S = len(q_lens)
+    q_starts = np.zeros(S, dtype=np.int64)
+    np.cumsum(q_lens[:-1], out=q_starts[1:])
+    if kernels.varlen_attention is None:
+        return [_plain(np.arange(S), None, q_lens, starts, q_starts, tables, num_kv_heads, block_size, group_size)]
+    if kernels.causal_alignment == "bottom_right":
+        return [_varlen(np.arange(S), None, q_lens, starts, q_starts, tables, num_kv_heads, block_size, True)]
+    out = []
+    decode = np.flatnonzero(q_lens == 1)
+    fresh = np.flatnonzero((q_lens > 1) & (starts == 0))
+    rest = np.flatnonzero((q_lens > 1) & (starts > 0))
+    for seqs, causal in ((decode, False), (fresh, True)):
+        if len(seqs):
+            out.append(_varlen(seqs, _rows(seqs, q_starts, q_lens), q_lens, starts, q_starts, tables,
+                               num_kv_heads, block_size, causal))
+    if len(rest):
+        out.append(_plain(rest, _rows(rest, q_starts, q_lens), q_lens, starts, q_starts, tables,
+                          num_kv_heads, block_size, group_size))
+    if len(out) == 1:
+        out[0]["rows"] = None  # every row, in order
+    return out
+
+
+def _rows(seqs: np.ndarray, q_starts: np.ndarray, q_lens: np.ndarray) -> np.ndarray:
+    return np.concatenate([np.arange(q_starts[s], q_starts[s] + q_lens[s]) for s in seqs]).astype(np.int64)
+
+
+def _context_rows(tb: np.ndarray, ctx: np.ndarray, KV: int, bs: int) -> np.ndarray:
+    """Cache rows ``[sum(ctx) * KV]`` of each sequence's positions 0..ctx-1."""
+    seq = np.repeat(np.arange(len(ctx)), ctx)
+    j = np.arange(int(ctx.sum())) - np.repeat(np.cumsum(ctx) - ctx, ctx)
+    blk = tb[seq, j // bs]
+    return ((blk[:, None] * KV + np.arange(KV)[None, :]) * bs + (j % bs)[:, None]).reshape(-1)
+
+
+def _varlen(seqs: np.ndarray, rows: np.ndarray | None, q_lens: np.ndarray, starts: np.ndarray,
+            q_starts: np.ndarray, tables: np.ndarray, KV: int, bs: int, causal: bool) -> dict[str, Any]:
+    ql, ctx = q_lens[seqs], starts[seqs] + q_lens[seqs]
+    return dict(
+        kind="varlen", rows=rows, causal=causal,
+        read_rows=_context_rows(tables[seqs].astype(np.int64), ctx, KV, bs),
+        cu_q=np.concatenate([[0], np.cumsum(ql)]).astype(np.int32),
+        cu_k=np.concatenate([[0], np.cumsum(ctx)]).astype(np.int32),
+        max_q=int(ql.max()), max_k=int(ctx.max()),
+    )
+
+
+def _plain(seqs: np.ndarray, rows: np.ndarray | None, q_lens: np.ndarray, starts: np.ndarray,
+           q_starts: np.ndarray, tables: np.ndarray, KV: int, bs: int, G: int) -> dict[str, Any]:
+    S = len(seqs)
+    ql, st = q_lens[seqs], starts[seqs]
+    ctx = st + ql
+    qmax, lmax = int(ql.max()), int(ctx.max())
+    tb = tables[seqs].astype(np.int64)
+    j = np.arange(lmax)
+    jb = tb[:, np.minimum(j // bs, tb.shape[1] - 1)]  # [S, lmax]
+    pad_rows = ((jb[:, None, :] * KV + np.arange(KV)[None, :, None]) * bs + (j % bs)[None, None, :]).reshape(-1)
+    # the group's token rows are numbered 0.. in the order of ``rows``
+    local_start = np.zeros(S, dtype=np.int64)
+    np.cumsum(ql[:-1], out=local_start[1:])
+    rowmap = np.zeros((S, qmax), dtype=np.int64)
+    qpos = np.full((S, qmax), -1, dtype=np.int64)
+    for i in range(S):
+        n = int(ql[i])
+        rowmap[i, :n] = np.arange(local_start[i], local_start[i] + n)
+        qpos[i, :n] = np.arange(st[i], st[i] + n)
+    valid = np.flatnonzero((qpos >= 0).reshape(-1))
+    allowed = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
+    mask = np.where(allowed, 0.0, -1e30).astype(np.float32)
+    mask = np.repeat(mask[:, :, None, :], G, axis=2).reshape(S, 1, qmax * G, lmax)
+    return dict(kind="plain", rows=rows, pad_rows=pad_rows, rowmap=rowmap.reshape(-1), valid=valid,
+                mask=mask, S=S, qmax=qmax, lmax=lmax)
+
+
+def _check(x: np.ndarray | None, shape: tuple[int, ...], what: str, path: str) -> None:
+    if x is None or tuple(x.shape) != shape:
+        got = None if x is None else tuple(x.shape)
+        raise ModelLoadError(f"{path}: {what} has shape {got}, expected {shape}")
