@@ -1,11 +1,13 @@
 """Offline, in-process API: ``fdx.LLM(...).generate(...)`` / ``.chat(...)``.
 
 The same :class:`~fdx.core.engine.Engine` as the server runs in this
-process; text comes from the token processor chosen by name
-(``config.token_processor``).  Invariants: every submitted request ends with
-exactly one result (or a :class:`RequestError` for the whole call); a stop
-string aborts the request in the engine at once and ends it with
-``finish_reason == "stop"``; no KV block outlives the call.
+process, and the same output path: engine outputs become text through
+:class:`fdx.output_processor.OutputProcessor` over the token processor
+chosen by name (``config.token_processor``), exactly as in the HTTP server.
+Invariants: every submitted request ends with exactly one result (or a
+:class:`RequestError` for the whole call); a stop string aborts the request
+in the engine at once and ends it with ``finish_reason == "stop"``; no KV
+block outlives the call.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import attrs
 
 from fdx.core.errors import FdxError, RequestError
 from fdx.core.messages import AddRequest, SamplingParams, TokenLogprob
+from fdx.output_processor import ChoiceState, OutputProcessor
 
 _ids = itertools.count()
 
@@ -61,14 +64,6 @@ class RequestResult:
         return self.outputs[0].logprobs
 
 
-@attrs.define
-class _Live:
-    result: RequestResult
-    choice: Completion
-    stream: Any
-    done: bool = False
-
-
 class LLM:
     """An engine in this process.
 
@@ -96,6 +91,7 @@ class LLM:
         self.tokenizer = load_tokenizer(config.model)
         self.engine = Engine(config, plugins)
         self.processor = plugins.create("token_processor", config.token_processor, tokenizer=self.tokenizer, config=config)
+        self.outputs = OutputProcessor(self.processor)
 
     # ------------------------------------------------------------------ API
 
@@ -148,55 +144,52 @@ class LLM:
             if len(plist) != len(items):
                 raise RequestError(f"{len(plist)} sampling params for {len(items)} prompts")
         results: list[RequestResult] = []
-        live: dict[str, _Live] = {}
+        live: dict[str, tuple[ChoiceState, Completion, RequestResult]] = {}
         now = time.time()
-        for (text, ids), p in zip(items, plist):
-            base = f"llm-{next(_ids)}"
-            res = RequestResult(base, text, ids, [])
-            results.append(res)
-            for k in range(max(1, p.n)):
-                rid = base if p.n <= 1 else f"{base}-{k}"
-                comp = Completion(k, "", [], None, [] if p.logprobs is not None else None)
-                res.outputs.append(comp)
-                live[rid] = _Live(res, comp, self.processor.open_stream(ids, p))
-                self.engine.add_request(AddRequest(rid, tuple(ids), p, now))
         try:
+            for p_idx, ((text, ids), p) in enumerate(zip(items, plist)):
+                base = f"llm-{next(_ids)}"
+                res = RequestResult(base, text, ids, [])
+                results.append(res)
+                for k in range(max(1, p.n)):
+                    rid = base if p.n <= 1 else f"{base}-{k}"
+                    comp = Completion(k, "", [], None, [] if p.logprobs is not None else None)
+                    res.outputs.append(comp)
+                    state = self.outputs.open(rid, k, p_idx, ids, p)
+                    self.engine.add_request(AddRequest(rid, tuple(ids), p, now))
+                    live[rid] = (state, comp, res)
             self._drive(live)
         except BaseException:
-            self.engine.abort([rid for rid, lv in live.items() if not lv.done])
+            self.engine.abort([rid for rid, (st, _, _) in live.items() if not st.finished])
             self._drain()
             raise
         return results
 
-    def _drive(self, live: dict[str, _Live]) -> None:
+    def _drive(self, live: dict[str, tuple[ChoiceState, Completion, RequestResult]]) -> None:
         pending = len(live)
         while pending:
             if not self.engine.has_work():
                 raise FdxError(f"engine went idle with {pending} request(s) unfinished")
             for out in self.engine.step():
-                lv = live.get(out.request_id)
-                if lv is None or lv.done:
+                entry = live.get(out.request_id)
+                if entry is None:
                     continue
-                if out.finish_reason == "error":
-                    raise RequestError(out.error or "request failed", out.error_code or 500)
-                comp = lv.choice
-                comp.token_ids.extend(out.new_token_ids)
-                if comp.logprobs is not None and out.logprobs:
-                    comp.logprobs.extend(out.logprobs)
-                finished = out.finish_reason is not None
-                delta = lv.stream.feed(out.new_token_ids, finished)
-                comp.text += delta.text
-                lv.result.num_cached_tokens = max(lv.result.num_cached_tokens, out.num_cached_tokens)
-                if delta.stopped:
-                    if not finished:
-                        self.engine.abort([out.request_id])
-                    comp.finish_reason = "stop"
-                elif finished:
-                    comp.finish_reason = out.finish_reason
-                else:
+                state, comp, res = entry
+                ev = self.outputs.process(state, out)
+                if ev is None:
                     continue
-                lv.done = True
-                pending -= 1
+                if ev.abort_in_engine:
+                    self.engine.abort([out.request_id])
+                if ev.failure is not None:
+                    raise RequestError(ev.failure.message, ev.failure.code)
+                comp.token_ids.extend(ev.token_ids)
+                if comp.logprobs is not None:
+                    comp.logprobs.extend(ev.logprobs)
+                comp.text += ev.text
+                res.num_cached_tokens = max(res.num_cached_tokens, state.num_cached_tokens)
+                if ev.finish_reason is not None:
+                    comp.finish_reason = ev.finish_reason
+                    pending -= 1
         self._drain()
 
     def _drain(self) -> None:
@@ -205,3 +198,4 @@ class LLM:
             if not self.engine.has_work():
                 return
             self.engine.step()
+

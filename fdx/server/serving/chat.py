@@ -1,0 +1,102 @@
+"""``POST /v1/chat/completions``: the chat template (rendered and encoded off
+the event loop), the completion budget, and the chat-style rendering of
+choices (``message`` / ``delta``) and logprobs (``content`` entries)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from fdx.core.errors import RequestError
+from fdx.core.messages import TokenLogprob
+from fdx.output_processor import OutputEvent
+from fdx.server.protocol import ChatCompletionRequest, chat_messages, parse_body
+from fdx.server.serving.generation import ChoiceResult, Generation, Prompt, json_logprob
+
+if TYPE_CHECKING:
+    from fdx.server.serving.endpoints import OpenAIServing
+
+
+class ChatEndpoint:
+    """Renders chat choices."""
+
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def head(self, gen: Generation) -> list[dict[str, Any]]:
+        return [{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for s in gen.states]
+
+    def delta(self, gen: Generation, ev: OutputEvent) -> dict[str, Any] | None:
+        if not ev.text and not ev.logprobs and ev.finish_reason is None:
+            return None
+        return {
+            "index": ev.index,
+            "delta": {"content": ev.text} if ev.text else {},
+            "logprobs": self.logprobs(gen, ev.logprobs) if gen.want_logprobs and ev.logprobs else None,
+            "finish_reason": ev.finish_reason,
+        }
+
+    def full(self, gen: Generation, res: ChoiceResult) -> dict[str, Any]:
+        return {
+            "index": res.index,
+            "message": {"role": "assistant", "content": "".join(res.text)},
+            "logprobs": self.logprobs(gen, res.logprobs) if gen.want_logprobs else None,
+            "finish_reason": res.finish_reason,
+        }
+
+    @staticmethod
+    def logprobs(gen: Generation, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+        k = gen.params.logprobs or 0
+        tok = gen.token_text
+        content = []
+        for lp in lps:
+            t = tok(lp.token_id)
+            content.append({
+                "token": t,
+                "logprob": json_logprob(lp.logprob),
+                "bytes": list(t.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": (tt := tok(tid)), "logprob": json_logprob(v), "bytes": list(tt.encode("utf-8"))}
+                    for tid, v in lp.top[:k]
+                ],
+            })
+        return {"content": content}
+
+
+async def chat(serving: OpenAIServing, request: Request, arrival: float) -> Response:
+    req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+    serving.check_model(req.model)
+    serving.check_ready()
+    messages = chat_messages(req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise RequestError("'top_logprobs' requires 'logprobs' to be true", 400, param="top_logprobs")
+    num_lp = (req.top_logprobs or 0) if req.logprobs else None
+    explicit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    mml = serving.client.max_model_len
+    add_gen = req.add_generation_prompt if req.add_generation_prompt is not None else True
+    try:
+        tok = await serving.prompts.encode_chat(messages, add_gen, mml - (explicit or 1))
+    except RequestError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
+        raise RequestError(f"cannot apply the chat template: {exc}", 400, param="messages") from None
+    n_prompt = tok.num_tokens
+    if n_prompt == 0:
+        raise RequestError("the chat template produced an empty prompt", 400, param="messages")
+    if explicit is None:
+        if n_prompt >= mml:
+            raise RequestError(
+                f"This model's maximum context length is {mml} tokens, but the prompt has {n_prompt} tokens "
+                f"(no room for the completion)", 400, param="messages")
+        max_tokens = mml - n_prompt
+    else:
+        max_tokens = explicit
+    params = serving.params(req, max_tokens, num_lp)
+    serving.check_length(n_prompt, max_tokens, param_name)
+    ids = tok.ids if tok.ids is not None else []  # within the limit, or check_length raised
+    return await serving.generate(request, "chatcmpl", req, [Prompt(ids, None)], params, arrival,
+                                  ChatEndpoint())

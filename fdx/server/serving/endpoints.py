@@ -1,0 +1,104 @@
+""":class:`OpenAIServing`: what the two OpenAI endpoints share in the API
+process (the tokenizer, the :class:`~fdx.output_processor.OutputProcessor`
+over the chosen token processor, the off-loop prompt tokenizer), the checks
+both make (model name, readiness, context length, overload), and the route
+entry points, which hand over to ``completions.py`` and ``chat.py``."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from fdx.core.config import EngineConfig
+from fdx.core.errors import RequestError
+from fdx.core.messages import SamplingParams
+from fdx.output_processor import OutputProcessor
+from fdx.server.client import EngineClient, EngineUnavailable
+from fdx.server.protocol import sampling_params
+from fdx.server.serving import chat as chat_endpoint
+from fdx.server.serving import completions as completions_endpoint
+from fdx.server.serving.generation import Endpoint, Generation, Prompt, respond
+from fdx.server.serving.prompts import PromptTokenizer
+
+
+class OpenAIServing:
+    """Holds the tokenizer / token processor and serves the two endpoints."""
+
+    def __init__(self, config: EngineConfig, client: EngineClient, metrics: Any = None) -> None:
+        self.config = config
+        self.client = client
+        self.metrics = metrics
+        self.tokenizer: Any = None
+        self.processor: Any = None
+        self.outputs: OutputProcessor | None = None
+        self.prompts: PromptTokenizer = None  # type: ignore[assignment]  # set with the tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    def set_tokenizer(self, tokenizer: Any, processor: Any) -> None:
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.outputs = OutputProcessor(processor)
+        self.prompts = PromptTokenizer(tokenizer)
+
+    def unavailable_reason(self) -> str | None:
+        r = self.client.unavailable_reason()
+        if r is None and self.tokenizer is None:
+            r = "server is starting (loading the tokenizer)"
+        return r
+
+    # -- routes -----------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await completions_endpoint.completions(self, request, time.time())
+
+    async def chat(self, request: Request) -> Response:
+        return await chat_endpoint.chat(self, request, time.time())
+
+    # -- checks both endpoints make ---------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name and name not in (self.config.model_name, self.config.model):
+            raise RequestError(f"The model '{name}' does not exist (this server serves '{self.model_name}')",
+                               404, param="model")
+
+    def check_ready(self) -> None:
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise EngineUnavailable(reason)
+
+    def params(self, req: Any, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
+        return sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
+                               max_logprobs=self.config.max_logprobs, vocab_size=self.tokenizer.vocab_size)
+
+    def check_length(self, n_prompt: int, max_tokens: int, param: str) -> None:
+        mml = self.client.max_model_len
+        if n_prompt + max_tokens > mml:
+            raise RequestError(
+                f"This model's maximum context length is {mml} tokens. However, you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
+                f"Please reduce the prompt or {param}.", 400, param=param)
+
+    # -- generation -------------------------------------------------------
+
+    async def generate(self, request: Request, prefix: str, req: Any, prompts: list[Prompt],
+                       params: SamplingParams, arrival: float, endpoint: Endpoint) -> Response:
+        """Submit the request's choices and reply (streaming or not)."""
+        total = len(prompts) * params.n
+        waiting = self.client.num_waiting()
+        if waiting + total > self.config.max_waiting:
+            raise RequestError(
+                f"server is overloaded: {waiting} requests waiting (limit --max-waiting {self.config.max_waiting})",
+                429)
+        assert self.outputs is not None  # check_ready() passed: the tokenizer is set
+        gen = Generation(self.config, self.client, self.outputs, req.request_id or f"{prefix}-{uuid.uuid4().hex}",
+                         prompts, params, self.model_name)
+        gen.submit(arrival)
+        so = req.stream_options
+        return await respond(request, gen, endpoint, bool(req.stream), bool(req.stream and so and so.include_usage))

@@ -1,0 +1,315 @@
+"""One HTTP request's generation, shared by both endpoints.
+
+:class:`Generation` submits a request's ``len(prompts) * n`` engine
+requests (choice ``j`` of prompt ``p`` has index ``p * n + j`` and seed
+``seed + j``), all feeding one sink queue, and turns what arrives into
+batches of :class:`~fdx.output_processor.OutputEvent` through the shared
+:class:`~fdx.output_processor.OutputProcessor` (the same one ``fdx.LLM``
+uses).  :func:`respond` builds the reply from that one event stream: SSE
+chunks as the events come, or, for a non-streaming request, the same events
+collected into one JSON body, so the two cannot drift apart.  An
+:class:`Endpoint` says how each endpoint renders a choice.
+
+Invariants: every engine request submitted is finished, aborted or failed
+before the handler returns or the stream closes (no leaked KV blocks); a
+choice the front end ends itself (a stop string, a token-processor failure)
+is aborted in the engine at once; one failed choice fails its HTTP request
+only (a 5xx envelope, or an error event in a stream), never another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, Sequence
+
+import attrs
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from fdx.core.errors import RequestError
+from fdx.core.messages import RequestOutput, SamplingParams, TokenLogprob
+from fdx.output_processor import ChoiceState, OutputEvent, OutputProcessor, Usage
+from fdx.server.protocol import error_body
+from fdx.server.sse import EventStreamResponse
+
+if TYPE_CHECKING:
+    from fdx.core.config import EngineConfig
+    from fdx.server.client import EngineClient, RequestHandle
+
+
+def json_logprob(v: float) -> float:
+    """A JSON-safe logprob (-inf, as from a masked token, becomes -9999.0 as in vLLM)."""
+    return v if math.isfinite(v) else -9999.0
+
+
+class ClientGone(Exception):
+    """Put on a sink when the client of a non-streaming request disconnects."""
+
+
+class TimedOut(Exception):
+    """Put on a sink when a non-streaming request runs past ``request_timeout``."""
+
+
+@attrs.define
+class Prompt:
+    """One prompt of a request: its token ids and, for echo, its text."""
+
+    ids: list[int]
+    text: str | None
+
+
+@attrs.define
+class ChoiceResult:
+    """The events of one choice collected (a non-streaming reply)."""
+
+    index: int
+    prompt_index: int
+    text: list[str] = attrs.field(factory=list)
+    logprobs: list[TokenLogprob] = attrs.field(factory=list)
+    finish_reason: str | None = None
+
+    def add(self, ev: OutputEvent) -> None:
+        if ev.text:
+            self.text.append(ev.text)
+        self.logprobs.extend(ev.logprobs)
+        if ev.finish_reason is not None:
+            self.finish_reason = ev.finish_reason
+
+
+class Endpoint(Protocol):
+    """How one endpoint renders its choices (see ``completions``/``chat``)."""
+
+    object_full: str  # "text_completion" / "chat.completion"
+    object_chunk: str  # "text_completion" / "chat.completion.chunk"
+
+    def head(self, gen: Generation) -> list[dict[str, Any]]:
+        """Choices of the first SSE chunk (role, echo), possibly none."""
+
+    def delta(self, gen: Generation, ev: OutputEvent) -> dict[str, Any] | None:
+        """One SSE choice for one event, or ``None`` when it says nothing."""
+
+    def full(self, gen: Generation, res: ChoiceResult) -> dict[str, Any]:
+        """One choice of the non-streaming body."""
+
+
+class Generation:
+    """The engine requests of one HTTP request and their event stream."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        client: EngineClient,
+        outputs: OutputProcessor,
+        request_id: str,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        model_name: str,
+    ) -> None:
+        self.config = config
+        self.client = client
+        self.outputs = outputs
+        self.id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.model = model_name
+        self.created = int(time.time())
+        self.sink: asyncio.Queue[tuple[Any, Any]] = asyncio.Queue()
+        self.states: list[ChoiceState] = []
+        self.handles: list[RequestHandle] = []
+
+    @property
+    def want_logprobs(self) -> bool:
+        return self.params.logprobs is not None
+
+    def submit(self, arrival: float) -> None:
+        """Open every choice and send it to the engine; on any failure the
+        ones already sent are aborted and the error propagates."""
+        n = self.params.n
+        total = len(self.prompts) * n
+        engine_params = attrs.evolve(self.params, n=1)
+        try:
+            for p_idx, prompt in enumerate(self.prompts):
+                for j in range(n):
+                    idx = p_idx * n + j
+                    sp = engine_params if self.params.seed is None else attrs.evolve(engine_params,
+                                                                                     seed=self.params.seed + j)
+                    rid = self.id if total == 1 else f"{self.id}-{idx}"
+                    state = self.outputs.open(rid, idx, p_idx, prompt.ids, sp)
+                    self.handles.append(self.client.submit(rid, prompt.ids, sp, arrival, self.sink, tag=state))
+                    self.states.append(state)
+        except BaseException:
+            self.abort("request rejected")
+            raise
+
+    def abort(self, reason: str) -> None:
+        """Abort every choice still running in the engine."""
+        self.client.abort(self.handles, reason)
+
+    def usage(self) -> Usage:
+        return Usage.of(self.states)
+
+    async def events(self) -> AsyncIterator[list[OutputEvent]]:
+        """Batches of events (everything that arrived together) until every
+        choice ended.  Raises :class:`RequestError` when a choice failed or
+        the request was cut short (client gone, timeout, engine down); the
+        events before the failure in its batch are yielded first."""
+        pending = len(self.states)
+        sink = self.sink
+        process = self.outputs.process
+        while pending > 0:
+            items = [await sink.get()]
+            while not sink.empty():
+                items.append(sink.get_nowait())
+            batch: list[OutputEvent] = []
+            error: RequestError | None = None
+            for h, x in items:
+                if not isinstance(x, RequestOutput):
+                    error = self._cut_short(x)
+                    break
+                ev = process(h.tag, x)
+                if ev is None:
+                    continue
+                if ev.failure is not None:
+                    if ev.abort_in_engine:
+                        self.client.abort([h], ev.failure.message)
+                    error = RequestError(ev.failure.message, ev.failure.code)
+                    break
+                if ev.abort_in_engine:  # a stop string: ends normally, the engine is told to stop
+                    self.client.finish(h, "stop")
+                if ev.finish_reason is not None:
+                    pending -= 1
+                batch.append(ev)
+            if batch:
+                yield batch
+            if error is not None:
+                raise error
+
+    def _cut_short(self, x: Any) -> RequestError:
+        if isinstance(x, ClientGone):
+            return RequestError("client disconnected", 499)
+        if isinstance(x, TimedOut):
+            return RequestError(f"request timed out after {self.config.request_timeout:g}s", 504)
+        if isinstance(x, RequestError):
+            return x
+        return RequestError("internal error while generating", 500)
+
+    # -- logprobs, both endpoints ----------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        return self.outputs.token_text(token_id)
+
+    def echo_text(self, prompt_index: int) -> str:
+        p = self.prompts[prompt_index]
+        if p.text is None:
+            p.text = self.outputs.token_processor.tokenizer.decode(p.ids, skip_special_tokens=False)
+        return p.text
+
+
+async def watch(request: Request, sink: asyncio.Queue[tuple[Any, Any]], timeout: float) -> None:
+    """Put a sentinel on ``sink`` when the client disconnects or the request
+    runs past ``timeout`` seconds (non-streaming requests)."""
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    sink.put_nowait((None, ClientGone()))
+                    return
+    except TimeoutError:
+        sink.put_nowait((None, TimedOut()))
+
+
+def usage_body(u: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+async def respond(request: Request, gen: Generation, endpoint: Endpoint, stream: bool,
+                  include_usage: bool) -> Response:
+    """The reply of a submitted generation, streaming or not, from
+    ``gen.events()``.  Every choice still running when this fails or the
+    stream closes is aborted."""
+    agen = gen.events()
+    if not stream:
+        watcher = asyncio.get_running_loop().create_task(watch(request, gen.sink, gen.config.request_timeout))
+        try:
+            results = [ChoiceResult(s.index, s.prompt_index) for s in gen.states]
+            async for batch in agen:
+                for ev in batch:
+                    results[ev.index].add(ev)
+        finally:
+            watcher.cancel()
+            gen.abort("request failed")
+        return JSONResponse({
+            "id": gen.id,
+            "object": endpoint.object_full,
+            "created": gen.created,
+            "model": gen.model,
+            "choices": [endpoint.full(gen, r) for r in results],
+            "usage": usage_body(gen.usage()),
+            "system_fingerprint": None,
+        })
+    try:
+        first = await agen.__anext__()  # an error before any output -> a plain HTTP error
+    except BaseException:
+        gen.abort("request failed")
+        raise
+    return EventStreamResponse(_sse(gen, endpoint, agen, first, include_usage),
+                               lambda: gen.abort("client disconnected"))
+
+
+def _chunk(gen: Generation, endpoint: Endpoint, choices: list[dict[str, Any]], include_usage: bool) -> bytes:
+    body = {
+        "id": gen.id,
+        "object": endpoint.object_chunk,
+        "created": gen.created,
+        "model": gen.model,
+        "choices": choices,
+    }
+    if include_usage:
+        body["usage"] = None
+    return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _sse(gen: Generation, endpoint: Endpoint, agen: AsyncIterator[list[OutputEvent]],
+               first: list[OutputEvent], include_usage: bool) -> AsyncIterator[bytes]:
+    try:
+        head = endpoint.head(gen)
+        if head:
+            yield _chunk(gen, endpoint, head, include_usage)
+        batch: Sequence[OutputEvent] | None = first
+        while batch is not None:
+            # one chunk per choice event keeps clients that read choices[0] correct
+            out = [_chunk(gen, endpoint, [c], include_usage) for ev in batch
+                   if (c := endpoint.delta(gen, ev)) is not None]
+            if out:
+                yield b"".join(out)
+            try:
+                batch = await agen.__anext__()
+            except StopAsyncIteration:
+                batch = None
+            except RequestError as exc:
+                yield b"data: " + json.dumps(error_body(str(exc), exc.code, exc.param)).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                return
+        if include_usage:
+            body = {
+                "id": gen.id,
+                "object": endpoint.object_chunk,
+                "created": gen.created,
+                "model": gen.model,
+                "choices": [],
+                "usage": usage_body(gen.usage()),
+            }
+            yield b"data: " + json.dumps(body).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+    finally:
+        gen.abort("stream closed")
+        await agen.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,112 @@
+"""Prompt tokenization off the event loop, and memory given back after it.
+
+Encoding a prompt of a few MiB takes seconds of CPU.  Run on the event
+loop, it would stall ``/health`` and every open stream for that long; so a
+long text (more than :data:`INLINE_CHARS` characters) is rendered and
+encoded in a worker thread (the ``tokenizers`` batch encoder releases the
+GIL meanwhile, see ``fdx/model/tokenizer.py``).  A prompt longer than the
+caller's token limit never reaches the event loop as a list: only its length
+comes back.  After a text of :data:`RELEASE_CHARS` characters or more the
+worker runs the garbage collector and glibc's ``malloc_trim``, so the
+tokenizer's transient buffers go back to the OS instead of staying in the
+API process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import functools
+import gc
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable
+
+import attrs
+
+if TYPE_CHECKING:
+    from fdx.core.interfaces import Tokenizer
+
+log = logging.getLogger("fdx.server")
+
+#: texts up to this many characters are tokenized inline (a thread hop costs more)
+INLINE_CHARS = 8192
+#: after tokenizing a text at least this long, give freed memory back to the OS
+RELEASE_CHARS = 1 << 20
+#: tokenizer worker threads (the encoder itself is multi-threaded for long texts)
+WORKERS = 2
+
+
+@attrs.frozen
+class Tokenized:
+    """A tokenized prompt: ``ids``, or ``None`` when it had more than the
+    caller's limit of tokens; ``num_tokens`` either way."""
+
+    ids: list[int] | None
+    num_tokens: int
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def release_memory() -> None:
+    """Collect garbage and return free heap pages to the OS (glibc)."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+class PromptTokenizer:
+    """Encodes prompts for the API process without blocking its event loop."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._pool: ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    async def encode(self, text: str, add_special_tokens: bool, limit: int) -> Tokenized:
+        """``text`` -> token ids (at most ``limit`` of them are returned)."""
+        return await self._run(len(text), self._encode, text, add_special_tokens, limit)
+
+    async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          limit: int) -> Tokenized:
+        """Render the chat template, then encode it (no BOS added)."""
+        size = sum(len(m.get("content") or "") for m in messages)
+        return await self._run(size, self._encode_chat, messages, add_generation_prompt, limit)
+
+    async def _run(self, size: int, fn: Callable[..., Tokenized], *args: Any) -> Tokenized:
+        if size <= INLINE_CHARS:
+            return fn(*args)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="fdx-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._big, size, fn, args)
+
+    @staticmethod
+    def _big(size: int, fn: Callable[..., Tokenized], args: tuple[Any, ...]) -> Tokenized:
+        try:
+            return fn(*args)
+        finally:
+            if size >= RELEASE_CHARS:
+                release_memory()
+
+    def _encode(self, text: str, add_special_tokens: bool, limit: int) -> Tokenized:
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        n = len(ids)
+        return Tokenized(ids if n <= limit else None, n)
+
+    def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     limit: int) -> Tokenized:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        n = len(ids)
+        return Tokenized(ids if n <= limit else None, n)
