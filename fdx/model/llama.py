@@ -93,6 +93,9 @@ class LlamaModel:
         self.args = args
         self.ops = native_ops
         self.max_pos = max_pos
+        from fdx.model.native import has_avx512
+
+        self.fused_norm = not paddle.get_device().startswith("cpu") or has_avx512()
         self.scale = 1.0 / math.sqrt(args.head_dim)
         rt = rope_table(args, max_pos)
         self.rope = paddle.to_tensor(rt)
@@ -231,13 +234,20 @@ class LlamaModel:
 
             def add_norm(x: paddle.Tensor, res: paddle.Tensor | None, w: paddle.Tensor) -> Any:
                 return add_norm_op(x, self._no_residual if res is None else res, w, eps)
-        else:
+        elif self.fused_norm:
             swiglu = F.swiglu
 
             def add_norm(x: paddle.Tensor, res: paddle.Tensor | None, w: paddle.Tensor) -> Any:
                 if res is None:
                     return fused_rms_norm(x, w, None, eps, 1)[0], x
                 return fused_rms_norm(x, w, None, eps, 1, residual=res)
+        else:  # Paddle's CPU fused_rms_norm is AVX-512 only (SIGILL elsewhere)
+            swiglu = F.swiglu
+
+            def add_norm(x: paddle.Tensor, res: paddle.Tensor | None, w: paddle.Tensor) -> Any:
+                if res is not None:
+                    x = x + res
+                return x * paddle.rsqrt(paddle.mean(x * x, axis=-1, keepdim=True) + eps) * w, x
 
         x = F.embedding(step.ids, self.embed)
         residual = None

@@ -50,6 +50,9 @@ def load_ops() -> Any:
     _tried = True
     if os.environ.get("FDX_NATIVE_OPS", "1") == "0":
         return None
+    if not has_avx512():
+        log.warning("fdx native CPU ops need AVX-512, which this CPU lacks; using pure Paddle ops")
+        return None
     try:
         _ops = _build()
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the fallback"
@@ -79,6 +82,12 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return ""
+
+
+def has_avx512() -> bool:
+    """Whether this CPU runs AVX-512F code (the C++ ops and Paddle's fused
+    CPU RMSNorm kernel use it; they die with SIGILL where it is missing)."""
+    return " avx512f" in _cpu_flags()
 
 
 def _build() -> Any:
