@@ -18,7 +18,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--model", help="'smollm2' (default, the embedded SmolLM2-135M-Instruct GGUF), a .gguf file or a Hugging Face folder")
     m.add_argument("--served-model-name", help="model name reported by the API (default: --model)")
-    m.add_argument("--dtype", help="compute dtype (float32)")
+    m.add_argument("--dtype", help="weights/KV dtype: auto (default: float32 on the CPU, bfloat16 or float16 on GPUs), bfloat16, float16, float32")
     m.add_argument("--max-model-len", type=int, help="longest prompt + output, in tokens")
     m.add_argument("--seed", type=int, help="default sampling seed")
 
@@ -38,6 +38,15 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-logprobs", type=int, help="largest logprobs/top_logprobs allowed (default 20)")
     s.add_argument("--log-level", help="debug, info, warning, error")
 
+    v = p.add_argument_group("engine supervision")
+    v.add_argument("--max-engine-restarts", type=int,
+                   help="restart a crashed or hung engine at most this many times per --restart-window, "
+                        "then exit non-zero (default 5; 0: exit at the first crash)")
+    v.add_argument("--restart-window", type=float, help="seconds over which engine restarts are counted (default 300)")
+    v.add_argument("--step-timeout", type=float,
+                   help="seconds an engine step may run (or the engine stay silent) before it counts as hung "
+                        "and is killed and restarted (default 120)")
+
     c = p.add_argument_group("scheduling and KV cache")
     c.add_argument("--max-num-seqs", type=int, help="max sequences per step (default 64)")
     c.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default 512)")
@@ -52,7 +61,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     k.add_argument("--token-processor", help="token processor plugin (default 'default')")
     k.add_argument("--cache-backend", help="KV storage backend plugin (default: none)")
     k.add_argument("--cache-backend-config", help="JSON object passed to the cache backend")
-    k.add_argument("--device", help="device plugin (default cpu)")
+    k.add_argument("--device", help="device plugin, NAME or NAME:INDEX (default cpu; e.g. cuda:1 for the second GPU)")
     k.add_argument("--model-runner", help="model runner plugin (default: the device's own, e.g. 'cpu' for --device cpu)")
     k.add_argument("--num-threads", type=int, help="compute threads (default: all cores)")
     k.add_argument("--disable-plugin", dest="disable_plugins", action="append", metavar="NAME",
@@ -102,7 +111,9 @@ def check_component_names(cfg: Any, plugins: Any) -> None:
     """Fail early, listing the choices, for an unknown component name."""
     plugins.registry("scheduler").get(cfg.scheduler)
     plugins.registry("token_processor").get(cfg.token_processor)
-    plugins.registry("device").get(cfg.device)
+    from fdx.core.config import split_device
+
+    plugins.registry("device").get(split_device(cfg.device)[0])
     if cfg.model_runner:
         plugins.registry("model_runner").get(cfg.model_runner)
     if cfg.cache_backend:

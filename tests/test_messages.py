@@ -20,9 +20,9 @@ SAMPLES: dict[type, object] = {
     m.EngineStats: m.EngineStats(num_running=2, num_waiting=1, kv_blocks_total=10, kv_blocks_used=4, is_paused=True),
     m.OutputBatch: m.OutputBatch((m.RequestOutput("x", (1,)), m.RequestOutput("y", (), "error", error="boom", error_code=500)), m.EngineStats()),
     m.ControlReply: m.ControlReply("c1", 200, {"aborted": [{"request_id": "a", "output_token_count": 3}], "not_found": []}),
-    m.Heartbeat: m.Heartbeat(1.5, m.EngineStats(steps=9)),
+    m.Heartbeat: m.Heartbeat(1.5, m.EngineStats(steps=9), pid=4321, steps=9, busy_s=2.25),
     m.EngineReady: m.EngineReady(123, 64, 2048, "smollm2", "v2"),
-    m.EngineFailed: m.EngineFailed("no model", "Traceback..."),
+    m.EngineFailed: m.EngineFailed("no model", "Traceback...", pid=4321),
 }
 
 

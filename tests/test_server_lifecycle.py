@@ -1,5 +1,6 @@
-"""`fdx serve` process life cycle: engine death and hang, clean SIGTERM,
-engine start-up failure."""
+"""`fdx serve` process life cycle: a frozen engine that comes back, clean
+SIGTERM, engine start-up failure.  Crashes and restarts:
+tests/test_engine_supervisor.py."""
 
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ def _wait_503(base: str, limit: float) -> float:
     raise AssertionError("/health never turned 503")
 
 
-@pytest.mark.parametrize("how", ["kill", "hang"])
+@pytest.mark.parametrize("how", ["hang"])  # a killed engine: tests/test_engine_supervisor.py
 def test_engine_death_turns_health_503(how: str) -> None:
+    # the default --step-timeout (120 s) is far off: a short freeze is survived without a restart
     with start_server() as (base, proc):
         pid = httpx.get(base + "/health").json()["engine_pid"]
         out: dict[str, Any] = {}

@@ -30,6 +30,21 @@ def _non_negative(inst: Any, att: attrs.Attribute, value: Any) -> None:
         raise ConfigError(f"{_flag(att.name)} must be >= 0, got {value}")
 
 
+def split_device(spec: str) -> tuple[str, int | None]:
+    """``--device`` as ``(plugin name, index)``: ``"cuda:1"`` -> ``("cuda", 1)``,
+    ``"cpu"`` -> ``("cpu", None)``.  A malformed index is a one-line error."""
+    name, sep, idx = str(spec).strip().partition(":")
+    if not sep:
+        return name, None
+    if not name or not idx.isdigit():
+        raise ConfigError(f"--device {spec}: expected NAME or NAME:INDEX, INDEX a non-negative integer (e.g. cuda:0)")
+    return name, int(idx)
+
+
+def _device(inst: Any, att: attrs.Attribute, value: str) -> None:
+    split_device(value)
+
+
 def _port(inst: Any, att: attrs.Attribute, value: int) -> None:
     if not 0 <= value <= 65535:
         raise ConfigError(f"{_flag(att.name)} must be a TCP port (0-65535), got {value}")
@@ -42,7 +57,7 @@ class EngineConfig:
     # model
     model: str = "smollm2"
     served_model_name: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"  # the runner decides: float32 on the CPU, bfloat16/float16 on GPUs
     max_model_len: int | None = attrs.field(default=None, validator=_positive)
     seed: int = 0
 
@@ -76,7 +91,7 @@ class EngineConfig:
     token_processor: str = "default"
     cache_backend: str | None = None
     cache_backend_config: dict[str, Any] = attrs.field(factory=dict)
-    device: str = "cpu"
+    device: str = attrs.field(default="cpu", validator=_device)  # NAME or NAME:INDEX
     #: ``None``: the device's :attr:`~fdx.core.interfaces.Device.default_runner`
     model_runner: str | None = None
     num_threads: int | None = attrs.field(default=None, validator=_positive)
@@ -89,6 +104,13 @@ class EngineConfig:
     ipc_dir: str | None = None
     heartbeat_interval: float = attrs.field(default=0.5, validator=_positive)
     heartbeat_timeout: float = attrs.field(default=3.0, validator=_positive)
+    #: a step (or any unit of the engine loop) running this long, or engine
+    #: silence this long, is a hang: the engine is killed and restarted
+    step_timeout: float = attrs.field(default=120.0, validator=_positive)
+    #: the supervisor restarts a dead engine at most this many times per
+    #: ``restart_window`` seconds, then ``fdx serve`` exits non-zero
+    max_engine_restarts: int = attrs.field(default=5, validator=_non_negative)
+    restart_window: float = attrs.field(default=300.0, validator=_positive)
     log_level: str = "info"
     log_stats_interval: float = 10.0
 

@@ -2,8 +2,10 @@
 
 Loop: drain input messages -> ``engine.step()`` -> send one OutputBatch.
 When there is no work it blocks in ``poll`` (no busy spin).  A heartbeat
-thread sends :class:`Heartbeat` every ``heartbeat_interval`` seconds so the
-front end can tell a dead or frozen engine from a busy one.
+thread sends :class:`Heartbeat` every ``heartbeat_interval`` seconds with
+the loop's :class:`Progress` (finished steps, seconds inside the current
+step), so the front end can tell a dead, frozen or hung-in-a-step engine
+from a busy one.  The config arrives on an inherited pipe (``--config-fd``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import zmq
 
 from fdx.core.config import EngineConfig
 from fdx.core.errors import FdxError
-from fdx.core.ipc import EngineSide, IpcPaths, pid_alive
+from fdx.core.ipc import EngineSide, IpcPaths, child_args, pid_alive
 from fdx.core.logs import setup_logging
 from fdx.core.messages import (
     AbortRequest,
@@ -38,12 +40,29 @@ from fdx.core.messages import (
 log = logging.getLogger("fdx.engine")
 
 
+class Progress:
+    """What the engine loop is doing, read by the heartbeat thread.
+
+    ``busy_since`` is the ``time.monotonic()`` at which the loop entered its
+    current unit of work (``None`` while it waits for input); ``steps``
+    counts finished steps.  Plain attribute writes: atomic under the GIL."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.busy_since: float | None = None
+
+    def busy_s(self) -> float:
+        since = self.busy_since  # read once: the loop may clear it meanwhile
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
+
 class _Beat(threading.Thread):
     """Sends heartbeats on its own socket (ZMQ sockets are per thread)."""
 
-    def __init__(self, paths: IpcPaths, interval: float, get_stats) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, paths: IpcPaths, interval: float, get_stats, progress: Progress) -> None:  # type: ignore[no-untyped-def]
         super().__init__(daemon=True, name="fdx-heartbeat")
         self.paths, self.interval, self.get_stats = paths, interval, get_stats
+        self.progress = progress
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -51,9 +70,12 @@ class _Beat(threading.Thread):
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.paths.output_addr)
+        pid = os.getpid()
         while not self.stop.wait(self.interval):
+            p = self.progress
             try:
-                sock.send(encode(Heartbeat(time.time(), self.get_stats())), zmq.NOBLOCK)
+                beat = Heartbeat(time.time(), self.get_stats(), pid=pid, steps=p.steps, busy_s=p.busy_s())
+                sock.send(encode(beat), zmq.NOBLOCK)
             except Exception:  # noqa: BLE001 - stats may be mid-update; next beat will do
                 pass
         sock.close(0)
@@ -69,18 +91,19 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
 
         engine = Engine(config)
     except FdxError as exc:
-        side.send(EngineFailed(str(exc), exc.details or ""))
+        side.send(EngineFailed(str(exc), exc.details or "", pid=os.getpid()))
         log.error("engine failed to start: %s", exc)
         side.close()
         return 1
     except Exception as exc:  # noqa: BLE001
-        side.send(EngineFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        side.send(EngineFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc(), pid=os.getpid()))
         log.exception("engine failed to start")
         side.close()
         return 1
 
     stats_cache = [engine.stats()]
-    beat = _Beat(paths, config.heartbeat_interval, lambda: stats_cache[0])
+    progress = Progress()
+    beat = _Beat(paths, config.heartbeat_interval, lambda: stats_cache[0], progress)
     beat.start()
     side.send(
         EngineReady(
@@ -96,7 +119,9 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
     try:
         while True:
             timeout = 0 if engine.has_work() else config.heartbeat_interval * 1000
+            progress.busy_since = None
             if side.poll(timeout):
+                progress.busy_since = time.monotonic()
                 while (msg := side.recv_nowait()) is not None:
                     if isinstance(msg, AddRequest):
                         engine.add_request(msg)
@@ -114,7 +139,9 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
                         log.info("engine shutting down: %s", msg.reason or "requested")
                         return 0
             if engine.has_work():
+                progress.busy_since = time.monotonic()
                 outputs = engine.step()
+                progress.steps += 1
                 stats = engine.stats()
                 stats_cache[0] = stats
                 if outputs:
@@ -128,7 +155,8 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
     except Exception as exc:  # noqa: BLE001
         log.exception("engine crashed")
         try:
-            side.send(EngineFailed(f"engine crashed: {type(exc).__name__}: {exc}", traceback.format_exc()))
+            side.send(EngineFailed(f"engine crashed: {type(exc).__name__}: {exc}", traceback.format_exc(),
+                                     pid=os.getpid()))
         except Exception:  # noqa: BLE001
             pass
         return 1
@@ -181,13 +209,12 @@ class StatsLogger:
 
 
 def main() -> None:
-    """``python -m fdx.core.engine_proc CONFIG_JSON RUN_DIR PARENT_PID``"""
-    import json
-
+    """``python -m fdx.core.engine_proc --config-fd FD RUN_DIR PARENT_PID``
+    (the config JSON arrives on the inherited pipe FD, never in argv)."""
     from fdx.core.config import make_config
 
-    cfg = make_config(**json.loads(sys.argv[1]))
-    sys.exit(run_engine(cfg, IpcPaths(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None))
+    values, run_dir, parent_pid = child_args(sys.argv[1:])
+    sys.exit(run_engine(make_config(**values), IpcPaths(run_dir), parent_pid))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ waiting forever on a socket.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -47,6 +48,30 @@ def make_run_dir(base: str | None = None) -> IpcPaths:
     base = base or os.environ.get("FDX_RUN_DIR") or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)
     return IpcPaths(tempfile.mkdtemp(prefix=f"fdx-{os.getpid()}-", dir=base))
+
+
+def write_config(fd: int, config_json: str) -> None:
+    """Write the config to the child's end of an inherited pipe and close
+    it (the config never travels in argv, where ``ps`` shows it).  A child
+    that died before reading it is not an error here: its exit is seen."""
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(config_json.encode("utf-8"))
+    except BrokenPipeError:
+        pass
+
+
+def read_config(fd: int) -> dict[str, Any]:
+    """Read the config JSON a launcher wrote to inherited pipe ``fd``."""
+    with os.fdopen(fd, "rb") as f:
+        return json.loads(f.read().decode("utf-8"))
+
+
+def child_args(argv: list[str]) -> tuple[dict[str, Any], str, int | None]:
+    """Parse a child process's ``--config-fd FD RUN_DIR [PARENT_PID]``."""
+    if len(argv) < 3 or argv[0] != "--config-fd":
+        raise SystemExit("usage: --config-fd FD RUN_DIR [PARENT_PID]")
+    return read_config(int(argv[1])), argv[2], int(argv[3]) if len(argv) > 3 else None
 
 
 def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
@@ -105,8 +130,13 @@ class FrontendSide:
     async def send(self, msg: Message) -> None:
         await self.inp.send(encode(msg))
 
-    def send_nowait(self, msg: Message) -> None:
-        self.inp.send(encode(msg), zmq.NOBLOCK)
+    def send_nowait(self, msg: Message) -> Any:
+        return self.send_bytes_nowait(encode(msg))
+
+    def send_bytes_nowait(self, data: bytes) -> Any:
+        """Queue already-encoded bytes; returns pyzmq's send future (which
+        holds ``zmq.Again`` when no engine is connected)."""
+        return self.inp.send(data, zmq.NOBLOCK)
 
     async def recv(self) -> Message:
         return decode(await self.out.recv())
@@ -119,15 +149,42 @@ class FrontendSide:
 
 @attrs.define
 class Liveness:
-    """Tracks whether the engine is alive from its heartbeats and pid."""
+    """Tracks whether the engine is alive from its heartbeats and pid.
+
+    Two bounds: no message for ``timeout`` seconds means *unresponsive*
+    (requests fail with 503; it may still come back), and no progress for
+    ``step_timeout`` seconds -- a step running that long per the heartbeat's
+    ``busy_s``, or silence that long -- means *hung*: the front end kills
+    it, and the supervisor starts a new one."""
 
     timeout: float
+    step_timeout: float = 120.0
     pid: int | None = None
     last_seen: float = attrs.field(factory=time.monotonic)
+    busy_s: float = 0.0  # the engine loop's busy time at ``last_seen``
+    steps: int = 0
     dead_reason: str | None = None
 
-    def beat(self) -> None:
+    def beat(self, busy_s: float = 0.0, steps: int | None = None) -> None:
         self.last_seen = time.monotonic()
+        self.busy_s = busy_s
+        if steps is not None:
+            self.steps = steps
+
+    def stalled_s(self) -> float:
+        """Seconds without progress: the step in progress at the last
+        message plus the silence since."""
+        return self.busy_s + (time.monotonic() - self.last_seen)
+
+    def hung(self) -> str | None:
+        """A reason when the engine made no progress for ``step_timeout``."""
+        stalled = self.stalled_s()
+        if stalled <= self.step_timeout:
+            return None
+        silent = time.monotonic() - self.last_seen
+        if silent > self.timeout:
+            return f"engine sent nothing for {silent:.0f}s (hung; --step-timeout {self.step_timeout:g}s)"
+        return f"engine step has run for {stalled:.0f}s (hung; --step-timeout {self.step_timeout:g}s)"
 
     def check(self) -> str | None:
         """``None`` while alive, else a one-line reason (sticky)."""
@@ -137,6 +194,8 @@ class Liveness:
             self.dead_reason = f"engine process {self.pid} exited"
         elif time.monotonic() - self.last_seen > self.timeout:
             self.dead_reason = f"engine sent no heartbeat for {self.timeout:.1f}s (hung or dead)"
+        else:
+            self.dead_reason = self.hung()
         return self.dead_reason
 
 

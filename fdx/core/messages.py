@@ -172,10 +172,20 @@ class ControlReply:
 
 @attrs.frozen
 class Heartbeat:
-    """Sent by an idle engine so the front end knows it is alive."""
+    """Sent every ``heartbeat_interval`` by the engine's heartbeat thread.
+
+    ``steps`` counts the engine loop's finished steps; ``busy_s`` is how long
+    the loop has been inside its current unit of work (a step, a control
+    call, taking inputs), 0 while it waits for input.  A ``busy_s`` above
+    ``--step-timeout`` means a hung step.  ``pid`` tells a restarted
+    engine's beats from a stale one's.
+    """
 
     time: float
     stats: EngineStats
+    pid: int = 0
+    steps: int = 0
+    busy_s: float = 0.0
 
 
 @attrs.frozen
@@ -191,10 +201,12 @@ class EngineReady:
 
 @attrs.frozen
 class EngineFailed:
-    """The engine could not start or crashed; ``message`` is one line."""
+    """The engine could not start or crashed; ``message`` is one line;
+    ``pid`` is the failing engine's (0: unknown)."""
 
     message: str
     details: str = ""
+    pid: int = 0
 
 
 Message = Union[

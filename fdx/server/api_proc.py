@@ -1,4 +1,7 @@
-"""The API-server process: ``python -m fdx.server.api_proc CONFIG_JSON RUN_DIR PARENT_PID``.
+"""The API-server process: ``python -m fdx.server.api_proc --config-fd FD RUN_DIR PARENT_PID``.
+
+The config JSON (API key included) arrives on the inherited pipe FD, so it
+never shows in ``ps``.
 
 Binds the ZMQ sockets first thing (before any heavy import), so the launcher
 can start the engine as soon as the socket files exist.  Then it runs the
@@ -63,10 +66,9 @@ def _watch_parent(parent_pid: int, server: Any) -> None:
 
 
 def main() -> None:
-    from fdx.core.ipc import FrontendSide, IpcPaths
+    from fdx.core.ipc import FrontendSide, IpcPaths, child_args
 
-    cfg_json, run_dir = sys.argv[1], sys.argv[2]
-    parent_pid = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    values, run_dir, parent_pid = child_args(sys.argv[1:])
     paths = IpcPaths(run_dir)
     side = FrontendSide(paths)  # bind now: the engine may connect any time after
 
@@ -78,7 +80,7 @@ def main() -> None:
     from fdx.server.app import create_app
     from fdx.server.client import EngineClient
 
-    config = make_config(**json.loads(cfg_json))
+    config = make_config(**values)
     setup_logging(config.log_level, process="api")
     import prometheus_client
 

@@ -14,20 +14,28 @@ another watches :class:`~fdx.core.ipc.Liveness`.  Invariants:
   ``fdx_request_aborted`` hooks (and ``fdx_request_first_token`` at most
   once), and is counted once in the metrics;
 * while the engine is unavailable, new requests and control calls fail at
-  once with 503.  Death (EngineFailed, pid gone) is final; a hang (no
-  heartbeat, pid alive) ends if the engine speaks again: the requests failed
-  meanwhile are then aborted in the engine, so none keeps KV blocks.
+  once with 503.  Silence (no heartbeat for ``heartbeat_timeout``, pid alive)
+  ends if the engine speaks again: the requests failed meanwhile are then
+  aborted in the engine, so none keeps KV blocks.  Death (EngineFailed, pid
+  gone) and a hang (no progress for ``step_timeout``: the engine is then
+  killed here) end that engine for good; the launcher starts a new one,
+  whose ``EngineReady`` (a new pid) makes this client serve again;
+* every submission is either registered and sent, or raises with nothing
+  left behind (an unencodable value is a 400 naming the field).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 import uuid
 from typing import Any, Callable, Iterable
 
 import attrs
+import msgpack
 import zmq
 
 from fdx.core.config import EngineConfig
@@ -47,6 +55,7 @@ from fdx.core.messages import (
     RequestOutput,
     SamplingParams,
     Shutdown,
+    encode,
 )
 
 log = logging.getLogger("fdx.server")
@@ -103,7 +112,7 @@ class EngineClient:
         self.side = side or FrontendSide(paths)
         self.hook = hook  # pluggy hook relay (plugins.hook) or None
         self.metrics = metrics
-        self.liveness = Liveness(config.heartbeat_timeout)
+        self.liveness = Liveness(config.heartbeat_timeout, config.step_timeout)
         self.engine: EngineReady | None = None
         self.failed: str | None = None  # EngineFailed message / death reason
         self.stats = EngineStats()
@@ -112,7 +121,14 @@ class EngineClient:
         self._calls: dict[str, asyncio.Future[ControlReply]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
-        self._hung_ids: list[str] | None = None  # set while a live engine is declared hung
+        self._hung_ids: list[str] | None = None  # set while a live engine is declared unresponsive
+        self._crash_pid: int | None = None  # the engine whose crash was last counted
+        #: new engines that became ready after a crash
+        self.restarts = 0
+        #: ``(reason, message)`` of the last crash: reason is ``crashed``
+        #: (EngineFailed), ``exited`` (pid gone), ``hung`` (killed for
+        #: --step-timeout) or ``start_failed`` (a restarted engine failed)
+        self.last_crash: tuple[str, str] | None = None
         #: called once with the reason when the engine fails or dies
         self.on_failure: list[Callable[[str, bool], None]] = []
         self.on_ready: list[Callable[[EngineReady], None]] = []
@@ -207,12 +223,25 @@ class EngineClient:
     ) -> RequestHandle:
         """Send one AddRequest; outputs arrive on ``handle.sink``."""
         self.check_available()
+        if self._closed:
+            raise EngineUnavailable("server shutting down")
         if request_id in self._live:
             raise RequestError(f"duplicate request id {request_id!r}", 400, param="request_id")
         ids = tuple(prompt_token_ids)
+        msg = AddRequest(request_id, ids, params, arrival)
+        try:
+            data = encode(msg)
+        except Exception:  # noqa: BLE001 - a value msgpack cannot carry (int >= 2**64, lone surrogate)
+            raise wire_error(msg) from None
         h = RequestHandle(request_id, len(ids), params, arrival, sink if sink is not None else asyncio.Queue(), tag)
+        # registered only once the message is on its way: no failure path leaves a handle behind
         self._live[request_id] = h
-        self._send(AddRequest(request_id, ids, params, arrival))
+        try:
+            self._send_encoded(data, "AddRequest")
+        except BaseException:
+            self._live.pop(request_id, None)
+            h.done = True
+            raise
         self._call_hook("fdx_request_added", request_id=request_id, num_prompt_tokens=len(ids), params=params,
                         time=arrival)
         return h
@@ -250,12 +279,17 @@ class EngineClient:
         (400/500) or 504 when no reply came within ``timeout`` seconds."""
         self.check_available()
         call_id = uuid.uuid4().hex
+        try:
+            data = encode(ControlRequest(call_id, method, dict(args or {})))
+        except Exception:  # noqa: BLE001 - an int >= 2**64, a lone surrogate, an unknown type
+            raise ControlCallError(f"the arguments of {method!r} cannot be sent to the engine: integers must fit "
+                                   "in 64 bits and text must be valid UTF-8", 400) from None
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[ControlReply] = loop.create_future()
         deadline = loop.time() + timeout
         self._calls[call_id] = fut
         try:
-            self._send(ControlRequest(call_id, method, dict(args or {})))
+            self._send_encoded(data, "ControlRequest")
             try:
                 reply = await asyncio.wait_for(fut, timeout)
                 # a busy event loop may run the reply's callback before the
@@ -275,14 +309,25 @@ class EngineClient:
     # ------------------------------------------------------------------
 
     def _send(self, msg: Message) -> None:
+        """Best effort (aborts, control calls): a message that cannot go is
+        logged; the liveness watch deals with a dead engine."""
         if self.failed is not None or self._closed:
             return
         try:
-            fut = self.side.send_nowait(msg)
-        except zmq.ZMQError as exc:  # pragma: no cover - HWM is unlimited
+            self._send_encoded(encode(msg), type(msg).__name__)
+        except (EngineUnavailable, ValueError, OverflowError) as exc:
             log.error("cannot send %s to the engine: %s", type(msg).__name__, exc)
-            return
+
+    def _send_encoded(self, data: bytes, what: str) -> None:
+        """Queue ``data`` on the input socket; :class:`EngineUnavailable`
+        if it cannot be queued now."""
+        try:
+            fut = self.side.send_bytes_nowait(data)
+        except zmq.ZMQError as exc:
+            raise EngineUnavailable(f"cannot reach the engine ({exc})") from None
         if isinstance(fut, asyncio.Future):
+            if fut.done() and not fut.cancelled() and fut.exception() is not None:
+                raise EngineUnavailable(f"cannot reach the engine ({fut.exception()})")
             fut.add_done_callback(_log_send_error)
 
     def _end(self, h: RequestHandle) -> None:
@@ -310,10 +355,12 @@ class EngineClient:
                 log.exception("error handling %s", type(msg).__name__)
 
     def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, Heartbeat) and msg.pid and (self.engine is None or msg.pid != self.engine.pid):
+            return  # a dead engine's last beat, or a new one's before its EngineReady
         if self._hung_ids is not None and isinstance(msg, (OutputBatch, Heartbeat)):
             self._revive()
         if isinstance(msg, OutputBatch):
-            self.liveness.beat()
+            self.liveness.beat(0.0)
             if msg.stats is not None:
                 self.stats = msg.stats
             now = time.time()
@@ -322,13 +369,16 @@ class EngineClient:
                 if h is not None:
                     self._route(h, out, now)
         elif isinstance(msg, Heartbeat):
-            self.liveness.beat()
+            self.liveness.beat(msg.busy_s, msg.steps)
             self.stats = msg.stats
         elif isinstance(msg, ControlReply):
             fut = self._calls.get(msg.call_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
         elif isinstance(msg, EngineReady):
+            old = self.engine
+            if old is not None and msg.pid != old.pid:
+                self._new_engine(old, msg)
             self.engine = msg
             self.liveness.pid = msg.pid
             self.liveness.beat()
@@ -344,10 +394,15 @@ class EngineClient:
             log.error("engine failed: %s", msg.message)
             if msg.details:
                 log.debug("%s", msg.details)
+            if self.engine is not None:
+                running = not msg.pid or msg.pid == self.engine.pid
+                self._record_crash("crashed" if running else "start_failed", msg.message,
+                                   self.engine.pid if running else None)
             self._hung_ids = None  # a crash is final
+            message = self._restart_note(msg.message) if self.engine is not None else msg.message
             if self.failed is not None:
-                self.failed = msg.message
-            self._mark_dead(msg.message)
+                self.failed = message
+            self._mark_dead(message)
 
     def _route(self, h: RequestHandle, out: RequestOutput, now: float) -> None:
         if out.queue_time is not None and self.metrics is not None:
@@ -400,13 +455,74 @@ class EngineClient:
         period = min(0.25, self.config.heartbeat_interval)
         while True:
             await asyncio.sleep(period)
-            if self.engine is None or self.failed is not None:
-                continue
+            try:
+                self._watch_once()
+            except Exception:  # noqa: BLE001 - the watch must go on
+                log.exception("engine liveness check failed")
+
+    def _watch_once(self) -> None:
+        """Unresponsive -> fail what is pending (it may come back); pid gone
+        -> a crash; no progress for --step-timeout -> kill it (a crash: the
+        supervisor starts a new engine)."""
+        if self.engine is None or self._closed:
+            return
+        pid = self.engine.pid
+        if self.failed is None:
             reason = self.liveness.check()
-            if reason is not None:
-                log.error("engine is unavailable: %s", reason)
-                hung = self.liveness.pid is not None and pid_alive(self.liveness.pid)
-                self._mark_dead(reason, hung=hung)
+            if reason is None:
+                return
+            alive = pid_alive(pid)
+            log.error("engine is unavailable: %s", reason)
+            if not alive:
+                self._record_crash("exited", reason, pid)
+                reason = self._restart_note(reason)
+            self._mark_dead(reason, hung=alive)
+        if self._hung_ids is None:
+            return
+        if not pid_alive(pid):  # died while unresponsive
+            reason = f"engine process {pid} exited"
+            self._hung_ids = None
+            self.failed = self._restart_note(reason)
+            self._record_crash("exited", reason, pid)
+            return
+        hung = self.liveness.hung()
+        if hung is not None:
+            log.error("engine %d is hung (%s): killing it", pid, hung)
+            self._hung_ids = None
+            self.failed = self._restart_note(hung)
+            self._record_crash("hung", hung, pid)
+            kill_engine(pid)
+
+    def _restart_note(self, reason: str) -> str:
+        if self.config.max_engine_restarts > 0:
+            return f"{reason}; a new engine is starting"
+        return reason
+
+    def _record_crash(self, reason: str, message: str, pid: int | None) -> None:
+        """Count one crash (once per engine pid) for /metrics."""
+        if pid is not None and pid == self._crash_pid:
+            return
+        self._crash_pid = pid
+        self.last_crash = (reason, message)
+        fn = getattr(self.metrics, "engine_crashed", None)
+        if fn is not None:
+            fn(reason, message)
+
+    def _new_engine(self, old: EngineReady, new: EngineReady) -> None:
+        """A new engine process said EngineReady: forget the old one."""
+        if self.failed is None:  # it died before the watch noticed
+            reason = f"engine process {old.pid} exited"
+            self._record_crash("exited", reason, old.pid)
+            self._mark_dead(self._restart_note(reason))
+        log.warning("a new engine (pid %d) is ready after: %s", new.pid, self.failed)
+        self._hung_ids = None
+        self.failed = None
+        self.liveness = Liveness(self.config.heartbeat_timeout, self.config.step_timeout)
+        self.stats = EngineStats()
+        self.restarts += 1
+        fn = getattr(self.metrics, "engine_restarted", None)
+        if fn is not None:
+            fn()
 
     def _mark_dead(self, reason: str, hung: bool = False) -> None:
         if self.failed is not None:
@@ -452,6 +568,35 @@ class EngineClient:
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(EngineUnavailable(message))
+
+
+def wire_error(msg: AddRequest) -> RequestError:
+    """The 400 for an AddRequest that cannot be encoded, naming the field."""
+    values: dict[str, Any] = {"request_id": msg.request_id, "prompt": msg.prompt_token_ids}
+    values.update({f: getattr(msg.params, f) for f in attrs.fields_dict(SamplingParams)})
+    for name, value in values.items():
+        try:
+            msgpack.packb(value)
+        except OverflowError:
+            return RequestError(f"'{name}' is out of range: integers must lie between -2**63 and 2**64-1", 400,
+                                param=name)
+        except (UnicodeError, ValueError, TypeError):
+            return RequestError(f"'{name}' is not valid text: it contains a lone surrogate (not UTF-8)", 400,
+                                param=name)
+    return RequestError("the request holds a value that cannot be sent to the engine", 400)
+
+
+def kill_engine(pid: int) -> bool:
+    """SIGKILL ``pid`` if it still is an fdx engine process (not a reused
+    pid); True if the signal was sent."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"fdx.core.engine_proc" not in f.read():
+                return False
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except OSError:
+        return False
 
 
 def _log_send_error(fut: asyncio.Future[Any]) -> None:

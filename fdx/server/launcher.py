@@ -1,23 +1,36 @@
-"""``fdx serve`` in the foreground: start, watch and stop the two children.
+"""``fdx serve`` in the foreground: start, supervise and stop the two children.
 
 Order: make the per-run IPC directory -> start the API process (it binds the
 ZMQ sockets at once) -> when the socket files exist, start the engine
 process.  The API process reports through files in the run directory
-(:class:`fdx.server.api_proc.StatusBoard`).
+(:class:`fdx.server.api_proc.StatusBoard`).  Each child gets the config on
+an inherited pipe (``--config-fd``), never in argv; the engine's copy has
+no API keys, and the launcher blanks a key given on its own command line
+(:func:`hide_secrets_in_argv`), so ``ps`` shows no key.
 
 Invariants:
 
 * SIGINT/SIGTERM -> the API process is asked to stop (it sends ``Shutdown``
   to the engine), then every child still alive is terminated and finally
   killed, by PID, within bounded time; the run directory (socket files) is
-  removed; exit code 0.
-* The engine failing to start -> its one-line message on stderr, exit 1.
-* The engine dying after start-up -> the API stays up (``/health`` is 503);
-  the API process dying -> everything stops, exit 1.
+  removed; exit code 0.  That is the only way to exit 0.
+* The engine failing to start the first time -> its one-line message on
+  stderr, exit 1.
+* The engine dying after start-up (a crash, a kill, or killed by the API
+  process because a step hung past ``--step-timeout``) -> the API process
+  ends its in-flight requests with a 503 and ``/health`` is 503, while the
+  launcher starts a new engine after a backoff (:class:`RestartPolicy`);
+  the API serves again when the new engine says ``EngineReady``.  More than
+  ``--max-engine-restarts`` crashes within ``--restart-window`` seconds ->
+  everything stops, exit 1, so an outside supervisor (systemd, Kubernetes)
+  sees it.
+* The API process dying -> everything stops, exit 1.
 """
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import json
 import logging
 import os
@@ -31,7 +44,7 @@ from typing import Any
 import attrs
 
 from fdx.core.config import EngineConfig
-from fdx.core.ipc import IpcPaths, make_run_dir
+from fdx.core.ipc import IpcPaths, make_run_dir, write_config
 from fdx.core.logs import setup_logging
 from fdx.server.api_proc import FAILED_FILE, READY_FILE
 
@@ -41,29 +54,115 @@ SOCKET_WAIT_S = 60.0
 API_STOP_S = 6.0
 ENGINE_STOP_S = 5.0
 TERM_WAIT_S = 3.0
+POLL_S = 0.1
 
 
 class _Stop:
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.event = threading.Event()
 
     def __call__(self, signum: int, _frame: Any) -> None:
         if self.signal is None:
             self.signal = signum
+        self.event.set()
 
 
-def _config_json(config: EngineConfig) -> str:
-    return json.dumps(attrs.asdict(config, recurse=True))
+@attrs.define
+class RestartPolicy:
+    """When to restart a crashed engine, and when to give up.
+
+    At most ``max_restarts`` restarts within any ``window`` seconds; the
+    delay before restart ``k`` of the window is ``base_delay * 2**(k-1)``,
+    capped at ``max_delay``."""
+
+    max_restarts: int
+    window: float
+    base_delay: float = 0.5
+    max_delay: float = 30.0
+    crashes: collections.deque[float] = attrs.field(factory=collections.deque)
+
+    def on_crash(self, now: float) -> float | None:
+        """Record a crash at ``now``; the delay before the restart, or
+        ``None`` to give up."""
+        self.crashes.append(now)
+        while self.crashes and self.crashes[0] < now - self.window:
+            self.crashes.popleft()
+        k = len(self.crashes)
+        if k > self.max_restarts:
+            return None
+        return min(self.max_delay, self.base_delay * 2 ** (k - 1))
 
 
-def _spawn(module: str, cfg_json: str, paths: IpcPaths) -> subprocess.Popen[bytes]:
-    # own session: a terminal's Ctrl-C reaches only the launcher, which
-    # then stops the children in order
-    return subprocess.Popen(
-        [sys.executable, "-m", module, cfg_json, paths.dir, str(os.getpid())],
-        start_new_session=True,
-        stdin=subprocess.DEVNULL,
-    )
+def is_secret(field: str) -> bool:
+    """Config fields that hold credentials (``api_key``, ``control_api_key``...)."""
+    return field.endswith("api_key")
+
+
+def child_config_json(config: EngineConfig, *, engine: bool) -> str:
+    """The config for a child; the engine process gets no credentials."""
+    values = attrs.asdict(config, recurse=True)
+    if engine:
+        values = {k: (None if is_secret(k) and v is not None else v) for k, v in values.items()}
+    return json.dumps(values)
+
+
+def child_env() -> dict[str, str]:
+    """The launcher's environment without secrets (``FDX_API_KEY`` ...):
+    the children get them through the config pipe only."""
+    return {k: v for k, v in os.environ.items() if not (k.startswith("FDX_") and is_secret(k[4:].lower()))}
+
+
+def spawn_child(module: str, cfg_json: str, run_dir: str, parent_pid: int | None = None) -> subprocess.Popen[bytes]:
+    """Start ``python -m module --config-fd FD RUN_DIR PARENT_PID``; the
+    config goes through the inherited pipe FD."""
+    r, w = os.pipe()
+    try:
+        # own session: a terminal's Ctrl-C reaches only the launcher, which
+        # then stops the children in order
+        argv = [sys.executable, "-m", module, "--config-fd", str(r), run_dir]
+        if parent_pid is not None:
+            argv.append(str(parent_pid))
+        p = subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL, pass_fds=(r,), env=child_env())
+    except BaseException:
+        os.close(w)
+        raise
+    finally:
+        os.close(r)
+    write_config(w, cfg_json)
+    return p
+
+
+def hide_secrets_in_argv(secrets: list[str]) -> bool:
+    """Blank ``secrets`` in this process's own command line, in place, so
+    ``ps`` and ``/proc/PID/cmdline`` stop showing them (as MySQL does with
+    ``--password``).  Linux only; best effort: True if anything was
+    blanked.  The key is visible until this runs: prefer ``FDX_API_KEY``."""
+    secrets = [s.encode() for s in secrets if s]
+    if not secrets:
+        return False
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        # fields 48 and 49 of proc(5) (arg_start, arg_end); fields[0] is field 3
+        start, end = int(fields[45]), int(fields[46])
+        raw = ctypes.string_at(start, end - start)
+    except (OSError, IndexError, ValueError):
+        return False
+    new = bytearray(raw)
+    pos = 0
+    changed = False
+    for arg in raw.split(b"\0"):
+        for sec in secrets:
+            if arg == sec or arg.endswith(b"=" + sec):
+                off = pos + len(arg) - len(sec)
+                new[off:off + len(sec)] = b"*" * len(sec)
+                changed = True
+                break
+        pos += len(arg) + 1
+    if changed:
+        ctypes.memmove(start, bytes(new), len(new))
+    return changed
 
 
 def _read(path: str) -> str | None:
@@ -78,21 +177,36 @@ def _error(message: str) -> None:
     print(f"fdx serve: error: {message}", file=sys.stderr, flush=True)
 
 
+def describe_exit(code: int | None) -> str:
+    """``exited with code 1`` / ``was killed by SIGKILL``."""
+    if code is None:
+        return "is running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 def serve(config: EngineConfig) -> int:
     """Run the server until a signal; returns the process exit code."""
     setup_logging(config.log_level, process="serve")
+    hide_secrets_in_argv([getattr(config, f.name) for f in attrs.fields(EngineConfig)
+                          if is_secret(f.name) and isinstance(getattr(config, f.name), str)])
     stop = _Stop()
     old: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             old[sig] = signal.signal(sig, stop)
     paths = make_run_dir(config.ipc_dir)
-    cfg_json = _config_json(config)
+    api_json = child_config_json(config, engine=False)
+    engine_json = child_config_json(config, engine=True)
     api: subprocess.Popen[bytes] | None = None
     engine: subprocess.Popen[bytes] | None = None
     ready = False
     try:
-        api = _spawn("fdx.server.api_proc", cfg_json, paths)
+        api = spawn_child("fdx.server.api_proc", api_json, paths.dir, os.getpid())
         sockets = [os.path.join(paths.dir, n) for n in ("in.sock", "out.sock")]
         deadline = time.monotonic() + SOCKET_WAIT_S
         while not all(os.path.exists(s) for s in sockets):
@@ -105,9 +219,10 @@ def serve(config: EngineConfig) -> int:
                 _error("API server did not bind its sockets in time")
                 return 1
             time.sleep(0.02)
-        engine = _spawn("fdx.core.engine_proc", cfg_json, paths)
+        engine = spawn_child("fdx.core.engine_proc", engine_json, paths.dir, os.getpid())
         log.info("started API server (pid %d) and engine (pid %d); run dir %s", api.pid, engine.pid, paths.dir)
-        engine_gone_logged = False
+        policy = RestartPolicy(config.max_engine_restarts, config.restart_window)
+        restart_at: float | None = None
         failed_path = os.path.join(paths.dir, FAILED_FILE)
         ready_path = os.path.join(paths.dir, READY_FILE)
         while stop.signal is None:
@@ -124,7 +239,7 @@ def serve(config: EngineConfig) -> int:
                 msg = None if ready else _read(failed_path)
                 _error(msg or f"API server exited with code {api.returncode}")
                 return 1
-            if engine.poll() is not None and not engine_gone_logged:
+            if engine is not None and engine.poll() is not None:
                 if not ready:
                     # the API process may still be writing the engine's message
                     t_end = time.monotonic() + 2.0
@@ -133,10 +248,24 @@ def serve(config: EngineConfig) -> int:
                         time.sleep(0.05)
                     _error(msg or f"engine process exited with code {engine.returncode} before it was ready")
                     return 1
-                log.error("engine process %d exited with code %s; the API stays up and /health reports 503",
-                          engine.pid, engine.returncode)
-                engine_gone_logged = True
-            time.sleep(0.1)
+                how = describe_exit(engine.returncode)
+                delay = policy.on_crash(time.monotonic())
+                if delay is None:
+                    _error(f"the engine process {engine.pid} {how}: {len(policy.crashes)} engine crashes within "
+                           f"{config.restart_window:g}s (--max-engine-restarts {config.max_engine_restarts}); "
+                           "giving up")
+                    engine = None
+                    return 1
+                log.error("engine process %d %s; starting a new engine in %.1fs (restart %d of at most %d "
+                          "within %gs)", engine.pid, how, delay, len(policy.crashes), config.max_engine_restarts,
+                          config.restart_window)
+                engine = None
+                restart_at = time.monotonic() + delay
+            if engine is None and restart_at is not None and time.monotonic() >= restart_at:
+                restart_at = None
+                engine = spawn_child("fdx.core.engine_proc", engine_json, paths.dir, os.getpid())
+                log.info("started a new engine (pid %d)", engine.pid)
+            stop.event.wait(POLL_S)
         log.info("received %s, shutting down", signal.Signals(stop.signal).name)
         return 0
     finally:

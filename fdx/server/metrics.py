@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from fdx.core.messages import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: the ``reason`` label values of ``fdx:engine_crashes_total``
+CRASH_REASONS = ("crashed", "exited", "hung", "start_failed")
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -97,6 +100,17 @@ class Metrics:
                                 registry=reg).labels(model)
         self.rejected = Counter("fdx:request_rejected", "Requests rejected before reaching the engine.",
                                 lab + ["code"], registry=reg)
+        self.engine_restarts = Counter("fdx:engine_restarts", "New engine processes ready after a crash.", lab,
+                                       registry=reg).labels(model)
+        self._crashes = Counter("fdx:engine_crashes",
+                                "Engine crashes by reason: crashed (an error in the engine loop), exited (the "
+                                "process vanished, e.g. killed), hung (killed after --step-timeout without "
+                                "progress), start_failed (a restarted engine could not start).",
+                                lab + ["reason"], registry=reg)
+        for r in CRASH_REASONS:
+            self._crashes.labels(model, r)
+        self._last_crash = Info("fdx:engine_last_crash", "The last engine crash: its reason and message.", lab,
+                                registry=reg)
 
     def finished(self, reason: str, num_prompt: int, num_output: int, e2e: float) -> None:
         c = self.success.get(reason)
@@ -110,6 +124,13 @@ class Metrics:
         self._aborted.inc()
         self.prompt_tokens.inc(num_prompt)
         self.generation_tokens.inc(num_output)
+
+    def engine_crashed(self, reason: str, message: str) -> None:
+        self._crashes.labels(self.model, reason).inc()
+        self._last_crash.labels(self.model).info({"reason": reason, "message": " ".join(message.split())[:200]})
+
+    def engine_restarted(self) -> None:
+        self.engine_restarts.inc()
 
     def reject(self, code: int) -> None:
         self.rejected.labels(self.model, str(code)).inc()
