@@ -1,0 +1,206 @@
+"""The engine supervisor of ``fdx serve``, with real processes: a killed
+engine under 16 streams, a frozen (SIGSTOP'd) engine, and giving up after
+``--max-engine-restarts``; plus the pure restart/hang policies."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from typing import Any, Iterator
+
+import httpx
+import pytest
+from serverutil import pid_alive, read_log, start_server
+
+from fdx.core.ipc import Liveness
+from fdx.server.launcher import RestartPolicy
+
+MAX_RESTARTS = 2
+STEP_TIMEOUT = 10.0
+
+
+# --------------------------------------------------------------------------
+# pure policies
+# --------------------------------------------------------------------------
+
+
+def test_restart_policy_backs_off_and_gives_up() -> None:
+    p = RestartPolicy(max_restarts=3, window=60.0, base_delay=0.5, max_delay=1.5)
+    assert [p.on_crash(t) for t in (0.0, 1.0, 2.0)] == [0.5, 1.0, 1.5]
+    assert p.on_crash(3.0) is None  # a 4th crash within 60 s
+    q = RestartPolicy(max_restarts=1, window=10.0)
+    assert q.on_crash(0.0) == 0.5
+    assert q.on_crash(11.0) == 0.5  # the first crash left the window
+    assert q.on_crash(12.0) is None
+    assert RestartPolicy(max_restarts=0, window=10.0).on_crash(0.0) is None
+
+
+def test_liveness_tells_busy_from_hung() -> None:
+    lv = Liveness(timeout=3.0, step_timeout=10.0)
+    lv.beat(busy_s=9.0, steps=4)  # a long step, still under the bound
+    assert lv.hung() is None and lv.check() is None
+    lv.beat(busy_s=10.5, steps=4)  # heartbeats keep coming, the step does not end
+    reason = lv.hung()
+    assert reason is not None and "step has run for" in reason
+    assert lv.check() == reason
+    silent = Liveness(timeout=3.0, step_timeout=10.0)
+    silent.last_seen -= 11.0  # nothing at all for 11 s
+    assert "sent nothing" in (silent.hung() or "")
+
+
+# --------------------------------------------------------------------------
+# real server
+# --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, Any]]:
+    with start_server("--max-engine-restarts", str(MAX_RESTARTS), "--restart-window", "600",
+                      "--step-timeout", str(STEP_TIMEOUT), "--max-num-seqs", "16") as (base, proc):
+        yield base, proc
+
+
+def _stream(base: str, out: dict[str, Any], started: threading.Event) -> None:
+    body = {"model": "smollm2", "prompt": "An endless list:", "max_tokens": 1800, "ignore_eos": True,
+            "stream": True}
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                started.set()
+                if line == "data: [DONE]":
+                    out["done"] = True
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    out["error"] = ev["error"]
+    except httpx.HTTPError as exc:
+        out["exc"] = repr(exc)
+    finally:
+        out["ended"] = time.monotonic()
+        started.set()
+
+
+def _metric(base: str, name: str, **labels: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', line[len(name):line.rindex("}") + 1]))
+        if all(got.get(k) == v for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _engine_pid(base: str) -> int:
+    r = httpx.get(base + "/health", timeout=10)
+    assert r.status_code == 200, r.text
+    return int(r.json()["engine_pid"])
+
+
+def _wait_serving(base: str, proc: Any, old_pid: int, limit: float) -> tuple[int, float]:
+    """Wait for /health 200 with a new engine pid; (pid, seconds)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        assert proc.poll() is None, f"fdx serve exited ({proc.returncode}):\n{read_log(proc)}"
+        try:
+            r = httpx.get(base + "/health", timeout=5)
+            if r.status_code == 200 and r.json()["engine_pid"] != old_pid:
+                return int(r.json()["engine_pid"]), time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"not serving again {limit:.0f}s after the engine died:\n{read_log(proc)}")
+
+
+def _complete(base: str) -> None:
+    r = httpx.post(base + "/v1/completions", json={"model": "smollm2", "prompt": "hi", "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.slow
+def test_killed_engine_under_16_streams_is_replaced(server: tuple[str, Any]) -> None:
+    base, proc = server
+    pid = _engine_pid(base)
+    outs: list[dict[str, Any]] = [{} for _ in range(16)]
+    started = [threading.Event() for _ in outs]
+    threads = [threading.Thread(target=_stream, args=(base, o, s), daemon=True) for o, s in zip(outs, started)]
+    for t in threads:
+        t.start()
+    for s in started:
+        assert s.wait(120), "a stream never started"
+    assert all(o.get("status") == 200 and "ended" not in o for o in outs), outs
+    os.kill(pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    for t in threads:
+        t.join(max(1.0, 30 - (time.monotonic() - t_kill)))
+    assert not any(t.is_alive() for t in threads), "a stream hung after the engine died"
+    for o in outs:  # each ended with an error event (not a cut connection, not a normal finish)
+        assert o.get("error", {}).get("code") == 503, o
+        assert "engine" in o["error"]["message"], o
+    new_pid, _took = _wait_serving(base, proc, pid, 30 - (time.monotonic() - t_kill))
+    assert new_pid != pid and not pid_alive(pid)
+    _complete(base)
+    assert _metric(base, "fdx:engine_restarts_total") == 1.0
+    assert _metric(base, "fdx:engine_crashes_total", reason="exited") == 1.0
+    assert _metric(base, "fdx:engine_last_crash_info", reason="exited") == 1.0
+    assert _metric(base, "fdx:kv_blocks_used") == 0.0  # the new engine starts clean
+
+
+@pytest.mark.slow
+def test_frozen_engine_is_killed_and_replaced(server: tuple[str, Any]) -> None:
+    base, proc = server
+    pid = _engine_pid(base)
+    out: dict[str, Any] = {}
+    started = threading.Event()
+    t = threading.Thread(target=_stream, args=(base, out, started), daemon=True)
+    t.start()
+    assert started.wait(120)
+    os.kill(pid, signal.SIGSTOP)  # every thread stops: no step progress, no heartbeat
+    try:
+        t.join(30)
+        assert not t.is_alive(), "the stream hung on a frozen engine"
+        assert out.get("error", {}).get("code") == 503, out
+        new_pid, _took = _wait_serving(base, proc, pid, STEP_TIMEOUT + 30)
+        assert not pid_alive(pid), "the hung engine was not killed"
+    finally:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert new_pid != pid
+    _complete(base)
+    assert _metric(base, "fdx:engine_crashes_total", reason="hung") == 1.0
+    assert _metric(base, "fdx:engine_last_crash_info", reason="hung") == 1.0
+    assert _metric(base, "fdx:engine_restarts_total") == 2.0
+
+
+@pytest.mark.slow
+def test_too_many_crashes_exit_nonzero(server: tuple[str, Any]) -> None:
+    base, proc = server
+    crashes = int(sum(_metric(base, "fdx:engine_crashes_total", reason=r)
+                      for r in ("crashed", "exited", "hung", "start_failed")))
+    assert crashes <= MAX_RESTARTS
+    for _ in range(MAX_RESTARTS + 1 - crashes):
+        pid = _engine_pid(base) if proc.poll() is None else None
+        if pid is None:
+            break
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while proc.poll() is None:
+            try:
+                r = httpx.get(base + "/health", timeout=5)
+                if r.status_code == 200 and r.json()["engine_pid"] != pid:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, read_log(proc)
+            time.sleep(0.1)
+    code = proc.wait(60)
+    assert code != 0, read_log(proc)
+    assert "giving up" in read_log(proc)
