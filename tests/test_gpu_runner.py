@@ -11,9 +11,7 @@ checked on a GPU machine by ``bench/device_check``.
 from __future__ import annotations
 
 import functools
-import subprocess
-import sys
-from typing import Any, Iterator
+from typing import Any
 
 import attrs
 import numpy as np
@@ -30,43 +28,16 @@ PROMPTS = ["What is the capital of France?", "def fibonacci(n):", "Write a haiku
 N_TOKENS = 16
 
 
-def _cpu_fused_rms_norm_works() -> bool:
-    """Paddle's CPU ``fused_rms_norm`` kernel needs AVX-512 on some builds
-    and dies with SIGILL elsewhere; probe it in a child process."""
-    code = (
-        "import paddle\nfrom paddle.incubate.nn.functional import fused_rms_norm\n"
-        "fused_rms_norm(paddle.ones([2, 8]), paddle.ones([8]), None, 1e-5, 1)\n"
-    )
-    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
-
-
-def _plain_fused_rms_norm(x: Any, w: Any, b: Any, eps: float, axis: int, residual: Any = None) -> Any:
-    import paddle
-
-    if residual is not None:
-        x = x + residual
-    return x * paddle.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w, x
-
-
 @pytest.fixture(scope="module")
-def runners() -> Iterator[tuple[Any, Any]]:
-    """(gpu runner on the CPU place, cpu runner), same config.  Where this
-    CPU cannot run Paddle's fused RMSNorm kernel (and fdx's C++ ops are not
-    built), the cpu runner's fallback norm is swapped for the same maths in
-    plain Paddle so it can serve as the reference."""
+def runners() -> tuple[Any, Any]:
+    """(gpu runner on the CPU place, cpu runner), same config."""
     from fdx.core.config import make_config
     from fdx.model.gpu_runner import GPUModelRunner
     from fdx.model.runner import PaddleModelRunner
     from fdx.plugins.hardware.cpu import CPUDevice
 
-    mp = pytest.MonkeyPatch()
-    if not _cpu_fused_rms_norm_works():
-        mp.setattr("fdx.model.llama.fused_rms_norm", _plain_fused_rms_norm)
     cfg = make_config(num_kv_blocks=96, max_model_len=512, dtype="auto")
-    try:
-        yield GPUModelRunner(cfg, CPUDevice()), PaddleModelRunner(cfg, CPUDevice())
-    finally:
-        mp.undo()
+    return GPUModelRunner(cfg, CPUDevice()), PaddleModelRunner(cfg, CPUDevice())
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any, Callable, Iterable
 
-from fdx.core.config import EngineConfig
+from fdx.core.config import EngineConfig, split_device
 from fdx.core.errors import FdxError, ModelLoadError, RequestError
 from fdx.core.interfaces import ModelRunner, ScheduledBatch, Scheduler
 from fdx.core.kv_cache import KVCacheManager
@@ -37,9 +37,17 @@ class ControlError(FdxError):
 def build_runner(config: EngineConfig, plugins: Plugins) -> ModelRunner:
     """Create the device (by name), then the model runner on it (by name:
     ``--model-runner``, else the device's ``default_runner``)."""
-    device = plugins.create("device", config.device)
+    name, index = split_device(config.device)  # "cuda:1" -> the cuda plugin, index 1
+    if index is None:
+        device = plugins.create("device", name)
+    else:
+        try:
+            device = plugins.create("device", name, index=index)
+        except TypeError:
+            raise FdxError(f"--device {config.device}: the {name} device takes no index") from None
     if not device.is_available():
-        raise FdxError(f"device {config.device!r} is not available on this machine")
+        why = getattr(device, "unavailable_reason", None)
+        raise FdxError(f"device {config.device!r} is not available on this machine" + (f": {why()}" if why else ""))
     device.configure_env(config.num_threads)
     name = config.model_runner or device.default_runner
     return plugins.create("model_runner", name, config=config, device=device)

@@ -132,11 +132,12 @@ class GPULlama:
 
     def load(self, ckpt: Any, progress: bool = True) -> None:
         """Convert a checkpoint (numpy float32, HF layout) into fused device
-        tensors in the runner's dtype.  Raw GGUF quant blocks are dropped."""
+        tensors in the runner's dtype.  Raw GGUF quant blocks are dropped.
+        The new weights replace the old ones only once all are built, so a
+        failed load leaves the model as it was."""
         a = self.args
         if ckpt.args != a:
             raise ModelLoadError(f"{ckpt.source.path}: architecture mismatch ({ckpt.args.describe()} != {a.describe()})")
-        self.release()
         layers: list[GPULayer] = []
         dq = 0
         it = ckpt.layers()
@@ -176,12 +177,12 @@ class GPULlama:
             raise ModelLoadError(f"{ckpt.source.path}: expected {a.num_layers} layers, got {len(layers)}")
         _check(ckpt.embed, (a.vocab_size, a.hidden_size), "embedding", ckpt.source.path)
         _check(ckpt.final_norm, (a.hidden_size,), "final norm", ckpt.source.path)
-        self.layers = layers
-        self.embed = self._t(ckpt.embed)
-        self.final_norm = self._t(ckpt.final_norm)
+        lm_head = None
         if ckpt.lm_head is not None:
             _check(ckpt.lm_head, (a.vocab_size, a.hidden_size), "lm_head", ckpt.source.path)
-            self.lm_head = self._t(ckpt.lm_head.T)
+            lm_head = self._t(ckpt.lm_head.T)
+        embed, final_norm = self._t(ckpt.embed), self._t(ckpt.final_norm)
+        self.layers, self.embed, self.final_norm, self.lm_head = layers, embed, final_norm, lm_head
         if ckpt.lm_head_raw is not None:
             dq += 1
         self.dequantized = dq

@@ -331,7 +331,8 @@ class GPUModelRunner(ModelRunner):
             self.model.release()
         if "kv_cache" in tags:
             self.caches = None
-        self._empty_cache()
+        trim = getattr(self.device, "trim_memory", None)  # cuda: empty Paddle's allocator cache
+        trim() if trim is not None else gc.collect()
 
     def restore(self, tags: Sequence[str]) -> None:
         import paddle
@@ -360,18 +361,6 @@ class GPUModelRunner(ModelRunner):
         self._weights_path = path
         self.source = ckpt.source
         self.weights_version = version
-
-    def _empty_cache(self) -> None:
-        gc.collect()
-        try:
-            import paddle
-
-            if self.place.startswith("gpu"):
-                paddle.device.cuda.empty_cache()
-            elif self.place.startswith("xpu"):
-                paddle.device.xpu.empty_cache()
-        except Exception:  # noqa: BLE001 - best effort
-            pass
 
 
 def _arg_diff(new: Any, old: Any) -> list[str]:

@@ -1,7 +1,9 @@
-"""NVIDIA GPUs through ``paddlepaddle-gpu`` (place ``gpu:N``).
+"""NVIDIA GPUs through ``paddlepaddle-gpu`` (``pip install 'fdx[cuda]'``):
+``--device cuda`` or ``cuda:N`` (Paddle place ``gpu:N``).
 
-Uses the pure-Paddle attention path; availability is probed lazily and never
-raises.
+Runs the ``gpu`` model runner by default (bfloat16/float16, Paddle's fused
+CUDA kernels, sampling on the GPU).  Availability is probed lazily and never
+raises; an unavailable GPU is a one-line reason.
 """
 
 from __future__ import annotations
@@ -10,49 +12,49 @@ import os
 from typing import Any
 
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import Device, KVCacheSpec
+from fdx.plugins.hardware.accelerator import AcceleratorDevice
 
 
-class CUDADevice(Device):
+class CUDADevice(AcceleratorDevice):
     name = "cuda"
+    place_prefix = "gpu"
+    install_hint = "pip install 'fdx[cuda]' for paddlepaddle-gpu"
+    unsupported_fused_ops: dict[str, str] = {}  # Paddle's CUDA build has every op the gpu runner uses
 
-    def __init__(self, index: int = 0) -> None:
-        self.index = index
-
-    def is_available(self) -> bool:
+    def build_supported(self) -> bool:
         from fdx.plugins.hardware._common import paddle_flag
 
-        if not paddle_flag("cuda"):
-            return False
-        try:
-            import paddle
+        return paddle_flag("cuda")
 
-            return paddle.device.cuda.device_count() > self.index
-        except Exception:  # noqa: BLE001
-            return False
+    def count(self) -> int:
+        import paddle
+
+        return int(paddle.device.cuda.device_count())
 
     def configure_env(self, num_threads: int | None = None) -> None:
         if num_threads:
             os.environ["OMP_NUM_THREADS"] = str(num_threads)
         os.environ.setdefault("FLAGS_allocator_strategy", "auto_growth")
 
-    def paddle_place(self) -> str:
-        return f"gpu:{self.index}"
-
     def memory_info(self) -> tuple[int, int]:
         import paddle
 
-        props = paddle.device.cuda.get_device_properties(self.index)
-        total = int(props.total_memory)
+        total = int(paddle.device.cuda.get_device_properties(self.index).total_memory)
         used = int(paddle.device.cuda.memory_reserved(self.index))
         return total, max(0, total - used)
 
-    def allocate_kv_cache(self, spec: KVCacheSpec) -> list[Any]:
-        from fdx.plugins.hardware._common import allocate_paged_kv
+    def trim_memory(self) -> None:
+        import gc
 
-        return allocate_paged_kv(spec, self.paddle_place())
+        gc.collect()
+        try:
+            import paddle
+
+            paddle.device.cuda.empty_cache()
+        except Exception:  # noqa: BLE001 - best effort
+            pass
 
 
 @hookimpl
 def fdx_register_devices(register: Any) -> None:
-    register("cuda", CUDADevice, description="NVIDIA GPU (paddlepaddle-gpu)")
+    register("cuda", CUDADevice, description="NVIDIA GPU, cuda[:N] (paddlepaddle-gpu; gpu runner)")

@@ -1,28 +1,40 @@
-"""Iluvatar CoreX GPUs through Paddle's custom-device plugin ``iluvatar_gpu``."""
+"""Iluvatar CoreX GPUs through Paddle's custom-device plugin
+``iluvatar_gpu``: ``--device iluvatar`` or ``iluvatar:N``.
+
+Uses the ``gpu`` model runner.  Each fused op it uses (RMSNorm, RoPE,
+SwiGLU, variable-length flash attention) is probed on the custom device at
+start-up; one the ``iluvatar_gpu`` plugin does not register falls back to
+plain Paddle and is named in a log line (``FDX_GPU_DISABLE_FUSED=op,...``
+turns ops off by hand).  float16 is the ``auto`` dtype here.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import Device, KVCacheSpec
+from fdx.plugins.hardware.accelerator import AcceleratorDevice
 
 DEVICE_TYPE = "iluvatar_gpu"
 
 
-class IluvatarDevice(Device):
+class IluvatarDevice(AcceleratorDevice):
     name = "iluvatar"
+    place_prefix = DEVICE_TYPE
+    install_hint = "install Paddle's custom-device package for iluvatar_gpu"
 
-    def __init__(self, index: int = 0) -> None:
-        self.index = index
+    def build_supported(self) -> bool:
+        try:
+            import paddle
 
-    def is_available(self) -> bool:
+            return DEVICE_TYPE in paddle.device.get_all_custom_device_type()
+        except Exception:  # noqa: BLE001
+            return False
+
+    def count(self) -> int:
         from fdx.plugins.hardware._common import custom_device_count
 
-        return custom_device_count(DEVICE_TYPE) > self.index
-
-    def paddle_place(self) -> str:
-        return f"{DEVICE_TYPE}:{self.index}"
+        return custom_device_count(DEVICE_TYPE)
 
     def memory_info(self) -> tuple[int, int]:
         import paddle
@@ -33,12 +45,7 @@ class IluvatarDevice(Device):
             total = 0
         return total, total
 
-    def allocate_kv_cache(self, spec: KVCacheSpec) -> list[Any]:
-        from fdx.plugins.hardware._common import allocate_paged_kv
-
-        return allocate_paged_kv(spec, self.paddle_place())
-
 
 @hookimpl
 def fdx_register_devices(register: Any) -> None:
-    register("iluvatar", IluvatarDevice, description="Iluvatar CoreX GPU (custom device iluvatar_gpu)")
+    register("iluvatar", IluvatarDevice, description="Iluvatar CoreX GPU, iluvatar[:N] (custom device iluvatar_gpu; gpu runner)")

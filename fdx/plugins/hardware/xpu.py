@@ -1,33 +1,34 @@
-"""Kunlun XPUs through Paddle's XPU build (place ``xpu:N``)."""
+"""Kunlun XPUs through Paddle's XPU build: ``--device xpu`` or ``xpu:N``
+(place ``xpu:N``).
+
+Uses the ``gpu`` model runner.  Its fused ops are probed on the XPU at
+start-up; each one this Paddle build lacks for the XPU falls back to plain
+Paddle and is named in a log line (``FDX_GPU_DISABLE_FUSED=op,...`` turns
+ops off by hand).  float16 is the ``auto`` dtype here.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fdx.core.hookspecs import hookimpl
-from fdx.core.interfaces import Device, KVCacheSpec
+from fdx.plugins.hardware.accelerator import AcceleratorDevice
 
 
-class XPUDevice(Device):
+class XPUDevice(AcceleratorDevice):
     name = "xpu"
+    place_prefix = "xpu"
+    install_hint = "install Paddle's XPU build, paddlepaddle-xpu"
 
-    def __init__(self, index: int = 0) -> None:
-        self.index = index
-
-    def is_available(self) -> bool:
+    def build_supported(self) -> bool:
         from fdx.plugins.hardware._common import paddle_flag
 
-        if not paddle_flag("xpu"):
-            return False
-        try:
-            import paddle
+        return paddle_flag("xpu")
 
-            return paddle.device.xpu.device_count() > self.index
-        except Exception:  # noqa: BLE001
-            return False
+    def count(self) -> int:
+        import paddle
 
-    def paddle_place(self) -> str:
-        return f"xpu:{self.index}"
+        return int(paddle.device.xpu.device_count())
 
     def memory_info(self) -> tuple[int, int]:
         import paddle
@@ -36,12 +37,7 @@ class XPUDevice(Device):
         used = int(paddle.device.xpu.memory_reserved(self.index))
         return total, max(0, total - used)
 
-    def allocate_kv_cache(self, spec: KVCacheSpec) -> list[Any]:
-        from fdx.plugins.hardware._common import allocate_paged_kv
-
-        return allocate_paged_kv(spec, self.paddle_place())
-
 
 @hookimpl
 def fdx_register_devices(register: Any) -> None:
-    register("xpu", XPUDevice, description="Kunlun XPU (Paddle XPU build)")
+    register("xpu", XPUDevice, description="Kunlun XPU, xpu[:N] (Paddle XPU build; gpu runner)")
