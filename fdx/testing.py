@@ -242,15 +242,16 @@ def simulate(
         assert len(batch.seqs) <= cfg.max_num_seqs
         for r in batch.failed:
             ends[r.request_id] = "failed"
-            errors[r.request_id] = str(r.extra.get("error"))
+            errors[r.request_id] = str(r.error)
             outputs[r.request_id] = list(r.output_token_ids)
             live.pop(r.request_id)
         if batch:
-            out = runner.execute(batch)
-            for r in sched.update(batch, out):
-                ends[r.request_id] = "finished"
-                outputs[r.request_id] = list(r.output_token_ids)
-                live.pop(r.request_id)
+            sched.update(batch, runner.execute(batch))
+            for r in (seq.request for seq in batch.seqs):
+                if r.finish_reason is not None:
+                    ends[r.request_id] = "finished"
+                    outputs[r.request_id] = list(r.output_token_ids)
+                    live.pop(r.request_id)
         if check:
             sched.check_invariants()  # type: ignore[attr-defined]
     assert not live, f"requests lost: {sorted(live)}"

@@ -14,8 +14,8 @@ from fdx.core.interfaces import ModelOutput
 from fdx.core.kv_cache import KVCacheManager
 from fdx.core.request import Status
 from fdx.testing import FakeRunner, make_request, simulate
-from fdx.plugins.schedulers._v0impl import V0Scheduler
-from fdx.plugins.schedulers._v1impl import V1Scheduler
+from fdx.plugins.schedulers.v0 import V0Scheduler
+from fdx.plugins.schedulers.v1 import V1Scheduler
 
 SCHEDULERS = {"v0": V0Scheduler, "v1": V1Scheduler}
 
@@ -120,7 +120,7 @@ def test_request_that_never_fits_fails_cleanly(name: str) -> None:
     assert sched.has_work()
     batch = sched.schedule()
     assert batch.failed == [r] and not batch.seqs
-    assert r.extra["error_code"] == 400 and "whole pool" in r.extra["error"]
+    assert r.error_code == 400 and "whole pool" in r.error
     assert r.finish_reason == "error" and r.status is Status.FINISHED
     assert not sched.has_work() and sched.get("big") is None
 
@@ -129,7 +129,7 @@ def test_v1_no_chunked_prefill_rejects_long_prompt() -> None:
     sched, _ = build("v1", 100, enable_chunked_prefill=False, max_num_batched_tokens=64)
     sched.add_request(make_request("long", list(range(1, 80)), 4))
     batch = sched.schedule()
-    assert batch.failed and "chunked prefill is disabled" in batch.failed[0].extra["error"]
+    assert batch.failed and "chunked prefill is disabled" in batch.failed[0].error
 
 
 @pytest.mark.parametrize("name", ["v0", "v1"])

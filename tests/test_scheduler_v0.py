@@ -10,7 +10,7 @@ import pytest
 from fdx.core.config import make_config
 from fdx.core.kv_cache import KVCacheManager
 from fdx.testing import FakeRunner, make_request
-from fdx.plugins.schedulers._v0impl import OUT_OF_BLOCKS, V0Scheduler, partial_chunked_tokens, plan_chunks
+from fdx.plugins.schedulers.v0 import OUT_OF_BLOCKS, V0Scheduler, partial_chunked_tokens, plan_chunks
 
 
 def test_partial_chunked_tokens_table() -> None:
@@ -149,8 +149,8 @@ def test_out_of_blocks_while_decoding_fails_with_507() -> None:
             break
     assert len(failed) == 1
     r = failed[0]
-    assert r.extra["error_code"] == OUT_OF_BLOCKS == 507
-    assert "KV cache blocks ran out" in r.extra["error"] and not r.block_ids
+    assert r.error_code == OUT_OF_BLOCKS == 507
+    assert "KV cache blocks ran out" in r.error and not r.block_ids
     assert s.num_preemptions == 0 and kv.num_used_blocks == 0
 
 

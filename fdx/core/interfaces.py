@@ -48,8 +48,10 @@ class ScheduledBatch:
 
     ``seqs`` run in the forward pass.  ``preempted`` lost their blocks this
     step (they will be recomputed later).  ``failed`` were ended by the
-    scheduler without running (``finish_reason`` and ``extra['error']`` set,
-    blocks already freed), e.g. v0 running out of blocks.
+    scheduler without running (through :meth:`Request.fail
+    <fdx.core.request.Request.fail>`: ``finish_reason == "error"``,
+    ``error`` and ``error_code`` set, blocks already freed, removed from the
+    scheduler), e.g. v0 running out of blocks.
     """
 
     seqs: list[ScheduledSeq] = attrs.field(factory=list)
@@ -112,10 +114,13 @@ class Scheduler(abc.ABC):
         """Pick this step's work and allocate its blocks."""
 
     @abc.abstractmethod
-    def update(self, batch: ScheduledBatch, output: ModelOutput) -> list[Request]:
+    def update(self, batch: ScheduledBatch, output: ModelOutput) -> None:
         """Apply a step's results: advance ``num_computed_tokens``, append
-        sampled tokens (``Request.append_token``), free the blocks of
-        requests that finished, and return those finished requests."""
+        sampled tokens (``Request.append_token``, which sets
+        ``finish_reason``), and remove the requests that finished, freeing
+        their blocks.  The engine reads each seq's new tokens and finish
+        reason from the requests themselves.  Seqs whose request is no
+        longer RUNNING (ended by the engine during the step) are skipped."""
 
     @abc.abstractmethod
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
@@ -255,6 +260,17 @@ class Device(abc.ABC):
     def linear_backend(self) -> str:
         """Name of the linear (GEMM) implementation the model should use."""
         return "paddle"
+
+    def trim_memory(self) -> None:
+        """Hand memory freed by Python and the framework back to the system
+        (after sleep or a weight swap).  Default: a garbage collection."""
+        import gc
+
+        gc.collect()
+
+    def process_rss(self) -> int:
+        """Host memory resident in this process, in bytes (0: unknown)."""
+        return 0
 
 
 # --------------------------------------------------------------------------

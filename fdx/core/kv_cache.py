@@ -28,7 +28,7 @@ Invariants (checked by :meth:`KVCacheManager.check_invariants`):
 * a block shared by two tables is a registered (cached) block;
 * once every request is finished or aborted, ``free + evictable == total``.
 
-Storage hooks (KV storage tier, :mod:`fdx.core.kv_storage`): when
+Storage hooks (KV storage tier, :mod:`fdx.plugins.cache_backends.kv_storage`): when
 ``self.storage`` is not ``None`` the manager calls, and only in these places:
 
 * in :meth:`get_computed_blocks`, after the device prefix match stopped
@@ -68,8 +68,6 @@ log = logging.getLogger("fdx.kv")
 
 #: parent hash of the first block of every chain
 ROOT_HASH = 0x5F3759DF
-#: ``request.extra`` key: the storage tier was already asked for this admission
-_PROBED = "kv_storage_probed"
 
 
 class KVStorageHooks(Protocol):
@@ -202,7 +200,7 @@ class KVCacheManager:
             self._release(b)
         request.block_ids.clear()
         request.num_computed_tokens = 0
-        request.extra.pop(_PROBED, None)
+        request.storage_probed = False
         self._committed.pop(request.request_id, None)
 
     def _touch(self, b: int) -> None:
@@ -282,10 +280,10 @@ class KVCacheManager:
             if b is None:
                 break
             blocks.append(b)
-        if self.storage is not None and len(blocks) < max_blocks and not request.extra.get(_PROBED):
+        if self.storage is not None and len(blocks) < max_blocks and not request.storage_probed:
             # once per admission: a request blocked at the head of the queue
             # must not hit the storage tier every step (free() re-arms it)
-            request.extra[_PROBED] = True
+            request.storage_probed = True
             blocks.extend(self._load_from_storage(request, blocks, max_blocks))
         return blocks
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from typing import Any
 
 import attrs
 
-from fdx.core.messages import SamplingParams, TokenLogprob
+from fdx.core.messages import AddRequest, SamplingParams, TokenLogprob
+
+INT64_MAX = 2**63 - 1
 
 
 class Status(enum.Enum):
@@ -42,6 +45,10 @@ class Request:
     block_hashes: list[int] = attrs.field(factory=list)  # prefix hash chain of full blocks
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    #: why the request failed (``finish_reason == "error"``) and the HTTP-like
+    #: status of that failure (400: the request itself, 5xx: the engine)
+    error: str | None = None
+    error_code: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     queue_time_sent: bool = False
@@ -50,8 +57,8 @@ class Request:
     pending_logprobs: list[TokenLogprob] = attrs.field(factory=list)
     # per-request sampler state (seeded generator), owned by the model runner
     sampler_state: Any = None
-    # scheduler-private scratch (e.g. v0's chunk plan)
-    extra: dict[str, Any] = attrs.field(factory=dict)
+    #: the KV storage tier was already asked for this admission's prefix
+    storage_probed: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -92,9 +99,51 @@ class Request:
             self.finish_reason = reason
         return reason
 
+    def fail(self, error: str, code: int) -> None:
+        """End the request with an error (the caller frees its blocks)."""
+        self.status = Status.FINISHED
+        self.finish_reason = "error"
+        self.error = error
+        self.error_code = code
+
     def take_pending(self) -> tuple[tuple[int, ...], tuple[TokenLogprob, ...] | None]:
         toks = tuple(self.pending_token_ids)
         lps = tuple(self.pending_logprobs) if self.params.logprobs is not None else None
         self.pending_token_ids.clear()
         self.pending_logprobs.clear()
         return toks, lps
+
+
+def check_request(msg: AddRequest, max_model_len: int, vocab_size: int, max_logprobs: int) -> str | None:
+    """Why the engine cannot run ``msg`` (a message naming the field), or
+    ``None``.  These are the bounds of what the sampler and the model can
+    take; the API edge is stricter (OpenAI ranges), but clients that bypass
+    it (``fdx.LLM``, the IPC) meet these.  Seeds are refused when negative
+    (not wrapped): a seed is ``None`` or an integer in ``[0, 2**64)``."""
+    p = msg.params
+    n = len(msg.prompt_token_ids)
+    if n == 0:
+        return "prompt is empty"
+    if not 0 <= min(msg.prompt_token_ids) <= max(msg.prompt_token_ids) < vocab_size:
+        return f"prompt token ids must be in [0, {vocab_size})"
+    if not 1 <= p.max_tokens:
+        return f"max_tokens must be >= 1, got {p.max_tokens}"
+    if n + p.max_tokens > max_model_len:
+        return f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds max_model_len ({max_model_len})"
+    if not 0 <= p.min_tokens <= p.max_tokens:
+        return f"min_tokens must be in [0, max_tokens={p.max_tokens}], got {p.min_tokens}"
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if not math.isfinite(getattr(p, name)):
+            return f"{name} must be a finite number, got {getattr(p, name)}"
+    if p.temperature < 0 or not 0 < p.top_p <= 1 or not 0 <= p.min_p <= 1 or p.repetition_penalty <= 0:
+        return (f"sampling params out of range: temperature >= 0, top_p in (0, 1], min_p in [0, 1] and "
+                f"repetition_penalty > 0 (got {p.temperature}, {p.top_p}, {p.min_p}, {p.repetition_penalty})")
+    if not -1 <= p.top_k <= INT64_MAX:
+        return f"top_k must be -1 or 0 (disabled) or a positive 64-bit integer, got {p.top_k}"
+    if p.seed is not None and not 0 <= p.seed < 2**64:
+        return f"seed must be an integer in [0, 2**64), got {p.seed}"
+    if p.logprobs is not None and not 0 <= p.logprobs <= max_logprobs:
+        return f"logprobs must be in [0, {max_logprobs}], got {p.logprobs}"
+    if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
+        return f"stop_token_ids must be in [0, {vocab_size})"
+    return None

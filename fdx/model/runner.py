@@ -12,7 +12,6 @@ Invariants (from :class:`fdx.core.interfaces.ModelRunner`):
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import logging
 import math
@@ -243,7 +242,7 @@ class PaddleModelRunner(ModelRunner):
             self.model.release()
         if "kv_cache" in tags:
             self.caches = None
-        _free_memory()
+        self.device.trim_memory()  # RSS really drops (malloc_trim on the CPU device)
 
     def restore(self, tags: Sequence[str]) -> None:
         import paddle
@@ -283,14 +282,3 @@ def _arg_diff(new: Any, old: Any) -> list[str]:
         if a != b:
             out.append(f"{f.name}={a!r} (running {b!r})")
     return out
-
-
-def _free_memory() -> None:
-    """Return freed heap memory to the OS so RSS really drops."""
-    gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

@@ -28,10 +28,7 @@ class SerialScheduler(Scheduler):
             req = self.waiting[0]
             if self.kv.blocks_for(req.num_prompt_tokens + req.params.max_tokens) > self.kv.num_blocks:
                 self.waiting.popleft()
-                req.status = Status.FINISHED
-                req.finish_reason = "error"
-                req.extra["error"] = "request needs more KV blocks than the pool holds"
-                req.extra["error_code"] = 400
+                req.fail("request needs more KV blocks than the pool holds", 400)
                 batch.failed.append(req)
                 return batch
             computed = self.kv.get_computed_blocks(req)
@@ -50,8 +47,7 @@ class SerialScheduler(Scheduler):
         self.max_running_seen = max(self.max_running_seen, 1)
         return batch
 
-    def update(self, batch: ScheduledBatch, output: ModelOutput) -> list[Request]:
-        finished: list[Request] = []
+    def update(self, batch: ScheduledBatch, output: ModelOutput) -> None:
         for i, seq in enumerate(batch.seqs):
             req = seq.request
             if req.status is not Status.RUNNING:
@@ -63,8 +59,6 @@ class SerialScheduler(Scheduler):
             self.kv.commit(req)
             if reason is not None:
                 self._remove(req)
-                finished.append(req)
-        return finished
 
     def _remove(self, req: Request) -> None:
         req.status = Status.FINISHED

@@ -8,6 +8,7 @@ user's environment wins.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Any
 
@@ -62,6 +63,27 @@ class CPUDevice(Device):
 
     def linear_backend(self) -> str:
         return "mkl"
+
+    def trim_memory(self) -> None:
+        """Collect garbage and hand freed heap pages back to the OS (glibc
+        ``malloc_trim``): Paddle's CPU allocator frees into the C heap,
+        which otherwise keeps them resident."""
+        super().trim_memory()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+    def process_rss(self) -> int:
+        """``VmRSS`` of this process from ``/proc/self/status`` (0 if unknown)."""
+        try:
+            with open("/proc/self/status", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return 0
 
 
 @hookimpl

@@ -76,10 +76,7 @@ class BaseScheduler(Scheduler):
     def _fail(self, request: Request, error: str, code: int) -> None:
         """End ``request`` with an error; it is reported in the next batch."""
         self.kv.free(request)
-        request.status = Status.FINISHED
-        request.finish_reason = "error"
-        request.extra["error"] = error
-        request.extra["error_code"] = code
+        request.fail(error, code)
         self._failed.append(request)
         self.num_failed += 1
 
@@ -143,7 +140,7 @@ class BaseScheduler(Scheduler):
     # update
     # ------------------------------------------------------------------
 
-    def update(self, batch: ScheduledBatch, output: ModelOutput) -> list[Request]:
+    def update(self, batch: ScheduledBatch, output: ModelOutput) -> None:
         finished: list[Request] = []
         token_ids = output.token_ids.tolist() if hasattr(output.token_ids, "tolist") else list(output.token_ids)
         logprobs = output.logprobs
@@ -170,7 +167,6 @@ class BaseScheduler(Scheduler):
                 self.requests.pop(req.request_id, None)
                 self._on_removed(req)
             self.num_finished += len(finished)
-        return finished
 
     def _record(self, batch: ScheduledBatch) -> None:
         n = batch.num_tokens

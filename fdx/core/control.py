@@ -1,0 +1,197 @@
+"""The control plane: ``pause``, ``resume``, ``sleep``, ``wakeup``,
+``update_weights``, ``abort_requests`` and ``is_paused``, dispatched by name.
+
+It lives in the kernel, next to the engine it drives, so no plugin can
+bypass it.  Invariants:
+
+* control methods run between two steps (the engine loop calls them), never
+  inside one, so they never see a half-applied batch;
+* every request they end gets exactly one final output, flushed by the next
+  ``Engine.step()``: an error (code 503) for pause, ``finish_reason="abort"``
+  with the partial tokens for abort_requests; its blocks are freed;
+* ``engine.sleeping`` non-empty implies ``engine.is_paused`` (nothing runs
+  without weights or KV cache): resume refuses while something sleeps,
+  wakeup resumes once nothing does;
+* a failed sleep/wakeup leaves the tag marked asleep, so the engine stays
+  paused and a retried wakeup restores it (runner restore is idempotent).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from fdx.core.errors import FdxError, ModelLoadError, RequestError
+
+if TYPE_CHECKING:
+    from fdx.core.engine import Engine
+
+log = logging.getLogger("fdx.engine")
+
+SLEEP_TAGS = ("weight", "kv_cache")
+
+
+class ControlError(FdxError):
+    """A control method failed; ``code`` is 400 (bad call) or 500."""
+
+    def __init__(self, message: str, code: int = 500) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ControlPlane:
+    """The control methods of one :class:`~fdx.core.engine.Engine`; method
+    ``m`` of the API is :meth:`ControlPlane.m`."""
+
+    METHODS = ("pause", "resume", "is_paused", "sleep", "wakeup", "update_weights", "abort_requests")
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def call(self, method: str, args: dict[str, Any] | None) -> Any:
+        """Run control method ``method`` with keyword ``args``.
+
+        Raises :class:`ControlError`: 400 for an unknown method, bad
+        arguments or a refused call (e.g. update_weights while running),
+        500 when the method itself fails (the message says why)."""
+        if method not in self.METHODS:
+            raise ControlError(f"unknown control method: {method}", 400)
+        handler: Callable[..., Any] = getattr(self, method)
+        kwargs = dict(args or {})
+        try:
+            inspect.signature(handler).bind(**kwargs)
+        except TypeError as exc:
+            raise ControlError(f"bad arguments for {method}: {exc}", 400) from None
+        t0 = time.time()
+        try:
+            result = handler(**kwargs)
+        except ControlError:
+            raise
+        except RequestError as exc:
+            raise ControlError(str(exc), exc.code) from exc
+        except Exception as exc:  # noqa: BLE001
+            log.exception("control method %s failed", method)
+            raise ControlError(f"control method {method} failed: {type(exc).__name__}: {exc}", 500) from exc
+        log.info("control %s done in %.3fs", method, time.time() - t0)
+        return result
+
+    def pause(self) -> dict[str, Any]:
+        """Stop admitting work; end every running and waiting request with
+        an error (503), free their blocks, reset the prefix cache.  Pausing
+        twice is a no-op.  Both v0 and v1 go through ``preempt_all``, which
+        removes every request at once (v0 cannot recompute, so draining and
+        dropping are the same there)."""
+        eng = self.engine
+        if eng.is_paused:
+            return {"is_paused": True, "num_aborted": 0}
+        eng.is_paused = True
+        ended = eng.scheduler.preempt_all()
+        for req in ended:
+            if req.finish_reason == "error":  # already failed in the scheduler: keep its own error
+                eng.finish(req, "error", req.error or "request failed", req.error_code or 500)
+            else:
+                eng.finish(req, "error", "request aborted: engine is paused", 503)
+        eng.kv.reset_prefix_cache()
+        if ended:
+            log.info("paused: %d request(s) ended", len(ended))
+        return {"is_paused": True, "num_aborted": len(ended)}
+
+    def resume(self) -> dict[str, Any]:
+        """Admit work again (no-op when not paused); refused while sleeping."""
+        eng = self.engine
+        if eng.sleeping:
+            raise ControlError(f"engine is sleeping ({','.join(sorted(eng.sleeping))}): call wakeup, not resume", 400)
+        eng.is_paused = False
+        return {"is_paused": False}
+
+    def is_paused(self) -> dict[str, Any]:
+        return {"is_paused": self.engine.is_paused, "sleeping": sorted(self.engine.sleeping)}
+
+    def sleep(self, tags: str | list[str] | None = None) -> dict[str, Any]:
+        """Pause (implicitly), then free the memory of ``tags`` (``weight``,
+        ``kv_cache``; default both).  Already sleeping tags are skipped."""
+        eng = self.engine
+        wanted = parse_tags(tags)
+        self.pause()
+        todo = [t for t in wanted if t not in eng.sleeping]
+        rss = eng.device.process_rss if eng.device is not None else lambda: 0
+        before = rss()
+        if todo:
+            eng.sleeping.update(todo)  # before release: a failed release still needs a wakeup
+            eng.runner.release(todo)
+        after = rss()
+        log.info("sleep %s: RSS %.1f -> %.1f MiB", ",".join(todo) or "-", before / 2**20, after / 2**20)
+        return {"sleeping": sorted(eng.sleeping), "released": todo, "rss_before": before, "rss_after": after}
+
+    def wakeup(self, tags: str | list[str] | None = None) -> dict[str, Any]:
+        """Reload what sleep freed (``tags``, default all sleeping), then
+        resume once nothing is left asleep (like the seed, a wakeup with
+        nothing asleep just resumes)."""
+        eng = self.engine
+        wanted = parse_tags(tags)
+        todo = [t for t in wanted if t in eng.sleeping]
+        if todo:
+            eng.runner.restore(todo)
+            eng.sleeping.difference_update(todo)
+        if not eng.sleeping:
+            eng.is_paused = False
+        return {"restored": todo, "sleeping": sorted(eng.sleeping), "is_paused": eng.is_paused}
+
+    def update_weights(self, path: str | None = None, version: str | None = None) -> dict[str, Any]:
+        """Load a checkpoint with the running model's architecture and
+        shapes; only while paused and awake.  ``version`` (default: the
+        path) is recorded and shown by /v1/models.  A bad checkpoint is a
+        400 naming the mismatch; the old weights stay in place."""
+        eng = self.engine
+        if not eng.is_paused:
+            raise ControlError("update_weights needs a paused engine: call pause first", 400)
+        if "weight" in eng.sleeping:
+            raise ControlError("weights are asleep: call wakeup (tag 'weight') before update_weights", 400)
+        if not isinstance(path, str) or not path:
+            raise ControlError("update_weights needs 'path' (a .gguf file or a Hugging Face folder)", 400)
+        ver = path if version is None or version == "" else str(version)
+        try:
+            eng.runner.load_weights(path, ver)
+        except ModelLoadError as exc:
+            raise ControlError(f"update_weights: {exc}", 400) from exc
+        eng.kv.reset_prefix_cache()  # KV computed by the old weights is invalid
+        if eng.device is not None:
+            eng.device.trim_memory()  # the old weights' memory goes back to the OS (RSS does not grow per swap)
+        return {"version": eng.runner.weights_version, "path": path}
+
+    def abort_requests(self, req_ids: list[str] | str | None = None, abort_all: bool = False) -> dict[str, Any]:
+        """Abort requests by engine id (or all); each gets a final output
+        with its partial tokens (``finish_reason="abort"``)."""
+        if req_ids is None:
+            req_ids = []
+        elif isinstance(req_ids, str):
+            req_ids = [req_ids]
+        if not isinstance(req_ids, (list, tuple)) or not all(isinstance(i, str) for i in req_ids):
+            raise ControlError("abort_requests: 'req_ids' must be a list of strings", 400)
+        asked = list(dict.fromkeys(req_ids))
+        ids = self.engine.scheduler.request_ids() if abort_all else asked
+        removed = self.engine.abort(ids)
+        found = {r.request_id for r in removed}
+        return {
+            "aborted": [{"request_id": r.request_id, "output_token_count": r.num_output_tokens} for r in removed],
+            "not_found": [] if abort_all else [i for i in asked if i not in found],
+        }
+
+
+def parse_tags(tags: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """``"weight,kv_cache"``, a list, or ``None``/``""`` (= all) -> the
+    validated tags, deduplicated, in :data:`SLEEP_TAGS` order.  Raises
+    :class:`ControlError` (400) naming any unknown tag."""
+    if isinstance(tags, str):
+        items = tags.split(",")
+    elif tags is None or (isinstance(tags, (list, tuple)) and all(isinstance(t, str) for t in tags)):
+        items = list(tags or ())
+    else:
+        raise ControlError(f"tags must be a comma-separated string or a list of strings, got {tags!r}", 400)
+    out = {t.strip() for t in items if t.strip()}
+    bad = sorted(t for t in out if t not in SLEEP_TAGS)
+    if bad:
+        raise ControlError(f"unsupported tag(s) {', '.join(bad)} in {tags!r}; expected one of {', '.join(SLEEP_TAGS)}", 400)
+    return [t for t in SLEEP_TAGS if t in out or not out]
