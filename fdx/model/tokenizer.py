@@ -47,7 +47,12 @@ class ModelTokenizer:
 
     # -- Tokenizer protocol ---------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # the batch encoder releases the GIL (single ``encode`` holds it), so a
+        # long prompt tokenized in a worker thread never stalls the event loop
+        if len(text) > 4096:
+            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
