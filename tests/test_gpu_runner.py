@@ -307,3 +307,19 @@ def test_device_sampler_distribution_and_seeds() -> None:
     a = [int(DeviceSampler(V).sample(paddle.to_tensor(rows[:1]), r_alone)[0][0]) for _ in range(20)]
     b = [int(DeviceSampler(V).sample(paddle.to_tensor(rows), r_batch)[0][1]) for _ in range(20)]
     assert a == b and len(set(a)) > 1
+
+
+def test_repeated_kv_heads_give_the_same_attention() -> None:
+    """The wrapper used when a flash build lacks grouped-query heads."""
+    import paddle
+
+    from fdx.model.fused_kernels import repeat_kv_heads, varlen_attention_reference
+
+    rng = np.random.default_rng(2)
+    q = paddle.to_tensor(rng.standard_normal((6, 6, 8)).astype(np.float32))
+    k = paddle.to_tensor(rng.standard_normal((9, 2, 8)).astype(np.float32))
+    v = paddle.to_tensor(rng.standard_normal((9, 2, 8)).astype(np.float32))
+    cu_q, cu_k = np.array([0, 1, 6], dtype=np.int32), np.array([0, 4, 9], dtype=np.int32)
+    a = varlen_attention_reference(q, k, v, cu_q, cu_k, 5, 5, 0.3, True)
+    b = repeat_kv_heads(varlen_attention_reference, 3)(q, k, v, cu_q, cu_k, 5, 5, 0.3, True)
+    assert np.allclose(a.numpy(), b.numpy(), atol=1e-6)

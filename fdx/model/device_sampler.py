@@ -162,7 +162,8 @@ class DeviceSampler:
         t = paddle.to_tensor
         inv_t = t(np.array([1.0 / p.temperature for p in ps], dtype=np.float32))
         probs = F.softmax(x * inv_t.unsqueeze(1), axis=-1)
-        sp, order = paddle.topk(probs, width, axis=-1)  # descending: a full sort
+        order = paddle.argsort(probs, axis=-1, descending=True)  # a full sort of each row
+        sp = paddle.take_along_axis(probs, order, axis=1)
         keep = paddle.ones_like(sp)
         top_k = np.array([p.top_k if 0 < p.top_k < width else width for p in ps], dtype=np.int64)
         if (top_k < width).any():

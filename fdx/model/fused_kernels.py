@@ -120,6 +120,17 @@ def varlen_attention_fused(
     return out
 
 
+def repeat_kv_heads(fn: Callable[..., Any], group: int) -> Callable[..., Any]:
+    """``fn`` for a kernel build without grouped-query heads: K/V heads are
+    repeated ``group`` times (``[T, KV, D] -> [T, KV * group, D]``) first."""
+    import paddle
+
+    def call(q: Any, k: Any, v: Any, *rest: Any) -> Any:
+        return fn(q, paddle.repeat_interleave(k, group, axis=1), paddle.repeat_interleave(v, group, axis=1), *rest)
+
+    return call
+
+
 def varlen_attention_reference(
     q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int, scale: float, causal: bool,
     alignment: str = "bottom_right",
@@ -264,7 +275,15 @@ def probe_kernels(
         qq = rand(sum(ql), num_heads, D)
         kv_k, kv_v = rand(sum(kl), num_kv_heads, D), rand(sum(kl), num_kv_heads, D)
         sc = 1.0 / float(np.sqrt(D))
-        got = varlen_attention_fused(qq, kv_k, kv_v, cu_q, cu_k, 3, 5, sc, True)
+        fused = varlen_attention_fused
+        try:
+            got = fused(qq, kv_k, kv_v, cu_q, cu_k, 3, 5, sc, True)
+        except Exception:  # noqa: BLE001 - a build without grouped-query heads
+            if num_heads == num_kv_heads:
+                raise
+            fused = repeat_kv_heads(varlen_attention_fused, num_heads // num_kv_heads)
+            got = fused(qq, kv_k, kv_v, cu_q, cu_k, 3, 5, sc, True)
+        k.varlen_attention = fused
         want = varlen_attention_reference(qq, kv_k, kv_v, cu_q, cu_k, 3, 5, sc, True)
         if _close(got, want, dtype):
             k.causal_alignment = "bottom_right"
@@ -272,15 +291,15 @@ def probe_kernels(
         # an older build: causal aligned top-left; usable for decode rows
         # (causal=False) and for chunks starting at position 0 (q == k)
         top = varlen_attention_reference(qq, kv_k, kv_v, cu_q, cu_k, 3, 5, sc, True, alignment="top_left")
-        nocausal = varlen_attention_fused(qq, kv_k, kv_v, cu_q, cu_k, 3, 5, sc, False)
+        nocausal = fused(qq, kv_k, kv_v, cu_q, cu_k, 3, 5, sc, False)
         want_nc = varlen_attention_reference(qq, kv_k, kv_v, cu_q, cu_k, 3, 5, sc, False)
         if _close(got, top, dtype) and _close(nocausal, want_nc, dtype):
             k.causal_alignment = "top_left"
             return True
         return False
 
-    if attempt("flash_attn", flash_check):
-        k.varlen_attention = varlen_attention_fused
+    if not attempt("flash_attn", flash_check):
+        k.varlen_attention = None
     return k
 
 

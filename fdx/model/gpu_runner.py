@@ -77,9 +77,12 @@ def resolve_dtype(requested: str, place: str) -> str:
 def _check_dtype_works(dtype: str, place: str) -> None:
     import paddle
 
-    try:
-        a = paddle.ones([2, 8], dtype="float32").astype(dtype)
+    try:  # the ops every step needs in this dtype: matmul, KV scatter and gather
+        a = paddle.ones([4, 8], dtype="float32").astype(dtype)
         float(paddle.matmul(a, a, transpose_y=True).astype("float32").sum())
+        idx = paddle.to_tensor(np.array([2, 0], dtype=np.int64))
+        paddle.scatter_(a, idx, a[:2] * 2, overwrite=True)
+        float(paddle.index_select(a, idx).astype("float32").sum())
     except Exception as exc:  # noqa: BLE001
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
         raise ModelLoadError(f"--dtype {dtype} is not supported on {place} by this Paddle build ({first})") from None
