@@ -14,9 +14,12 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
+import zmq
 from serverutil import pid_alive, read_log, start_server
 
-from fdx.core.ipc import Liveness
+from fdx.core.engine_proc import HeartbeatThread, Progress
+from fdx.core.ipc import IpcPaths, Liveness
+from fdx.core.messages import EngineStats, Heartbeat, decode
 from fdx.server.launcher import RestartPolicy
 
 MAX_RESTARTS = 2
@@ -50,6 +53,40 @@ def test_liveness_tells_busy_from_hung() -> None:
     silent = Liveness(timeout=3.0, step_timeout=10.0)
     silent.last_seen -= 11.0  # nothing at all for 11 s
     assert "sent nothing" in (silent.hung() or "")
+
+
+def test_heartbeat_carries_the_step_in_progress(tmp_path: Any) -> None:
+    """The engine's heartbeat thread, over a real socket: a step that has run
+    for 12 s shows as ``busy_s`` while beats keep coming, and Liveness calls
+    it hung (the real-server tests below freeze the whole process instead)."""
+    paths = IpcPaths(str(tmp_path))
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(paths.output_addr)
+    progress = Progress()
+    progress.steps = 7
+    progress.busy_since = time.monotonic() - 12.0
+    beat = HeartbeatThread(paths, 0.05, lambda: EngineStats(steps=7), progress)
+    beat.start()
+    try:
+        assert pull.poll(5000), "no heartbeat"
+        hb = decode(pull.recv())
+        progress.busy_since = None  # the step ended: the next beats say idle
+        deadline = time.monotonic() + 5
+        while (idle := decode(pull.recv())).busy_s != 0.0:
+            assert time.monotonic() < deadline
+    finally:
+        beat.stop.set()
+        beat.join(5)
+        pull.close(0)
+        ctx.term()
+    assert isinstance(hb, Heartbeat) and hb.pid == os.getpid() and hb.steps == 7 and hb.busy_s >= 12.0
+    assert isinstance(idle, Heartbeat) and idle.busy_s == 0.0
+    lv = Liveness(timeout=3.0, step_timeout=10.0)
+    lv.beat(hb.busy_s, hb.steps)
+    assert "step has run for" in (lv.hung() or "")
+    lv.beat(idle.busy_s, idle.steps)
+    assert lv.hung() is None
 
 
 # --------------------------------------------------------------------------

@@ -56,7 +56,7 @@ class Progress:
         return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
 
-class _Beat(threading.Thread):
+class HeartbeatThread(threading.Thread):
     """Sends heartbeats on its own socket (ZMQ sockets are per thread)."""
 
     def __init__(self, paths: IpcPaths, interval: float, get_stats, progress: Progress) -> None:  # type: ignore[no-untyped-def]
@@ -103,7 +103,7 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
 
     stats_cache = [engine.stats()]
     progress = Progress()
-    beat = _Beat(paths, config.heartbeat_interval, lambda: stats_cache[0], progress)
+    beat = HeartbeatThread(paths, config.heartbeat_interval, lambda: stats_cache[0], progress)
     beat.start()
     side.send(
         EngineReady(
