@@ -75,3 +75,36 @@ def test_too_long_prompt_is_a_clear_error(llm: Any) -> None:
     with pytest.raises(RequestError, match="max_model_len"):
         llm.generate([[5] * 1000], greedy(100))
     assert not llm.engine.scheduler.has_work()
+
+
+def test_failing_token_processor_fails_its_call_only(plugin_manager: Any) -> None:
+    """A token-processor plugin registered on a fresh manager and chosen
+    through ``fdx serve``'s own option parsing: when it raises for one
+    request, that call fails with a clear error, the request is aborted in
+    the engine (no KV block kept) and the next call is served."""
+    import failing_token_processor as failing
+
+    import fdx
+    from fdx.cli import build_parser, config_from_args
+    from fdx.core.errors import RequestError
+    from fdx.core.plugins import collect, load_entry_points, set_plugins
+
+    infos = load_entry_points(plugin_manager)  # the built-ins (device, runner, scheduler, ...)
+    plugin_manager.register(failing, name="failing")
+    plugins = collect(plugin_manager, infos)
+    args = build_parser(plugins).parse_args(["serve", "--token-processor", "failing"])
+    cfg = config_from_args(args, plugins)
+    set_plugins(plugins)
+    try:
+        llm = fdx.LLM(token_processor=cfg.token_processor, num_kv_blocks=128, max_model_len=1024)
+    finally:
+        set_plugins(None)
+    with pytest.raises(RequestError, match="token processor") as info:
+        llm.generate(["The sky is", f"Tell me a story {failing.FAIL_FEED}"], greedy(400, ignore_eos=True))
+    assert info.value.code == 500 and failing.SECRET not in str(info.value)
+    assert llm.engine.kv.num_used_blocks == 0 and not llm.engine.has_work()
+    with pytest.raises(RequestError, match="token processor"):
+        llm.generate(f"{failing.FAIL_OPEN} hello", greedy(4))
+    assert not llm.engine.has_work()
+    [ok] = llm.generate("The sky is", greedy(8, ignore_eos=True))
+    assert ok.finish_reason == "length" and len(ok.token_ids) == 8 and ok.text
