@@ -146,9 +146,11 @@ def hide_secrets_in_argv(secrets: list[str]) -> bool:
             fields = f.read().rsplit(b")", 1)[1].split()
         # fields 48 and 49 of proc(5) (arg_start, arg_end); fields[0] is field 3
         start, end = int(fields[45]), int(fields[46])
-        raw = ctypes.string_at(start, end - start)
     except (OSError, IndexError, ValueError):
         return False
+    if start <= 0 or not 0 < end - start < (1 << 21):
+        return False  # hidden by the kernel, or not what we expect: touch nothing
+    raw = ctypes.string_at(start, end - start)
     new = bytearray(raw)
     pos = 0
     changed = False
