@@ -323,3 +323,24 @@ def test_repeated_kv_heads_give_the_same_attention() -> None:
     a = varlen_attention_reference(q, k, v, cu_q, cu_k, 5, 5, 0.3, True)
     b = repeat_kv_heads(varlen_attention_reference, 3)(q, k, v, cu_q, cu_k, 5, 5, 0.3, True)
     assert np.allclose(a.numpy(), b.numpy(), atol=1e-6)
+
+
+def test_llm_with_the_gpu_runner_plugin(runners: tuple[Any, Any], prompt_ids: list[list[int]]) -> None:
+    """``model_runner="gpu"`` goes through the registry and the engine's
+    own path (scheduler, output processor); greedy tokens equal the cpu
+    runner's, logprobs come back, and a seed repeats."""
+    import fdx
+
+    _, cpu = runners
+    llm = fdx.LLM(model_runner="gpu", num_kv_blocks=64, max_model_len=512)
+    assert type(llm.engine.runner).__name__ == "GPUModelRunner"
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    out = llm.generate([prompt_ids[0], prompt_ids[1]], greedy)
+    assert [o.token_ids for o in out] == run_greedy(cpu, prompt_ids[:2], 10)
+    for o in out:
+        assert o.logprobs is not None and len(o.logprobs) == 10
+        for tid, lp in zip(o.token_ids, o.logprobs):
+            assert lp.token_id == tid and lp.logprob <= 0.0 and lp.top[0][0] == tid
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, seed=7, ignore_eos=True)
+    a, b = llm.generate([prompt_ids[2]], seeded), llm.generate([prompt_ids[2]], seeded)
+    assert a[0].token_ids == b[0].token_ids
