@@ -11,12 +11,14 @@
   real), that no written slot lies in a block registered in the prefix
   cache, and samples a token that depends only on the request's token list
   (so greedy outputs are schedule independent).
+* :func:`check_kv_invariants` -- the block-accounting invariants of a
+  :class:`~fdx.core.kv_cache.KVCacheManager`, checked from the outside.
 """
 
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -256,3 +258,36 @@ def simulate(
             sched.check_invariants()  # type: ignore[attr-defined]
     assert not live, f"requests lost: {sorted(live)}"
     return SimResult(outputs, ends, steps, int(sched.stats().get("num_preemptions", 0)), errors)
+
+
+def check_kv_invariants(kv: KVCacheManager, requests: Iterable[Request] = ()) -> None:
+    """Raise AssertionError when the block accounting of ``kv`` is
+    inconsistent (the invariants of :mod:`fdx.core.kv_cache`).
+
+    ``requests`` are every live request holding blocks (pass all the
+    scheduler's running/waiting requests)."""
+    n = kv.num_blocks
+    free = list(kv._free)
+    evict = list(kv._evictable)
+    assert len(set(free)) == len(free), "a block is twice in the free list"
+    assert not set(free) & set(evict), "a block is both free and evictable"
+    refs = [0] * n
+    for r in requests:
+        assert len(set(r.block_ids)) == len(r.block_ids), f"{r.request_id}: block twice in its table"
+        assert len(r.block_ids) * kv.block_size >= r.num_computed_tokens, f"{r.request_id}: too few blocks"
+        for b in r.block_ids:
+            refs[b] += 1
+    for b in range(n):
+        assert refs[b] == kv.ref_cnt[b], f"block {b}: ref_cnt {kv.ref_cnt[b]} != tables {refs[b]}"
+        if refs[b] > 1:
+            assert kv.block_hash[b] is not None, f"block {b} shared but not cached"
+    for b in free:
+        assert kv.ref_cnt[b] == 0 and kv.block_hash[b] is None, f"free block {b} in use or cached"
+    for b in evict:
+        assert kv.ref_cnt[b] == 0 and kv.block_hash[b] is not None, f"evictable block {b} bad state"
+    used = sum(1 for c in kv.ref_cnt if c > 0)
+    assert used == kv.num_used_blocks, f"num_used_blocks {kv.num_used_blocks} != {used}"
+    assert used + len(free) + len(evict) == n, f"blocks lost: used {used} free {len(free)} evictable {len(evict)}"
+    for h, b in kv.cached.items():
+        assert kv.block_hash[b] == h, f"cache map of block {b} inconsistent"
+    assert sum(1 for h in kv.block_hash if h is not None) == len(kv.cached)

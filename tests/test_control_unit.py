@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fdx.core.config import make_config
-from fdx.core.control import ControlError, parse_tags
+from fdx.engine_control import ControlError, parse_tags
 from fdx.core.engine import Engine
 from fdx.core.errors import ModelLoadError
 from fdx.core.interfaces import ModelOutput, ScheduledBatch

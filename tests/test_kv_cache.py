@@ -8,7 +8,7 @@ import pytest
 
 from fdx.core.kv_cache import KVCacheManager
 from fdx.core.request import Request
-from fdx.testing import make_request
+from fdx.testing import check_kv_invariants, make_request
 
 BS = 4
 
@@ -31,17 +31,17 @@ def test_allocate_free_accounting() -> None:
     r = req("a", list(range(1, 10)))  # 9 tokens -> 3 blocks
     assert kv.allocate(r, 9, [])
     assert len(r.block_ids) == 3 and kv.num_used_blocks == 3 and kv.num_free_blocks == 7
-    kv.check_invariants([r])
+    check_kv_invariants(kv, [r])
     r.num_computed_tokens = 9
     assert kv.allocate(r, 3)  # positions 9..11 fit in block 3
     assert len(r.block_ids) == 3
     assert kv.allocate(r, 4)
     assert len(r.block_ids) == 4
-    kv.check_invariants([r])
+    check_kv_invariants(kv, [r])
     kv.free(r)
     assert r.block_ids == [] and r.num_computed_tokens == 0
     assert kv.num_used_blocks == 0 and kv.num_free_blocks == 10
-    kv.check_invariants([])
+    check_kv_invariants(kv, [])
 
 
 def test_allocate_failure_changes_nothing() -> None:
@@ -55,7 +55,7 @@ def test_allocate_failure_changes_nothing() -> None:
     assert kv.allocate(b, 1) and len(b.block_ids) == 1  # room left in its block: no new block
     c = req("c", [1])
     assert not kv.can_allocate(c, 1, [], watermark=1)
-    kv.check_invariants([a, b])
+    check_kv_invariants(kv, [a, b])
 
 
 def test_prefix_match_shares_blocks_and_never_covers_last_token() -> None:
@@ -71,13 +71,13 @@ def test_prefix_match_shares_blocks_and_never_covers_last_token() -> None:
     assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids[2] != a.block_ids[2]
     assert kv.ref_cnt[a.block_ids[0]] == 2
     assert kv.prefix_queries == 24 and kv.prefix_hits == 8
-    kv.check_invariants([a, b])
+    check_kv_invariants(kv, [a, b])
     c = req("c", prompt[:6] + [99, 98, 97])
     assert admit(kv, c) == 1
-    kv.check_invariants([a, b, c])
+    check_kv_invariants(kv, [a, b, c])
     for r in (a, b, c):
         kv.free(r)
-    kv.check_invariants([])
+    check_kv_invariants(kv, [])
     assert kv.num_used_blocks == 0 and kv.num_free_blocks == 20
 
 
@@ -117,7 +117,7 @@ def test_lru_eviction_tail_first() -> None:
     blocks = list(a.block_ids)
     kv.free(a)
     assert kv.num_used_blocks == 0 and len(kv.cached) == 3
-    kv.check_invariants([])
+    check_kv_invariants(kv, [])
     # 2 plain free blocks + 1 unregistered (the partial tail) are used first
     b = req("b", list(range(50, 62)))  # 3 blocks
     assert kv.allocate(b, 12, [])
@@ -128,7 +128,7 @@ def test_lru_eviction_tail_first() -> None:
     assert blocks[2] in c.block_ids and len(kv.cached) == 2 and kv.num_evictions == 1
     d = req("d", list(range(1, 14)))
     assert kv.get_computed_blocks(d) == blocks[:2]
-    kv.check_invariants([b, c])
+    check_kv_invariants(kv, [b, c])
 
 
 def test_evictable_prefix_blocks_count_against_free() -> None:
@@ -141,11 +141,11 @@ def test_evictable_prefix_blocks_count_against_free() -> None:
     assert len(computed) == 2
     assert kv.num_blocks_needed(b, 17 - 8, computed) == 5
     assert not kv.allocate(b, 9, computed)
-    kv.check_invariants([])
+    check_kv_invariants(kv, [])
     c = req("c", list(range(1, 10)) + [100, 101, 102])  # 12 tokens: 3 blocks, 2 cached
     computed = kv.get_computed_blocks(c)
     assert kv.allocate(c, 4, computed)
-    kv.check_invariants([c])
+    check_kv_invariants(kv, [c])
 
 
 def test_reset_prefix_cache() -> None:
@@ -157,9 +157,9 @@ def test_reset_prefix_cache() -> None:
     kv.free(a)
     assert kv.reset_prefix_cache()
     assert not kv.cached
-    kv.check_invariants([b])
+    check_kv_invariants(kv, [b])
     kv.free(b)
-    kv.check_invariants([])
+    check_kv_invariants(kv, [])
     assert kv.num_free_blocks == 8 and len(kv._free) == 8
 
 
@@ -169,7 +169,7 @@ def test_disabled_prefix_caching() -> None:
     admit(kv, a)
     b = req("b", list(range(1, 10)))
     assert admit(kv, b) == 0 and not kv.cached
-    kv.check_invariants([a, b])
+    check_kv_invariants(kv, [a, b])
 
 
 class FakeStorage:
@@ -221,10 +221,10 @@ def test_storage_hooks_extend_the_match() -> None:
     computed = kv.get_computed_blocks(b)
     assert len(computed) == 3 and len(st.loaded) == 3
     assert [h for _, h in st.loaded] == b.block_hashes[:3]
-    kv.check_invariants([])
+    check_kv_invariants(kv, [])
     assert kv.allocate(b, 1, computed)
     assert b.num_cached_tokens == 12 and kv.prefix_hits == 12
-    kv.check_invariants([b])
+    check_kv_invariants(kv, [b])
 
 
 def test_storage_probed_once_per_admission() -> None:
@@ -263,9 +263,9 @@ def test_storage_load_never_evicts_matched_blocks() -> None:
     computed = kv.get_computed_blocks(b)
     # pool of 4: 2 matched (pinned) + at most 2 loaded
     assert len(computed) == 4 and len(set(computed)) == 4
-    kv.check_invariants([])
+    check_kv_invariants(kv, [])
     assert not kv.allocate(b, 1, computed)  # needs a 5th block
-    kv.check_invariants([])
+    check_kv_invariants(kv, [])
 
 
 def test_invariant_checker_catches_bad_tables() -> None:
@@ -275,9 +275,9 @@ def test_invariant_checker_catches_bad_tables() -> None:
     b = req("b", [1, 2, 3])
     b.block_ids = list(a.block_ids)
     with pytest.raises(AssertionError):
-        kv.check_invariants([a, b])
+        check_kv_invariants(kv, [a, b])
     with pytest.raises(AssertionError):
-        kv.check_invariants([])
+        check_kv_invariants(kv, [])
 
 
 def test_storage_exception_frees_its_blocks() -> None:
@@ -291,5 +291,5 @@ def test_storage_exception_frees_its_blocks() -> None:
     kv.storage = Broken()
     r = req("r", list(range(1, 20)))
     assert kv.get_computed_blocks(r) == []
-    kv.check_invariants([])
+    check_kv_invariants(kv, [])
     assert kv.num_free_blocks == 8

@@ -17,7 +17,7 @@ from fdx.plugins.cache_backends.kv_storage import HEADER, KVStorage, fingerprint
 from fdx.core.request import Request
 from fdx.plugins.cache_backends.file import FileBackend
 from fdx.plugins.cache_backends.memory import MemoryBackend
-from fdx.testing import make_request
+from fdx.testing import check_kv_invariants, make_request
 
 BS = 4
 BODY = 256
@@ -153,7 +153,7 @@ def test_partial_prefix_and_device_then_storage(tmp_path: Path) -> None:
     assert b.serve(r) == 5
     assert b.storage.stats()["hit_blocks"] == 5  # 1 + 4 from storage, 1 from the device
     assert r.num_cached_tokens == 20
-    b.kv.check_invariants([x, r])
+    check_kv_invariants(b.kv, [x, r])
 
 
 def test_pool_too_small_loads_what_fits() -> None:
@@ -168,7 +168,7 @@ def test_pool_too_small_loads_what_fits() -> None:
     r = req("r", prompt(41))
     computed = b.kv.get_computed_blocks(r)
     assert len(computed) == 6  # only 6 free blocks to load into
-    b.kv.check_invariants(used)
+    check_kv_invariants(b.kv, used)
 
 
 # ---------------------------------------------------------------- never load a wrong block
@@ -344,7 +344,7 @@ def test_write_failure_on_device_is_counted_not_raised(tmp_path: Path) -> None:
     r = req("b", prompt(41))
     assert b.serve(r) == 0  # recomputed
     assert b.storage.stats()["errors"] == 1
-    b.kv.check_invariants([r])  # the blocks allocated for the load went back
+    check_kv_invariants(b.kv, [r])  # the blocks allocated for the load went back
 
 
 # ---------------------------------------------------------------- real servers

@@ -13,7 +13,7 @@ from fdx.core.config import make_config
 from fdx.core.interfaces import ModelOutput
 from fdx.core.kv_cache import KVCacheManager
 from fdx.core.request import Status
-from fdx.testing import FakeRunner, make_request, simulate
+from fdx.testing import check_kv_invariants, FakeRunner, make_request, simulate
 from fdx.plugins.schedulers.v0 import V0Scheduler
 from fdx.plugins.schedulers.v1 import V1Scheduler
 
@@ -35,7 +35,7 @@ def run(name: str, num_blocks: int, seed: int, **kw: object):  # type: ignore[no
     # everything ended, nothing leaked
     assert kv.num_used_blocks == 0
     assert kv.num_free_blocks == kv.num_blocks
-    kv.check_invariants([])
+    check_kv_invariants(kv, [])
     return res, sched, kv
 
 

@@ -3,7 +3,7 @@
 ``step()`` is schedule -> execute -> update -> outputs.  Components are
 resolved by name once, in :meth:`Engine.__init__`; the loop calls their
 plain methods.  The control methods (``pause``, ``sleep``, ...) are in
-:mod:`fdx.core.control`, dispatched by :meth:`Engine.control`.
+:mod:`fdx.engine_control`, dispatched by :meth:`Engine.control`.
 
 Failure isolation -- no request can end the engine:
 
@@ -30,8 +30,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from fdx.core.config import EngineConfig, split_device
-from fdx.core.control import ControlError, ControlPlane
-from fdx.core.errors import FdxError
+from fdx.core.errors import ControlError, FdxError
 from fdx.core.interfaces import Device, ModelOutput, ModelRunner, ScheduledBatch, Scheduler
 from fdx.core.kv_cache import KVCacheManager
 from fdx.core.messages import AddRequest, EngineStats, RequestOutput
@@ -82,7 +81,7 @@ class Engine:
         self.is_paused = False
         self.sleeping: set[str] = set()
         self.steps = 0
-        self.controls = ControlPlane(self)
+        self.controls: Any = None  # the control plane, built on the first control call
         # outputs produced outside the step's batch (aborts, failures), flushed by step()
         self._side_outputs: list[RequestOutput] = []
 
@@ -222,8 +221,12 @@ class Engine:
     # ------------------------------------------------------------------ state
 
     def control(self, method: str, args: dict[str, Any] | None) -> Any:
-        """Run control method ``method`` (see :mod:`fdx.core.control`);
+        """Run control method ``method`` (see :mod:`fdx.engine_control`);
         raises :class:`ControlError` with an HTTP-like code."""
+        if self.controls is None:
+            from fdx.engine_control import ControlPlane
+
+            self.controls = ControlPlane(self)
         return self.controls.call(method, args)
 
     def stats(self) -> EngineStats:

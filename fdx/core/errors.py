@@ -35,3 +35,11 @@ class RequestError(FdxError):
         super().__init__(message)
         self.code = code
         self.param = param
+
+
+class ControlError(FdxError):
+    """A control method failed; ``code`` is 400 (bad call) or 500."""
+
+    def __init__(self, message: str, code: int = 500) -> None:
+        super().__init__(message)
+        self.code = code

@@ -20,7 +20,7 @@ computed* (:meth:`KVCacheManager.commit`); a registered block may be shared by
 several requests through its reference count.  A prefix match never covers
 the whole token list: the last token is always computed so the model samples.
 
-Invariants (checked by :meth:`KVCacheManager.check_invariants`):
+Invariants (checked by :func:`fdx.testing.check_kv_invariants`):
 
 * a block is never handed out twice (free list, evictable set and used set
   are disjoint and cover the pool);
@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import TYPE_CHECKING, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
     from fdx.core.request import Request
@@ -361,38 +361,3 @@ class KVCacheManager:
             self.block_hash[b] = None
         self.cached.clear()
         return True
-
-    # ------------------------------------------------------------------
-    # checks
-    # ------------------------------------------------------------------
-
-    def check_invariants(self, requests: Iterable[Request] = ()) -> None:
-        """Raise AssertionError when the accounting is inconsistent.
-
-        ``requests`` are every live request holding blocks (pass all the
-        scheduler's running/waiting requests)."""
-        n = self.num_blocks
-        free = list(self._free)
-        evict = list(self._evictable)
-        assert len(set(free)) == len(free), "a block is twice in the free list"
-        assert not set(free) & set(evict), "a block is both free and evictable"
-        refs = [0] * n
-        for r in requests:
-            assert len(set(r.block_ids)) == len(r.block_ids), f"{r.request_id}: block twice in its table"
-            assert len(r.block_ids) * self.block_size >= r.num_computed_tokens, f"{r.request_id}: too few blocks"
-            for b in r.block_ids:
-                refs[b] += 1
-        for b in range(n):
-            assert refs[b] == self.ref_cnt[b], f"block {b}: ref_cnt {self.ref_cnt[b]} != tables {refs[b]}"
-            if refs[b] > 1:
-                assert self.block_hash[b] is not None, f"block {b} shared but not cached"
-        for b in free:
-            assert self.ref_cnt[b] == 0 and self.block_hash[b] is None, f"free block {b} in use or cached"
-        for b in evict:
-            assert self.ref_cnt[b] == 0 and self.block_hash[b] is not None, f"evictable block {b} bad state"
-        used = sum(1 for c in self.ref_cnt if c > 0)
-        assert used == self.num_used_blocks, f"num_used_blocks {self.num_used_blocks} != {used}"
-        assert used + len(free) + len(evict) == n, f"blocks lost: used {used} free {len(free)} evictable {len(evict)}"
-        for h, b in self.cached.items():
-            assert self.block_hash[b] == h, f"cache map of block {b} inconsistent"
-        assert sum(1 for h in self.block_hash if h is not None) == len(self.cached)

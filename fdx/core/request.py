@@ -114,36 +114,43 @@ class Request:
         return toks, lps
 
 
+#: NaN-safe bounds of the float sampling params: ``lo <= x <= hi`` (``lo < x`` where ``open_lo``)
+FLOAT_BOUNDS = {
+    "temperature": (0.0, math.inf, False), "top_p": (0.0, 1.0, True), "min_p": (0.0, 1.0, False),
+    "presence_penalty": (-math.inf, math.inf, True), "frequency_penalty": (-math.inf, math.inf, True),
+    "repetition_penalty": (0.0, math.inf, True),
+}
+
+
 def check_request(msg: AddRequest, max_model_len: int, vocab_size: int, max_logprobs: int) -> str | None:
     """Why the engine cannot run ``msg`` (a message naming the field), or
     ``None``.  These are the bounds of what the sampler and the model can
     take; the API edge is stricter (OpenAI ranges), but clients that bypass
-    it (``fdx.LLM``, the IPC) meet these.  Seeds are refused when negative
-    (not wrapped): a seed is ``None`` or an integer in ``[0, 2**64)``."""
-    p = msg.params
-    n = len(msg.prompt_token_ids)
-    if n == 0:
+    it (``fdx.LLM``, the IPC) meet these.  Every float is finite.  Seeds are
+    refused when negative (not wrapped): a seed is ``None`` or an integer in
+    ``[0, 2**64)``.  A ``top_k`` at or above the vocabulary disables top-k."""
+    p, ids = msg.params, msg.prompt_token_ids
+    if not ids:
         return "prompt is empty"
-    if not 0 <= min(msg.prompt_token_ids) <= max(msg.prompt_token_ids) < vocab_size:
+    if not 0 <= min(ids) <= max(ids) < vocab_size:
         return f"prompt token ids must be in [0, {vocab_size})"
-    if not 1 <= p.max_tokens:
+    if p.max_tokens < 1:
         return f"max_tokens must be >= 1, got {p.max_tokens}"
-    if n + p.max_tokens > max_model_len:
-        return f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds max_model_len ({max_model_len})"
+    if len(ids) + p.max_tokens > max_model_len:
+        return f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds max_model_len ({max_model_len})"
     if not 0 <= p.min_tokens <= p.max_tokens:
         return f"min_tokens must be in [0, max_tokens={p.max_tokens}], got {p.min_tokens}"
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if not math.isfinite(getattr(p, name)):
-            return f"{name} must be a finite number, got {getattr(p, name)}"
-    if p.temperature < 0 or not 0 < p.top_p <= 1 or not 0 <= p.min_p <= 1 or p.repetition_penalty <= 0:
-        return (f"sampling params out of range: temperature >= 0, top_p in (0, 1], min_p in [0, 1] and "
-                f"repetition_penalty > 0 (got {p.temperature}, {p.top_p}, {p.min_p}, {p.repetition_penalty})")
-    if not -1 <= p.top_k <= INT64_MAX:
-        return f"top_k must be -1 or 0 (disabled) or a positive 64-bit integer, got {p.top_k}"
-    if p.seed is not None and not 0 <= p.seed < 2**64:
-        return f"seed must be an integer in [0, 2**64), got {p.seed}"
-    if p.logprobs is not None and not 0 <= p.logprobs <= max_logprobs:
-        return f"logprobs must be in [0, {max_logprobs}], got {p.logprobs}"
-    if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
-        return f"stop_token_ids must be in [0, {vocab_size})"
+    for name, (lo, hi, open_lo) in FLOAT_BOUNDS.items():
+        x = getattr(p, name)
+        if not (lo < x if open_lo else lo <= x) or not x <= hi or math.isinf(x):
+            return f"{name} must be a finite number in {'(' if open_lo else '['}{lo}, {hi}], got {x}"
+    checks = (
+        ("top_k", -1 <= p.top_k <= INT64_MAX, "-1 or 0 (disabled) or a positive 64-bit integer"),
+        ("seed", p.seed is None or 0 <= p.seed < 2**64, "an integer in [0, 2**64)"),
+        ("logprobs", p.logprobs is None or 0 <= p.logprobs <= max_logprobs, f"in [0, {max_logprobs}]"),
+        ("stop_token_ids", all(0 <= t < vocab_size for t in p.stop_token_ids), f"token ids in [0, {vocab_size})"),
+    )
+    for name, ok, what in checks:
+        if not ok:
+            return f"{name} must be {what}, got {getattr(p, name)}"
     return None

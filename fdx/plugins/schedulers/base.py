@@ -202,4 +202,6 @@ class BaseScheduler(Scheduler):
             assert not r.block_ids and r.num_computed_tokens == 0, f"waiting {r.request_id} holds blocks"
         for r in self._failed:
             assert not r.block_ids
-        self.kv.check_invariants(live)
+        from fdx.testing import check_kv_invariants
+
+        check_kv_invariants(self.kv, live)

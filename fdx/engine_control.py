@@ -1,8 +1,13 @@
-"""The control plane: ``pause``, ``resume``, ``sleep``, ``wakeup``,
-``update_weights``, ``abort_requests`` and ``is_paused``, dispatched by name.
+"""The engine's control plane: ``pause``, ``resume``, ``sleep``, ``wakeup``,
+``update_weights``, ``abort_requests`` and ``is_paused``, dispatched by name
+through :meth:`fdx.core.engine.Engine.control` (the HTTP routes are in
+:mod:`fdx.server.control`).
 
-It lives in the kernel, next to the engine it drives, so no plugin can
-bypass it.  Invariants:
+It is not part of the loop, so it lives outside the kernel, but it is fdx's
+own code, not a plugin: no plugin can bypass or replace it.  It drives the
+engine only through its public state (``is_paused``, ``sleeping``,
+``scheduler``, ``runner``, ``kv``, ``device``, ``finish``, ``abort``).
+Invariants:
 
 * control methods run between two steps (the engine loop calls them), never
   inside one, so they never see a half-applied batch;
@@ -23,22 +28,16 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from fdx.core.errors import FdxError, ModelLoadError, RequestError
+from fdx.core.errors import ControlError, ModelLoadError, RequestError
 
 if TYPE_CHECKING:
     from fdx.core.engine import Engine
 
 log = logging.getLogger("fdx.engine")
 
+__all__ = ["ControlError", "ControlPlane", "SLEEP_TAGS", "parse_tags"]
+
 SLEEP_TAGS = ("weight", "kv_cache")
-
-
-class ControlError(FdxError):
-    """A control method failed; ``code`` is 400 (bad call) or 500."""
-
-    def __init__(self, message: str, code: int = 500) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class ControlPlane:
