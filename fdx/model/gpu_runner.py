@@ -12,7 +12,8 @@ sampling on the device.
   Paddle's fused kernel (``fused_rms_norm``, ``fused_rotary_position_embedding``,
   ``swiglu``, ``flash_attn_unpadded``) or the plain-Paddle fallback, and the
   start-up log line says which and why.  A device plugin gates ops off with
-  ``unsupported_fused_ops`` (op -> reason).
+  ``unsupported_fused_ops`` (op -> reason); ``FDX_GPU_DISABLE_FUSED=rope,flash_attn``
+  turns ops off by hand (names: ``rms_norm``, ``rope``, ``swiglu``, ``flash_attn``).
 * sampling: :class:`fdx.model.device_sampler.DeviceSampler`; only the
   sampled ids (and requested logprobs) come to the host.
 
