@@ -176,6 +176,10 @@ def test_killed_engine_under_16_streams_is_replaced(server: tuple[str, Any]) -> 
     assert all(o.get("status") == 200 and "ended" not in o for o in outs), outs
     os.kill(pid, signal.SIGKILL)
     t_kill = time.monotonic()
+    while (h := httpx.get(base + "/health", timeout=10)).status_code != 503:  # until the new engine is ready
+        assert time.monotonic() - t_kill < 10, "/health did not report the dead engine"
+        time.sleep(0.05)
+    assert "a new engine is starting" in h.json()["reason"], h.json()
     for t in threads:
         t.join(max(1.0, 30 - (time.monotonic() - t_kill)))
     assert not any(t.is_alive() for t in threads), "a stream hung after the engine died"
