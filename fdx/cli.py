@@ -59,7 +59,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     k = p.add_argument_group("components (chosen by name; see `fdx plugins`)")
     k.add_argument("--scheduler", help="scheduler plugin (default v1)")
     k.add_argument("--token-processor", help="token processor plugin (default 'default')")
-    k.add_argument("--cache-backend", help="KV storage backend plugin (default: none)")
+    k.add_argument("--cache-backend", help="cache backend plugin for the KV storage tier (default: none)")
     k.add_argument("--cache-backend-config", help="JSON object passed to the cache backend")
     k.add_argument("--device", help="device plugin, NAME or NAME:INDEX (default cpu; e.g. cuda:1 for the second GPU)")
     k.add_argument("--model-runner", help="model runner plugin (default: the device's own, e.g. 'cpu' for --device cpu)")

@@ -164,3 +164,20 @@ def test_unknown_component_name_fails_with_choices() -> None:
     r = subprocess.run([sys.executable, "-m", "fdx", "serve", "--scheduler", "nope"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "unknown scheduler 'nope'; choices:" in r.stderr and "v1" in r.stderr
+
+
+def test_every_hookspec_documents_each_argument() -> None:
+    """pytest's style: typed parameters, a ``:param:`` line for each."""
+    import inspect
+
+    from fdx.core import hookspecs
+
+    for name, fn in inspect.getmembers(hookspecs, inspect.isfunction):
+        if not name.startswith("fdx_"):
+            continue
+        sig = inspect.signature(fn)
+        doc = inspect.getdoc(fn) or ""
+        for arg, p in sig.parameters.items():
+            assert f":param {arg}:" in doc, f"{name}: no ':param {arg}:'"
+            assert p.annotation is not inspect.Parameter.empty and "Any" not in str(p.annotation), f"{name}({arg}) untyped"
+        assert "Return" in doc, f"{name}: says nothing about its return value"

@@ -15,24 +15,44 @@ Two families of hooks:
   front-end (API server / offline ``LLM``) process.
 
 Hooks grow by new keyword arguments only; an implementation may accept any
-subset of the documented arguments (pluggy passes by name).
+subset of the documented arguments (pluggy passes by name).  No hook is
+``firstresult``: every implementation is called, in registration order, and
+where results matter (:func:`fdx_adjust_config`) the hook says how they
+combine.  Factories are always called with keyword arguments, named as in
+each registry hook's docstring.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import pluggy
+
+if TYPE_CHECKING:
+    import argparse
+
+    from fastapi import FastAPI
+
+    from fdx.core.config import EngineConfig
+    from fdx.core.messages import SamplingParams
+    from fdx.server.client import EngineClient
 
 PROJECT = "fdx"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-#: ``register(name, factory, *, description="")`` -- the callable passed to
-#: every registry hook.  ``factory`` is called later with keyword arguments
-#: that depend on the kind (see each hook); heavy imports belong inside it.
-Register = Callable[..., None]
+class Register(Protocol):
+    """The callable passed to every registry hook.
+
+    ``register(name, factory, *, description="")``: ``name`` is what the
+    user selects (``--scheduler NAME``...), ``factory`` is called later with
+    keyword arguments that depend on the kind (see each hook) and returns
+    the component; heavy imports belong inside it.  ``description`` is the
+    one line ``fdx plugins`` shows.
+    """
+
+    def __call__(self, name: str, factory: Callable[..., Any], *, description: str = "") -> None: ...
 
 
 # --------------------------------------------------------------------------
@@ -47,9 +67,9 @@ def fdx_register_schedulers(register: Register) -> None:
     Called once at start-up, in the engine process (and in ``fdx plugins``).
 
     :param register: call ``register(name, factory)`` for each scheduler.
-        ``factory(config, kv_manager)`` must return a
+        ``factory(config=..., kv=...)`` must return a
         :class:`fdx.core.interfaces.Scheduler`; ``config`` is the frozen
-        :class:`fdx.core.config.EngineConfig` and ``kv_manager`` the
+        :class:`fdx.core.config.EngineConfig` and ``kv`` the
         :class:`fdx.core.kv_cache.KVCacheManager` that owns the block pool.
 
     Return nothing.  Registering a name twice (from any two plugins) is an
@@ -65,10 +85,14 @@ def fdx_register_token_processors(register: Register) -> None:
     incrementally, and detects stop strings.  It runs in the front-end
     process (next to the tokenizer), never in the engine loop.
 
-    Called once at start-up.
+    Called once at start-up, in the API-server process, in ``fdx.LLM`` and
+    in ``fdx plugins``.
 
-    :param register: call ``register(name, factory)``.  ``factory(tokenizer,
-        config)`` returns a :class:`fdx.core.interfaces.TokenProcessor`.
+    :param register: call ``register(name, factory)``.
+        ``factory(tokenizer=..., config=...)`` returns a
+        :class:`fdx.core.interfaces.TokenProcessor`; ``tokenizer`` is the
+        model's :class:`fdx.core.interfaces.Tokenizer` and ``config`` the
+        :class:`fdx.core.config.EngineConfig`.
 
     Return nothing.
     """
@@ -76,11 +100,14 @@ def fdx_register_token_processors(register: Register) -> None:
 
 @hookspec
 def fdx_register_cache_backends(register: Register) -> None:
-    """Contribute KV storage backends, selected with ``--cache-backend NAME``.
+    """Contribute cache backends, selected with ``--cache-backend NAME``.
 
-    Called once at start-up, in the engine process.
+    A cache backend stores KV blocks beyond the device pool; the engine
+    drives the chosen one through its KV storage tier
+    (:mod:`fdx.plugins.cache_backends.kv_storage`).  Called once at start-up,
+    in the engine process (and in ``fdx plugins``).
 
-    :param register: call ``register(name, factory)``.  ``factory(options)``
+    :param register: call ``register(name, factory)``.  ``factory(options=...)``
         receives the parsed ``--cache-backend-config`` JSON object (a dict,
         possibly empty) and returns a :class:`fdx.core.interfaces.CacheBackend`.
 
@@ -90,13 +117,14 @@ def fdx_register_cache_backends(register: Register) -> None:
 
 @hookspec
 def fdx_register_devices(register: Register) -> None:
-    """Contribute device backends, selected with ``--device NAME``.
+    """Contribute devices, selected with ``--device NAME[:INDEX]``.
 
     Called once at start-up, in every process that needs a device (and in
     ``fdx plugins``).  Must not import Paddle: a device sets its environment
     (threads, CPU type) before Paddle is first imported.
 
-    :param register: call ``register(name, factory)``.  ``factory()`` returns a
+    :param register: call ``register(name, factory)``.  ``factory()`` (or
+        ``factory(index=N)`` for ``--device NAME:N``) returns a
         :class:`fdx.core.interfaces.Device`.
 
     Return nothing.
@@ -117,7 +145,7 @@ def fdx_register_model_runners(register: Register) -> None:
     Must not import Paddle or load a model: that belongs in the factory.
 
     :param register: call ``register(name, factory)`` for each runner.
-        ``factory(config, device)`` must return a
+        ``factory(config=..., device=...)`` must return a
         :class:`fdx.core.interfaces.ModelRunner`; ``config`` is the frozen
         :class:`fdx.core.config.EngineConfig` and ``device`` the
         :class:`fdx.core.interfaces.Device` chosen by ``--device``, already
@@ -134,7 +162,7 @@ def fdx_register_model_runners(register: Register) -> None:
 
 
 @hookspec
-def fdx_add_cli_options(parser: Any) -> None:
+def fdx_add_cli_options(parser: argparse.ArgumentParser) -> None:
     """Add options to ``fdx serve`` (and ``fdx.LLM`` ignores them).
 
     Called once while the ``serve`` argument parser is built, before the
@@ -151,7 +179,7 @@ def fdx_add_cli_options(parser: Any) -> None:
 
 
 @hookspec
-def fdx_adjust_config(config: Any, args: Any) -> dict[str, Any] | None:
+def fdx_adjust_config(config: EngineConfig, args: argparse.Namespace | None) -> dict[str, Any] | None:
     """Adjust the engine config after the command line is parsed.
 
     Called once, in the front-end process, after the config is built and
@@ -160,14 +188,15 @@ def fdx_adjust_config(config: Any, args: Any) -> dict[str, Any] | None:
     :param config: the frozen :class:`fdx.core.config.EngineConfig`.
     :param args: the :class:`argparse.Namespace` (or ``None`` for ``fdx.LLM``).
 
-    Return a dict of field overrides, or ``None`` for no change.  All
-    non-``None`` results are applied in registration order (last one wins
-    per field); the result is validated again.
+    Return a dict of field overrides, or ``None`` for no change.  Not
+    "first non-None wins": every non-``None`` result is applied, in
+    registration order (the last one wins per field); the result is
+    validated again.
     """
 
 
 @hookspec
-def fdx_add_routes(app: Any, client: Any) -> None:
+def fdx_add_routes(app: FastAPI, client: EngineClient) -> None:
     """Add HTTP routes to the OpenAI-compatible server.
 
     Called once, in the API-server process, after fdx's own routes exist.
@@ -181,7 +210,7 @@ def fdx_add_routes(app: Any, client: Any) -> None:
 
 
 @hookspec
-def fdx_request_added(request_id: str, num_prompt_tokens: int, params: Any, time: float) -> None:
+def fdx_request_added(request_id: str, num_prompt_tokens: int, params: SamplingParams, time: float) -> None:
     """A request was accepted and sent to the engine.
 
     Called in the front-end process once per request (per choice when
@@ -202,6 +231,7 @@ def fdx_request_first_token(request_id: str, ttft: float) -> None:
 
     Called in the front-end process once per request.
 
+    :param request_id: the engine-level request id.
     :param ttft: seconds from arrival to the first token.
 
     Return nothing.
@@ -216,7 +246,10 @@ def fdx_request_finished(
 
     Called in the front-end process once per request.
 
+    :param request_id: the engine-level request id.
     :param finish_reason: ``"stop"`` or ``"length"``.
+    :param num_prompt_tokens: prompt length in tokens.
+    :param num_output_tokens: tokens generated.
     :param e2e: seconds from arrival to the last token.
 
     Return nothing.
@@ -230,7 +263,9 @@ def fdx_request_aborted(request_id: str, reason: str, num_output_tokens: int) ->
 
     Called in the front-end process once per request.
 
+    :param request_id: the engine-level request id.
     :param reason: a short human-readable reason.
+    :param num_output_tokens: tokens generated before it ended.
 
     Return nothing.
     """

@@ -222,7 +222,8 @@ class KVCacheSpec:
 
 
 class Device(abc.ABC):
-    """A device backend (cpu, cuda, xpu, iluvatar) over Paddle.
+    """A device (cpu, cuda, xpu, iluvatar) over Paddle; device plugins live
+    in ``fdx/plugins/hardware/``.
 
     :meth:`configure_env` runs before Paddle is imported in the process;
     everything else may import Paddle.
@@ -327,16 +328,29 @@ class TokenProcessor(abc.ABC):
 
 
 # --------------------------------------------------------------------------
-# KV storage backend
+# Cache backend (stores KV blocks for the KV storage tier)
 # --------------------------------------------------------------------------
 
 
 class CacheBackend(abc.ABC):
     """A KV block store beyond the device pool (host memory, files, Redis,
-    Mooncake).  Keys are strings; values are opaque bytes (the caller adds
-    and checks checksums).  The backend owns capacity and eviction.
+    Mooncake), driven by the engine's KV storage tier
+    (:mod:`fdx.plugins.cache_backends.kv_storage`).  Keys are strings of
+    ``[0-9a-z_]``; values are opaque bytes (the tier adds and checks
+    checksums).  The backend owns capacity and eviction.
 
-    Methods may raise on I/O failure; the caller degrades to recompute.
+    Threading contract: methods are called from two threads, possibly at
+    the same time -- the engine thread (``exists_batch``, ``get_batch`` to
+    load a prefix; ``stats``; ``close`` at shutdown, after the writer
+    thread stopped) and the tier's one writer thread (``put_batch``,
+    ``health``).  So every method must be thread-safe; ``put_batch`` is
+    never called twice at once.  ``clear`` is for tools and tests; the
+    engine never calls it.  Loads run on the
+    engine loop and should be bounded in time (a timeout, then raise).
+
+    Methods may raise on I/O failure: the tier counts the error, marks the
+    backend down (nothing touches it from the engine thread until
+    ``health()`` answers True again) and degrades to recompute.
     """
 
     name: str = ""

@@ -1,0 +1,1 @@
+"""The scheduler plugins (``fdx_register_schedulers``, ``--scheduler``): v0 and v1."""
