@@ -1,5 +1,6 @@
 """EngineClient against a real engine process (no HTTP edge in between):
-nothing a caller submits can leave a request handle behind."""
+nothing a caller submits can leave a request handle behind; and its engine
+state machine across a crash and a new engine (messages fed directly)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,15 @@ import time
 from typing import Any
 
 import pytest
+import zmq
 
 from fdx.core.config import make_config
 from fdx.core.errors import RequestError
 from fdx.core.ipc import make_run_dir
-from fdx.core.messages import SamplingParams
-from fdx.server.client import ControlCallError, EngineClient
+from fdx.core.messages import EngineFailed, EngineReady, EngineStats, Heartbeat, OutputBatch, SamplingParams
+from fdx.server.client import ControlCallError, EngineClient, EngineUnavailable
+from fdx.server.metrics import Metrics
 from fdx.server.launcher import child_config_json, spawn_child
-
-pytestmark = pytest.mark.slow
 
 
 async def _drain(h: Any) -> Any:
@@ -30,6 +31,7 @@ async def _drain(h: Any) -> Any:
             return out
 
 
+@pytest.mark.slow
 def test_unencodable_submissions_leak_no_handle() -> None:
     base = tempfile.mkdtemp(prefix="fdx-test-client-")
     config = make_config(num_kv_blocks=64, max_model_len=512, max_waiting=4, ipc_dir=base)
@@ -83,3 +85,71 @@ def test_unencodable_submissions_leak_no_handle() -> None:
     finally:
         paths.cleanup()
         os.rmdir(base)
+
+
+def _metric(m: Metrics, name: str, reason: str | None = None) -> float:
+    for line in m.render().decode().splitlines():
+        if line.startswith(name + "{") and (reason is None or f'reason="{reason}"' in line):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_crash_then_new_engine_state_machine(tmp_path: Any) -> None:
+    """EngineFailed of the running engine fails its requests and counts a
+    crash; a restarted engine that fails to start counts start_failed; the
+    next EngineReady (a new pid) serves again, with fresh stats; beats of
+    another pid are ignored."""
+    config = make_config(ipc_dir=str(tmp_path), max_engine_restarts=3)
+    paths = make_run_dir(str(tmp_path))
+
+    async def main() -> None:
+        client = EngineClient(config, paths)
+        metrics = Metrics("smollm2", lambda: client.stats)
+        client.metrics = metrics
+        ctx = zmq.Context()
+        engine_in = ctx.socket(zmq.PULL)  # stands in for the engine's input socket
+        engine_in.connect(paths.input_addr)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(EngineUnavailable):  # not ready yet
+                client.submit("early", (1,), SamplingParams(), time.time())
+            client._dispatch(EngineReady(os.getpid(), 64, 512, "smollm2", "v1"))
+            while True:  # the PULL side connects asynchronously
+                try:
+                    h = client.submit("a", (1, 2), SamplingParams(max_tokens=4), time.time())
+                    break
+                except EngineUnavailable:
+                    assert client.num_live == 0  # a failed send leaves nothing behind
+                    assert time.monotonic() - t0 < 10
+                    await asyncio.sleep(0.01)
+            assert client.alive and client.unavailable_reason() is None and client.num_live == 1
+            client._dispatch(OutputBatch((), EngineStats(kv_blocks_used=5, kv_blocks_total=64)))
+            client._dispatch(EngineFailed("engine crashed: boom", pid=os.getpid()))
+            _, err = h.sink.get_nowait()
+            assert isinstance(err, EngineUnavailable) and err.code == 503
+            assert "a new engine is starting" in str(err)
+            assert client.num_live == 0 and not client.alive
+            with pytest.raises(EngineUnavailable):
+                client.submit("b", (1,), SamplingParams(), time.time())
+            client._dispatch(EngineFailed("cannot load the model", pid=99999991))  # a restart that failed
+            assert _metric(metrics, "fdx:engine_crashes_total", "crashed") == 1.0
+            assert _metric(metrics, "fdx:engine_crashes_total", "start_failed") == 1.0
+            assert client.last_crash == ("start_failed", "cannot load the model")
+            client._dispatch(Heartbeat(time.time(), EngineStats(kv_blocks_used=9), pid=99999992, steps=1))
+            assert client.stats.kv_blocks_used == 5  # not the stranger's
+            client._dispatch(EngineReady(99999992, 64, 512, "smollm2", "v1"))
+            assert client.alive and client.unavailable_reason() is None and client.engine_pid == 99999992
+            assert client.restarts == 1 and _metric(metrics, "fdx:engine_restarts_total") == 1.0
+            assert client.stats.kv_blocks_used == 0  # the dead engine's snapshot is gone
+            client._dispatch(Heartbeat(time.time(), EngineStats(kv_blocks_used=2), pid=99999992, steps=3))
+            assert client.stats.kv_blocks_used == 2 and client.liveness.steps == 3
+        finally:
+            client._closed = True
+            client.side.close()
+            engine_in.close(0)
+            ctx.term()
+
+    try:
+        asyncio.run(main())
+    finally:
+        paths.cleanup()
