@@ -44,8 +44,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                         "then exit non-zero (default 5; 0: exit at the first crash)")
     v.add_argument("--restart-window", type=float, help="seconds over which engine restarts are counted (default 300)")
     v.add_argument("--step-timeout", type=float,
-                   help="seconds an engine step may run (or the engine stay silent) before it counts as hung "
-                        "and is killed and restarted (default 120)")
+                   help="seconds one unit of engine work (a step, or a control call such as update_weights) "
+                        "may run, or the engine stay silent, before it counts as hung and is killed and "
+                        "restarted (default 120)")
 
     c = p.add_argument_group("scheduling and KV cache")
     c.add_argument("--max-num-seqs", type=int, help="max sequences per step (default 64)")
