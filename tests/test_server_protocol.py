@@ -98,3 +98,83 @@ def test_chat_messages_flatten_parts() -> None:
 def test_error_envelope() -> None:
     body = error_body("nope", 404, "model")
     assert body == {"error": {"message": "nope", "type": "not_found_error", "param": "model", "code": 404}}
+
+
+# --------------------------------------------------------------------------
+# strict JSON and strict types (issue 14)
+# --------------------------------------------------------------------------
+
+from fdx.server.protocol import MAX_JSON_DEPTH, json_depth_exceeds, loads_strict  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "raw,param,needle",
+    [
+        (b'{"prompt": "x", "seed": -1}', "seed", "[0, 2^63-1]"),
+        (b'{"prompt": "x", "seed": 9223372036854775808}', "seed", "seed"),
+        (b'{"prompt": "x", "top_k": 9223372036854775808}', "top_k", "top_k"),
+        (b'{"prompt": "x", "top_k": 18446744073709551616}', "top_k", "2^64"),
+        (b'{"prompt": "x", "top_k": false}', "top_k", "valid integer"),
+        (b'{"prompt": "x", "top_k": 2.0}', "top_k", "valid integer"),
+        (b'{"prompt": "x", "stream": 0}', "stream", "boolean"),
+        (b'{"prompt": "x", "echo": "yes"}', "echo", "boolean"),
+        (b'{"prompt": "x", "temperature": true}', "temperature", "number"),
+        (b'{"prompt": "x", "temperature": "1"}', "temperature", "number"),
+        (b'{"prompt": "x", "temperature": NaN}', "temperature", "NaN"),
+        (b'{"prompt": "x", "temperature": Infinity}', "temperature", "Infinity"),
+        (b'{"prompt": "x", "top_p": -Infinity}', "top_p", "-Infinity"),
+        (b'{"prompt": "x", "min_p": 1e400}', "min_p", "finite"),
+        (b'{"prompt": "x", "extra": {"deep": [1, 2, 99999999999999999999999]}}', "extra", "extra.deep[2]"),
+        (b'{"prompt": "\\ud800"}', "prompt", "surrogate"),
+        (b'{"prompt": ["ok", "\\udfff"]}', "prompt", "prompt[1]"),
+        (b'{"prompt": "x", "stop": ["\\ud800"]}', "stop", "stop[0]"),
+        (b'{"prompt": "x", "request_id": "\\udc00"}', "request_id", "request_id"),
+        (b'{"prompt": "x", "request_id": "' + b"r" * 257 + b'"}', "request_id", "256"),
+        (b'{"prompt": "x", "n": 129}', "n", "128"),
+        (b'{"prompt": [[1]], "max_tokens": 0}', "max_tokens", "max_tokens"),
+    ],
+)
+def test_strict_values_name_the_field(raw: bytes, param: str, needle: str) -> None:
+    with pytest.raises(RequestError) as ei:
+        parse_body(raw, CompletionRequest)
+    assert ei.value.code == 400 and ei.value.param == param, (str(ei.value), ei.value.param)
+    assert needle in str(ei.value)
+    assert "Error" not in str(ei.value)
+
+
+def test_depth_limit_and_big_numbers_never_raise_python_errors() -> None:
+    for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+                b'{"prompt": ' + b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1) + b"}"):
+        with pytest.raises(RequestError, match=f"deeper than {MAX_JSON_DEPTH}"):
+            parse_body(raw, CompletionRequest)
+    with pytest.raises(RequestError, match="too large"):
+        loads_strict(b'{"a": ' + b"7" * 5000 + b"}")
+    with pytest.raises(RequestError, match="UTF-8"):
+        loads_strict(b'{"prompt": "\xed\xa0\x80"}')  # a surrogate encoded as UTF-8 bytes
+    # brackets inside strings do not count; a valid surrogate pair is fine
+    assert not json_depth_exceeds(b'{"prompt": "' + b"[" * 1000 + b'\\"{{{"}')
+    assert json_depth_exceeds(b"[" * 65 + b"]" * 65) and not json_depth_exceeds(b"[" * 64 + b"]" * 64)
+    assert loads_strict(b'{"p": "\\ud83d\\ude00", "n": 18446744073709551615}') == {"p": "\U0001f600",
+                                                                                 "n": 2**64 - 1}
+
+
+def test_seed_and_top_k_bounds_at_the_edges() -> None:
+    assert _params({"prompt": "x", "seed": 2**63 - 1}).seed == 2**63 - 1
+    assert _params({"prompt": "x", "top_k": 100}).top_k == 100  # vocab_size=100 in _params
+    with pytest.raises(RequestError, match="vocabulary size") as ei:
+        _params({"prompt": "x", "top_k": 101})
+    assert ei.value.param == "top_k"
+    with pytest.raises(RequestError, match=r"seed' \+ n - 1") as ei:
+        _params({"prompt": "x", "seed": 2**63 - 2, "n": 3})
+    assert ei.value.param == "seed"
+    assert _params({"prompt": "x", "seed": 2**63 - 3, "n": 3}).seed == 2**63 - 3
+
+
+def test_schema_matches_the_bounds() -> None:
+    js = CompletionRequest.model_json_schema()
+    seed = next(s for s in js["properties"]["seed"]["anyOf"] if s.get("type") == "integer")
+    assert (seed["minimum"], seed["maximum"]) == (0, 2**63 - 1)
+    top_k = next(s for s in js["properties"]["top_k"]["anyOf"] if s.get("type") == "integer")
+    assert top_k["minimum"] == -1
+    stream = js["properties"]["stream"]["anyOf"][0]
+    assert stream == {"type": "boolean"}

@@ -73,6 +73,7 @@ TIMEOUTS: dict[str, float] = {
     "update_weights": 600.0,
 }
 DEFAULT_TIMEOUT = 60.0
+MIN_TIMEOUT = 1.0
 MAX_TIMEOUT = 3600.0
 
 #: the control routes (the ``--api-key`` middleware leaves them to :func:`check_guard`)
@@ -318,8 +319,8 @@ def _timeout(request: Request, method: str) -> float:
         t = float(raw)
     except ValueError:
         raise _BadCall("'timeout' must be a number of seconds", param="timeout") from None
-    if math.isnan(t) or not (0 < t <= MAX_TIMEOUT):
-        raise _BadCall(f"'timeout' must be in (0, {MAX_TIMEOUT:g}] seconds", param="timeout")
+    if math.isnan(t) or not (MIN_TIMEOUT <= t <= MAX_TIMEOUT):
+        raise _BadCall(f"'timeout' must be in [{MIN_TIMEOUT:g}, {MAX_TIMEOUT:g}] seconds", param="timeout")
     return t
 
 
@@ -461,7 +462,7 @@ def add_control_routes(app: FastAPI, client: Any, config: Any = None) -> None:
 
     timeout_param = {"name": "timeout", "in": "query", "required": False,
                      "description": f"seconds to wait for the reply (default per method, at most {MAX_TIMEOUT:g})",
-                     "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_TIMEOUT}}
+                     "schema": {"type": "number", "minimum": MIN_TIMEOUT, "maximum": MAX_TIMEOUT}}
     tags_param = {"name": "tags", "in": "query", "required": False,
                   "description": "'weight', 'kv_cache' or 'weight,kv_cache'", "schema": {"type": "string"}}
     method_param = {"name": "method", "in": "path", "required": True, "description": "the control method",
@@ -478,7 +479,8 @@ def add_control_routes(app: FastAPI, client: Any, config: Any = None) -> None:
     common = (400, 401, 403, 413, 415, 503, 504)
     route("/v1/pause", pause, "POST", EmptyControlBody, common + (500,), "Pause: end every request, admit none")
     route("/v1/resume", resume, "POST", EmptyControlBody, common + (500,), "Resume serving")
-    route("/v1/is_paused", is_paused, "GET", None, (401, 403, 503, 504), "Whether the engine is paused or asleep")
+    route("/v1/is_paused", is_paused, "GET", None, (400, 401, 403, 500, 503, 504),
+          "Whether the engine is paused or asleep")
     route("/v1/abort_requests", abort_requests, "POST", AbortRequestsBody, common + (500,), "Abort requests by id")
     route("/v1/sleep", sleep, "POST", TagsBody, common + (500,), "Free weights and/or the KV cache")
     route("/v1/wakeup", wakeup, "POST", TagsBody, common + (500,), "Reload what sleep freed, then resume")

@@ -54,6 +54,8 @@ MAX_JSON_DEPTH = 64
 #: default of ``--max-request-bytes``
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+#: most prompts in one completions request (and most prompts x n)
+MAX_PROMPTS = 1024
 #: integers in a body must lie in [-2^63, 2^64) wherever they appear
 #: (known fields are bounded tighter by their schema)
 JSON_INT_LIMIT = 2**64
@@ -256,8 +258,10 @@ class _Common(_Strict):
 
 class CompletionRequest(_Common):
     # smart-mode union: list[int] before list[str] is resolved by exactness
-    prompt: Union[StrictStr, list[Int64], list[StrictStr], list[list[Int64]]] = Field(
-        description="a string, a list of strings, a list of token ids or a list of token-id lists")
+    prompt: Union[StrictStr, list[Int64], Annotated[list[StrictStr], Field(max_length=MAX_PROMPTS)],
+                  Annotated[list[list[Int64]], Field(max_length=MAX_PROMPTS)]] = Field(
+        description=f"a string, a list of strings, a list of token ids or a list of token-id lists (at most "
+                    f"{MAX_PROMPTS} prompts, and prompts x n at most {MAX_PROMPTS})")
     echo: StrictBool | None = False
     logprobs: NonNegInt | None = None
     suffix: StrictStr | None = None
@@ -300,6 +304,8 @@ def validation_error(errors: Any) -> RequestError:
     where = ".".join(loc) if loc else "body"
     if e.get("type") == "json_invalid":
         return RequestError("malformed JSON body", 400)
+    if param == "prompt" and any(x.get("type") == "too_long" for x in errs):
+        return RequestError(f"'prompt' may hold at most {MAX_PROMPTS} prompts", 400, param="prompt")
     if param == "prompt" and e.get("type") != "missing":
         return RequestError("'prompt' must be a string, a list of strings, a list of token ids or a list of "
                             "token-id lists (token ids are integers)", 400, param="prompt")
@@ -597,8 +603,15 @@ def add_component_schemas(spec: dict[str, Any]) -> dict[str, Any]:
 
 SSE_RESPONSE: dict[str, Any] = {
     "text/event-stream": {
-        "schema": {"type": "string", "description": "with stream=true: 'data: <chunk JSON>' events, then "
-                   "'data: [DONE]'; an error mid-stream is a 'data: {\"error\": {...}}' event"}
+        # OpenAPI 3.1: the schema of a text/event-stream describes one event
+        "schema": {
+            "type": "object",
+            "description": "with stream=true, one server-sent event per chunk: data is a chunk JSON "
+                           "(text_completion / chat.completion.chunk), an error envelope JSON "
+                           "({\"error\": {...}}) when the request fails mid-stream, or [DONE] at the end",
+            "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}},
+            "required": ["data"],
+        }
     }
 }
 
