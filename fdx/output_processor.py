@@ -169,14 +169,6 @@ class OutputProcessor:
         state.finish_reason = reason
         return OutputEvent(state.index, delta.text, out.new_token_ids, lps, reason)
 
-    def fail(self, state: ChoiceState, failure: RequestFailure) -> OutputEvent | None:
-        """End a choice from outside (engine unavailable, sibling failed)."""
-        if state.finish_reason is not None:
-            return None
-        state.finish_reason = "error"
-        state.failure = failure
-        return OutputEvent(state.index, "", (), (), "error", failure)
-
     def token_text(self, token_id: int) -> str:
         """Text of one token (special tokens included), for logprobs."""
         return self.token_processor.token_text(token_id)

@@ -111,10 +111,11 @@ async def _prompts(serving: OpenAIServing, req: CompletionRequest, max_tokens: i
     if len(items) * (req.n or 1) > MAX_CHOICES:
         raise RequestError(f"too many prompts x n in one request (max {MAX_CHOICES})", 400, param="prompt")
     limit = max(serving.client.max_model_len - max_tokens, 0)
+    encoded = iter(await serving.prompts.encode([x for x in items if isinstance(x, str)], True, limit))
     out: list[Prompt] = []
     for item in items:
         if isinstance(item, str):
-            tok = await serving.prompts.encode(item, True, limit)
+            tok = next(encoded)
             if tok.ids is None:
                 serving.check_length(tok.num_tokens, max_tokens, "max_tokens")
             ids = tok.ids or []

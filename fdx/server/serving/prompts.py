@@ -2,8 +2,8 @@
 
 Encoding a prompt of a few MiB takes seconds of CPU.  Run on the event
 loop, it would stall ``/health`` and every open stream for that long; so a
-long text (more than :data:`INLINE_CHARS` characters) is rendered and
-encoded in a worker thread (the ``tokenizers`` batch encoder releases the
+request's long texts (more than :data:`INLINE_CHARS` characters in all)
+are rendered and encoded in a worker thread (the ``tokenizers`` batch encoder releases the
 GIL meanwhile, see ``fdx/model/tokenizer.py``).  A prompt longer than the
 caller's token limit never reaches the event loop as a list: only its length
 comes back.  After a text of :data:`RELEASE_CHARS` characters or more the
@@ -69,14 +69,10 @@ class PromptTokenizer:
         self.tokenizer = tokenizer
         self._pool: ThreadPoolExecutor | None = None
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
-
-    async def encode(self, text: str, add_special_tokens: bool, limit: int) -> Tokenized:
-        """``text`` -> token ids (at most ``limit`` of them are returned)."""
-        return await self._run(len(text), self._encode, text, add_special_tokens, limit)
+    async def encode(self, texts: list[str], add_special_tokens: bool, limit: int) -> list[Tokenized]:
+        """Each text -> token ids (at most ``limit`` of them are returned);
+        off the loop when the texts together are long."""
+        return await self._run(sum(len(t) for t in texts), self._encode, texts, add_special_tokens, limit)
 
     async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           limit: int) -> Tokenized:
@@ -84,7 +80,7 @@ class PromptTokenizer:
         size = sum(len(m.get("content") or "") for m in messages)
         return await self._run(size, self._encode_chat, messages, add_generation_prompt, limit)
 
-    async def _run(self, size: int, fn: Callable[..., Tokenized], *args: Any) -> Tokenized:
+    async def _run(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
         if size <= INLINE_CHARS:
             return fn(*args)
         if self._pool is None:
@@ -92,17 +88,21 @@ class PromptTokenizer:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._big, size, fn, args)
 
     @staticmethod
-    def _big(size: int, fn: Callable[..., Tokenized], args: tuple[Any, ...]) -> Tokenized:
+    def _big(size: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         try:
             return fn(*args)
         finally:
             if size >= RELEASE_CHARS:
                 release_memory()
 
-    def _encode(self, text: str, add_special_tokens: bool, limit: int) -> Tokenized:
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        n = len(ids)
-        return Tokenized(ids if n <= limit else None, n)
+    def _encode(self, texts: list[str], add_special_tokens: bool, limit: int) -> list[Tokenized]:
+        out = []
+        for text in texts:
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            n = len(ids)
+            out.append(Tokenized(ids if n <= limit else None, n))
+            del ids
+        return out
 
     def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                      limit: int) -> Tokenized:
