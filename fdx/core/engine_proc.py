@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Any
 
 import zmq
 
@@ -33,6 +34,7 @@ from fdx.core.messages import (
     EngineReady,
     Heartbeat,
     OutputBatch,
+    RequestOutput,
     Shutdown,
     encode,
 )
@@ -123,20 +125,7 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
             if side.poll(timeout):
                 progress.busy_since = time.monotonic()
                 while (msg := side.recv_nowait()) is not None:
-                    if isinstance(msg, AddRequest):
-                        engine.add_request(msg)
-                    elif isinstance(msg, AbortRequest):
-                        engine.abort(msg.request_ids, msg.reason)
-                    elif isinstance(msg, ControlRequest):
-                        reply = _control(engine, msg)
-                        # the front end sees the new state (paused, weights
-                        # version, blocks) before the reply, and the
-                        # heartbeat never re-sends the old one after it
-                        stats_cache[0] = engine.stats()
-                        side.send(OutputBatch((), stats_cache[0]))
-                        side.send(reply)
-                    elif isinstance(msg, Shutdown):
-                        log.info("engine shutting down: %s", msg.reason or "requested")
+                    if not handle_input(engine, msg, side, stats_cache):
                         return 0
             if engine.has_work():
                 progress.busy_since = time.monotonic()
@@ -166,14 +155,56 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
         side.close()
 
 
-def _control(engine: object, msg: ControlRequest) -> ControlReply:
+def handle_input(engine: Any, msg: object, side: Any, stats_cache: list[Any]) -> bool:
+    """Apply one input message to the engine; False for ``Shutdown``.
+
+    A message the engine fails on is answered (an error output for an
+    AddRequest, a 500 reply for a control call) and logged with its
+    traceback; it never ends the loop."""
+    if isinstance(msg, AddRequest):
+        try:
+            engine.add_request(msg)
+        except Exception:  # noqa: BLE001 - one bad request fails alone
+            log.exception("the engine could not take request %s", msg.request_id)
+            try:
+                engine.abort((msg.request_id,), "failed to add")
+            except Exception:  # noqa: BLE001
+                pass
+            out = RequestOutput(msg.request_id, (), "error", error="the engine failed to take this request",
+                                error_code=500)
+            side.send(OutputBatch((out,), None))
+    elif isinstance(msg, AbortRequest):
+        try:
+            engine.abort(msg.request_ids, msg.reason)
+        except Exception:  # noqa: BLE001
+            log.exception("aborting %d request(s) failed", len(msg.request_ids))
+    elif isinstance(msg, ControlRequest):
+        reply = _control(engine, msg)
+        # the front end sees the new state (paused, weights version,
+        # blocks) before the reply, and the heartbeat never re-sends the
+        # old one after it
+        stats_cache[0] = engine.stats()
+        side.send(OutputBatch((), stats_cache[0]))
+        side.send(reply)
+    elif isinstance(msg, Shutdown):
+        log.info("engine shutting down: %s", msg.reason or "requested")
+        return False
+    else:
+        log.error("ignoring an unexpected %s on the input channel", type(msg).__name__)
+    return True
+
+
+def _control(engine: Any, msg: ControlRequest) -> ControlReply:
     from fdx.core.engine import ControlError
 
     try:
-        result = engine.control(msg.method, dict(msg.args))  # type: ignore[attr-defined]
+        result = engine.control(msg.method, dict(msg.args))
         return ControlReply(msg.call_id, 200, result)
     except ControlError as exc:
         return ControlReply(msg.call_id, exc.code, None, str(exc))
+    except Exception:  # noqa: BLE001 - Engine.control wraps its own; this is the last guard
+        log.exception("control method %s failed", msg.method)
+        return ControlReply(msg.call_id, 500, None, f"control method {msg.method} failed")
 
 
 class StatsLogger:

@@ -15,6 +15,7 @@ waiting forever on a socket.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -25,6 +26,8 @@ import attrs
 import zmq
 
 from fdx.core.messages import Message, decode, encode
+
+log = logging.getLogger("fdx.ipc")
 
 
 @attrs.frozen
@@ -100,10 +103,17 @@ class EngineSide:
         return bool(self.poller.poll(timeout_ms))
 
     def recv_nowait(self) -> Message | None:
-        try:
-            return decode(self.inp.recv(zmq.NOBLOCK))
-        except zmq.Again:
-            return None
+        """The next input message, or ``None``; one that cannot be decoded
+        is logged and skipped (it must not end the engine)."""
+        while True:
+            try:
+                raw = self.inp.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            try:
+                return decode(raw)
+            except Exception as exc:  # noqa: BLE001
+                log.error("dropping an input message that cannot be decoded (%d bytes): %s", len(raw), exc)
 
     def send(self, msg: Message) -> None:
         self.out.send(encode(msg))
