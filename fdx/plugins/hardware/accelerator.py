@@ -65,6 +65,6 @@ class AcceleratorDevice(Device):
         return f"{self.place_prefix}:{self.index}"
 
     def allocate_kv_cache(self, spec: KVCacheSpec) -> list[Any]:
-        from fdx.plugins.hardware._common import allocate_paged_kv
+        from fdx.plugins.hardware.paddle_device import allocate_paged_kv
 
         return allocate_paged_kv(spec, self.paddle_place())

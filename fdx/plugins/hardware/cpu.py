@@ -54,7 +54,7 @@ class CPUDevice(Device):
         return meminfo()
 
     def allocate_kv_cache(self, spec: KVCacheSpec) -> list[Any]:
-        from fdx.plugins.hardware._common import allocate_paged_kv
+        from fdx.plugins.hardware.paddle_device import allocate_paged_kv
 
         return allocate_paged_kv(spec, "cpu")
 

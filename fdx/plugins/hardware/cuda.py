@@ -22,7 +22,7 @@ class CUDADevice(AcceleratorDevice):
     unsupported_fused_ops: dict[str, str] = {}  # Paddle's CUDA build has every op the gpu runner uses
 
     def build_supported(self) -> bool:
-        from fdx.plugins.hardware._common import paddle_flag
+        from fdx.plugins.hardware.paddle_device import paddle_flag
 
         return paddle_flag("cuda")
 

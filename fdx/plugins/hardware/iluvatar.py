@@ -32,7 +32,7 @@ class IluvatarDevice(AcceleratorDevice):
             return False
 
     def count(self) -> int:
-        from fdx.plugins.hardware._common import custom_device_count
+        from fdx.plugins.hardware.paddle_device import custom_device_count
 
         return custom_device_count(DEVICE_TYPE)
 

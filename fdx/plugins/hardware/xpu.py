@@ -21,7 +21,7 @@ class XPUDevice(AcceleratorDevice):
     install_hint = "install Paddle's XPU build, paddlepaddle-xpu"
 
     def build_supported(self) -> bool:
-        from fdx.plugins.hardware._common import paddle_flag
+        from fdx.plugins.hardware.paddle_device import paddle_flag
 
         return paddle_flag("xpu")
 

@@ -1,4 +1,5 @@
-"""Helpers shared by the device plugins (no Paddle import at module level)."""
+"""What every Paddle device plugin shares: the paged KV allocation and the
+capability probes (no Paddle import at module level)."""
 
 from __future__ import annotations
 
