@@ -24,7 +24,7 @@ import zmq
 from fdx.core.config import EngineConfig
 from fdx.core.errors import FdxError
 from fdx.core.ipc import EngineSide, IpcPaths, child_args, pid_alive
-from fdx.core.logs import setup_logging
+from fdx.logs import setup_logging
 from fdx.core.messages import (
     AbortRequest,
     AddRequest,

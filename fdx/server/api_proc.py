@@ -75,7 +75,7 @@ def main() -> None:
     import uvicorn
 
     from fdx.core.config import make_config
-    from fdx.core.logs import setup_logging
+    from fdx.logs import setup_logging
     from fdx.core.plugins import get_plugins
     from fdx.server.app import create_app
     from fdx.server.client import EngineClient

@@ -45,7 +45,7 @@ import attrs
 
 from fdx.core.config import EngineConfig
 from fdx.core.ipc import IpcPaths, make_run_dir, write_config
-from fdx.core.logs import setup_logging
+from fdx.logs import setup_logging
 from fdx.server.api_proc import FAILED_FILE, READY_FILE
 
 log = logging.getLogger("fdx.serve")
