@@ -170,8 +170,13 @@ class OutputProcessor:
         return OutputEvent(state.index, delta.text, out.new_token_ids, lps, reason)
 
     def token_text(self, token_id: int) -> str:
-        """Text of one token (special tokens included), for logprobs."""
-        return self.token_processor.token_text(token_id)
+        """Text of one token (special tokens included), for logprobs.
+        Raises :class:`RequestError` (500) when the token processor fails."""
+        try:
+            return self.token_processor.token_text(token_id)
+        except Exception:  # noqa: BLE001 - a plugin bug fails this request only
+            log.exception("token processor failed on the text of token %d", token_id)
+            raise RequestError(DETOKENIZE_FAILED, 500) from None
 
     @staticmethod
     def _end(state: ChoiceState, out: RequestOutput, text: str, lps: tuple[TokenLogprob, ...],

@@ -285,20 +285,21 @@ async def _sse(gen: Generation, endpoint: Endpoint, agen: AsyncIterator[list[Out
         if head:
             yield _chunk(gen, endpoint, head, include_usage)
         batch: Sequence[OutputEvent] | None = first
-        while batch is not None:
-            # one chunk per choice event keeps clients that read choices[0] correct
-            out = [_chunk(gen, endpoint, [c], include_usage) for ev in batch
-                   if (c := endpoint.delta(gen, ev)) is not None]
-            if out:
-                yield b"".join(out)
-            try:
-                batch = await agen.__anext__()
-            except StopAsyncIteration:
-                batch = None
-            except RequestError as exc:
-                yield b"data: " + json.dumps(error_body(str(exc), exc.code, exc.param)).encode() + b"\n\n"
-                yield b"data: [DONE]\n\n"
-                return
+        try:
+            while batch is not None:
+                # one chunk per choice event keeps clients that read choices[0] correct
+                out = [_chunk(gen, endpoint, [c], include_usage) for ev in batch
+                       if (c := endpoint.delta(gen, ev)) is not None]
+                if out:
+                    yield b"".join(out)
+                try:
+                    batch = await agen.__anext__()
+                except StopAsyncIteration:
+                    batch = None
+        except RequestError as exc:  # a failed choice, or the request cut short: one error event
+            yield b"data: " + json.dumps(error_body(str(exc), exc.code, exc.param)).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+            return
         if include_usage:
             body = {
                 "id": gen.id,
