@@ -1,6 +1,7 @@
 """The engine supervisor of ``fdx serve``, with real processes: a killed
-engine under 16 streams, a frozen (SIGSTOP'd) engine, and giving up after
-``--max-engine-restarts``; plus the pure restart/hang policies."""
+engine under 16 streams, a frozen (SIGSTOP'd) engine, a step that hangs
+while the heartbeat goes on, and giving up after ``--max-engine-restarts``;
+plus the pure restart/hang policies and the heartbeat's step progress."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 import zmq
+import stall_runner_plugin
 from serverutil import pid_alive, read_log, start_server
 
 from fdx.core.engine_proc import HeartbeatThread, Progress
@@ -22,8 +24,10 @@ from fdx.core.ipc import IpcPaths, Liveness
 from fdx.core.messages import EngineStats, Heartbeat, decode
 from fdx.server.launcher import RestartPolicy
 
-MAX_RESTARTS = 2
+MAX_RESTARTS = 3
 STEP_TIMEOUT = 10.0
+NORMAL_PROMPTS = ("An endless list:", "hi")
+STALL_TEXT = "Tell me about ZQXSTALL now"
 
 
 # --------------------------------------------------------------------------
@@ -94,9 +98,26 @@ def test_heartbeat_carries_the_step_in_progress(tmp_path: Any) -> None:
 # --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[tuple[str, Any]]:
+def stall_token() -> int:
+    """A token of STALL_TEXT that no other prompt of this module has."""
+    from fdx.model.loader import load_tokenizer
+
+    tok = load_tokenizer("smollm2")
+    normal = {t for p in NORMAL_PROMPTS for t in tok.encode(p, add_special_tokens=True)}
+    marked = [t for t in tok.encode(STALL_TEXT, add_special_tokens=True) if t not in normal]
+    assert marked
+    return marked[0]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, stall_token: int) -> Iterator[tuple[str, Any]]:
+    """The real cpu runner, except that a step with the stall token hangs
+    (tests/stall_runner_plugin.py)."""
+    env = {"PYTHONPATH": stall_runner_plugin.write_entry_point(str(tmp_path_factory.mktemp("runner"))),
+           stall_runner_plugin.STALL_ENV: str(stall_token)}
     with start_server("--max-engine-restarts", str(MAX_RESTARTS), "--restart-window", "600",
-                      "--step-timeout", str(STEP_TIMEOUT), "--max-num-seqs", "16") as (base, proc):
+                      "--step-timeout", str(STEP_TIMEOUT), "--max-num-seqs", "16", "--model-runner", "stall-cpu",
+                      env=env) as (base, proc):
         yield base, proc
 
 
@@ -219,6 +240,26 @@ def test_frozen_engine_is_killed_and_replaced(server: tuple[str, Any]) -> None:
     assert _metric(base, "fdx:engine_crashes_total", reason="hung") == 1.0
     assert _metric(base, "fdx:engine_last_crash_info", reason="hung") == 1.0
     assert _metric(base, "fdx:engine_restarts_total") == 2.0
+
+
+@pytest.mark.slow
+def test_hung_step_is_killed_although_the_heartbeat_goes_on(server: tuple[str, Any]) -> None:
+    """A step that never ends while the engine's heartbeat thread keeps
+    beating: detected from the step progress the beats carry, killed after
+    --step-timeout, replaced."""
+    base, proc = server
+    pid = _engine_pid(base)
+    crashes_before = _metric(base, "fdx:engine_crashes_total", reason="hung")
+    r = httpx.post(base + "/v1/completions", json={"model": "smollm2", "prompt": STALL_TEXT, "max_tokens": 4},
+                   timeout=STEP_TIMEOUT + 60)
+    assert r.status_code == 503, r.text
+    assert "step has run for" in r.json()["error"]["message"], r.json()  # not "sent nothing": it kept beating
+    new_pid, _took = _wait_serving(base, proc, pid, 40)
+    assert new_pid != pid and not pid_alive(pid)
+    _complete(base)
+    assert _metric(base, "fdx:engine_crashes_total", reason="hung") == crashes_before + 1
+    text = httpx.get(base + "/metrics", timeout=10).text
+    assert re.search(r'fdx:engine_last_crash_info\{[^}]*message="engine step has run for', text), text[-2000:]
 
 
 @pytest.mark.slow
