@@ -253,9 +253,10 @@ def serve(config: EngineConfig) -> int:
                 how = describe_exit(engine.returncode)
                 delay = policy.on_crash(time.monotonic())
                 if delay is None:
-                    _error(f"the engine process {engine.pid} {how}: {len(policy.crashes)} engine crashes within "
-                           f"{config.restart_window:g}s (--max-engine-restarts {config.max_engine_restarts}); "
-                           "giving up")
+                    n = len(policy.crashes)
+                    _error(f"the engine process {engine.pid} {how}: {n} engine crash{'es' if n != 1 else ''} "
+                           f"within {config.restart_window:g}s (--max-engine-restarts "
+                           f"{config.max_engine_restarts}); giving up")
                     engine = None
                     return 1
                 log.error("engine process %d %s; starting a new engine in %.1fs (restart %d of at most %d "
