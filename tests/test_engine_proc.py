@@ -8,7 +8,7 @@ from typing import Any
 
 import zmq
 
-from fdx.core.engine import ControlError
+from fdx.core.errors import ControlError
 from fdx.core.engine_proc import handle_input
 from fdx.core.ipc import EngineSide, IpcPaths
 from fdx.core.messages import (

@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 
 from fdx.core.config import EngineConfig
-from fdx.core.errors import FdxError
+from fdx.core.errors import ControlError, FdxError
 from fdx.core.ipc import EngineSide, IpcPaths, child_args, pid_alive
 from fdx.logs import setup_logging
 from fdx.core.messages import (
@@ -195,8 +195,6 @@ def handle_input(engine: Any, msg: object, side: Any, stats_cache: list[Any]) ->
 
 
 def _control(engine: Any, msg: ControlRequest) -> ControlReply:
-    from fdx.core.engine import ControlError
-
     try:
         result = engine.control(msg.method, dict(msg.args))
         return ControlReply(msg.call_id, 200, result)
