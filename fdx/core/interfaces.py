@@ -99,6 +99,12 @@ class Scheduler(abc.ABC):
       ``ScheduledBatch.failed`` -- none is lost;
     * at most ``config.max_num_seqs`` requests run in one step, and a step's
       ``num_tokens`` is at most ``config.max_num_batched_tokens``.
+
+    Every method is called from the engine thread only.  An exception ends
+    only what it touches: from :meth:`add_request` that request, from
+    :meth:`update` the step's requests, from :meth:`schedule` every live
+    request (each with an error output, code 500); the engine goes on, and
+    removes the ended requests through :meth:`abort`.
     """
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
@@ -157,17 +163,28 @@ class Scheduler(abc.ABC):
 
 
 # --------------------------------------------------------------------------
-# Model runner (built by the kernel from the device)
+# Model runner (a plugin kind: fdx_register_model_runners, built on the device)
 # --------------------------------------------------------------------------
 
 
 class ModelRunner(abc.ABC):
     """Runs forward passes over the paged KV cache and samples.
 
-    Invariant: attention reads keys/values only through each request's
+    Invariants: attention reads keys/values only through each request's
     ``block_ids``; a request's sampling depends only on its own params,
     tokens and seed, never on the rest of the batch.
+
+    Failure contract: :meth:`execute` may raise.  The engine then re-runs
+    the batch's seqs in smaller batches (halves, down to single seqs) to
+    find the requests that fail alone, so re-running a chunk must be safe:
+    it rewrites the same KV slots with the same tokens.
+
+    Threading contract: every method is called from the engine thread only
+    (the KV storage tier copies blocks on that thread too), never two at
+    once.  ``device`` is the :class:`Device` the runner was built on.
     """
+
+    device: Device | None = None
 
     num_kv_blocks: int
     block_size: int
