@@ -111,11 +111,12 @@ def test_sigterm_stops_everything() -> None:
 
 
 def test_engine_start_failure_exits_nonzero() -> None:
+    # an accelerator index no machine has: unavailable here and on a GPU machine alike
     run_dir = tempfile.mkdtemp(prefix="fdx-test-run-")
     env = {**os.environ, "FDX_IPC_DIR": run_dir}
-    p = subprocess.run(serve_command("--port", str(free_port()), "--device", "cuda"), env=env,
+    p = subprocess.run(serve_command("--port", str(free_port()), "--device", "cuda:4096"), env=env,
                        capture_output=True, text=True, timeout=180)
     assert p.returncode != 0
-    assert "fdx serve: error: device 'cuda' is not available" in p.stderr
+    assert "fdx serve: error: device 'cuda:4096' is not available" in p.stderr
     assert os.listdir(run_dir) == []
     os.rmdir(run_dir)
