@@ -20,7 +20,7 @@ import attrs
 
 from fdx.core.errors import FdxError, RequestError
 from fdx.core.messages import AddRequest, SamplingParams, TokenLogprob
-from fdx.output_processor import ChoiceState, OutputProcessor
+from fdx.output_processor import ChoiceState, OutputProcessor, choice_params
 
 _ids = itertools.count()
 
@@ -155,8 +155,9 @@ class LLM:
                     rid = base if p.n <= 1 else f"{base}-{k}"
                     comp = Completion(k, "", [], None, [] if p.logprobs is not None else None)
                     res.outputs.append(comp)
-                    state = self.outputs.open(rid, k, p_idx, ids, p)
-                    self.engine.add_request(AddRequest(rid, tuple(ids), p, now))
+                    sp = choice_params(p, k)
+                    state = self.outputs.open(rid, k, p_idx, ids, sp)
+                    self.engine.add_request(AddRequest(rid, tuple(ids), sp, now))
                     live[rid] = (state, comp, res)
             self._drive(live)
         except BaseException:

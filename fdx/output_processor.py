@@ -120,6 +120,16 @@ class Usage:
         return cls(prompt, completion, cached)
 
 
+def choice_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The engine params of choice ``j`` of a request asking for
+    ``params.n`` choices: one sequence each, seed ``seed + j`` (so seeded
+    choices differ from each other and are reproducible), as in vLLM."""
+    if params.n == 1 and j == 0:
+        return params
+    seed = None if params.seed is None else params.seed + j
+    return attrs.evolve(params, n=1, seed=seed)
+
+
 class OutputProcessor:
     """Engine outputs -> :class:`OutputEvent`, through one token processor."""
 

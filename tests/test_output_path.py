@@ -90,6 +90,19 @@ def test_llm_and_server_agree_on_completions_with_length(server: str, llm: Any) 
     assert on["usage"]["prompt_tokens"] == len(off.prompt_token_ids)
 
 
+def test_llm_and_server_agree_on_seeded_choices(server: str, llm: Any) -> None:
+    """Choice j of a seeded request samples with seed + j in both front ends."""
+    from fdx import SamplingParams
+
+    prompt = "Once upon a time"
+    [off] = llm.generate(prompt, SamplingParams(temperature=0.9, seed=7, n=2, max_tokens=12, ignore_eos=True))
+    on = post(server, "/v1/completions", {"prompt": prompt, "temperature": 0.9, "seed": 7, "n": 2,
+                                          "max_tokens": 12, "ignore_eos": True})
+    texts = [c["text"] for c in sorted(on["choices"], key=lambda c: c["index"])]
+    assert texts == [o.text for o in off.outputs]
+    assert texts[0] != texts[1]  # seeds 7 and 8
+
+
 # -- streaming == non-streaming ----------------------------------------------
 
 

@@ -99,3 +99,15 @@ def test_usage_counts_prompts_once_and_every_choice(outputs: OutputProcessor) ->
 
     u = Usage.of([state(0, 0, 5, 3, 4), state(1, 0, 5, 7, 4), state(2, 1, 9, 2, 0), state(3, 1, 9, 1, 0)])
     assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.total_tokens) == (14, 13, 4, 27)
+
+
+def test_choice_params_one_sequence_each_seed_plus_j() -> None:
+    from fdx.output_processor import choice_params
+
+    p = SamplingParams(n=3, seed=10, temperature=0.7)
+    assert [(c.n, c.seed, c.temperature) for c in (choice_params(p, j) for j in range(3))] == [
+        (1, 10, 0.7), (1, 11, 0.7), (1, 12, 0.7)]
+    unseeded = SamplingParams(n=2)
+    assert [choice_params(unseeded, j).seed for j in range(2)] == [None, None]
+    single = SamplingParams(seed=5)
+    assert choice_params(single, 0) is single

@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from fdx.core.errors import RequestError
 from fdx.core.messages import RequestOutput, SamplingParams, TokenLogprob
-from fdx.output_processor import ChoiceState, OutputEvent, OutputProcessor, Usage
+from fdx.output_processor import ChoiceState, OutputEvent, OutputProcessor, Usage, choice_params
 from fdx.server.protocol import error_body
 from fdx.server.sse import EventStreamResponse
 
@@ -129,13 +129,11 @@ class Generation:
         ones already sent are aborted and the error propagates."""
         n = self.params.n
         total = len(self.prompts) * n
-        engine_params = attrs.evolve(self.params, n=1)
         try:
             for p_idx, prompt in enumerate(self.prompts):
                 for j in range(n):
                     idx = p_idx * n + j
-                    sp = engine_params if self.params.seed is None else attrs.evolve(engine_params,
-                                                                                     seed=self.params.seed + j)
+                    sp = choice_params(self.params, j)
                     rid = self.id if total == 1 else f"{self.id}-{idx}"
                     state = self.outputs.open(rid, idx, p_idx, prompt.ids, sp)
                     self.handles.append(self.client.submit(rid, prompt.ids, sp, arrival, self.sink, tag=state))
