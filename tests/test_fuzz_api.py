@@ -55,6 +55,8 @@ def _clamp(body: Any) -> Any:
         v = body.get(key)
         if type(v) is int and v > cap:
             body[key] = cap
+    if type(body.get("min_tokens")) is int and type(body.get("max_tokens")) is int:
+        body["min_tokens"] = min(body["min_tokens"], body["max_tokens"])
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) > 4:
         body["prompt"] = prompt[:4]

@@ -267,15 +267,23 @@ class CompletionRequest(_Common):
     suffix: StrictStr | None = None
 
 
+class TextPart(BaseModel):
+    """One part of a message's content; only text parts are supported."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    type: Literal["text"]
+    text: StrictStr
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     role: StrictStr
-    content: Union[StrictStr, list[dict[str, Any]], None] = Field(
+    content: Union[StrictStr, list[TextPart], None] = Field(
         None, description="a string or a list of {'type': 'text', 'text': ...} parts")
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PosInt | None = None
     logprobs: StrictBool | None = False
     top_logprobs: NonNegInt | None = None
@@ -311,6 +319,11 @@ def validation_error(errors: Any) -> RequestError:
                             "token-id lists (token ids are integers)", 400, param="prompt")
     if e.get("type") == "missing":
         return RequestError(f"missing required parameter '{where}'", 400, param=param)
+    if param == "messages" and len(loc) == 1 and e.get("type") == "too_short":
+        return RequestError("'messages' must contain at least one message", 400, param="messages")
+    if param == "messages" and len(loc) >= 3 and loc[2] == "content":
+        return RequestError(f"'{'.'.join(loc[:3])}' must be a string or a list of text parts "
+                            "({'type': 'text', 'text': ...}); only text parts are supported", 400, param="messages")
     hint = FIELD_HINTS.get(param or "")
     msg = f"invalid value for '{where}': {e.get('msg')}"
     if hint:
@@ -431,16 +444,11 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     if not req.messages:
         raise _bad("'messages' must contain at least one message", "messages")
     out: list[dict[str, Any]] = []
-    for i, m in enumerate(req.messages):
+    for m in req.messages:
         d = m.model_dump(exclude_none=False)
         content = m.content
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise _bad(f"messages[{i}].content: only text parts are supported", "messages")
-                texts.append(part["text"])
-            d["content"] = "".join(texts)
+            d["content"] = "".join(part.text for part in content)
         elif content is None:
             d["content"] = ""
         out.append(d)
