@@ -31,9 +31,9 @@ import numpy as np
 
 from fdx.core.config import EngineConfig, split_device
 from fdx.core.errors import ControlError, FdxError
-from fdx.core.interfaces import Device, ModelOutput, ModelRunner, ScheduledBatch, Scheduler
+from fdx.core.interfaces import Device, ModelOutput, ModelRunner, ScheduledBatch, ScheduledSeq, Scheduler
 from fdx.core.kv_cache import KVCacheManager
-from fdx.core.messages import AddRequest, EngineStats, RequestOutput
+from fdx.core.messages import AddRequest, EngineStats, RequestOutput, TokenLogprob
 from fdx.core.plugins import Plugins, get_plugins
 from fdx.core.request import Request, Status, check_request
 
@@ -161,27 +161,24 @@ class Engine:
             return self.runner.execute(batch)
         except Exception:  # noqa: BLE001
             log.exception("model runner failed on a batch of %d seq(s); isolating the failure", len(batch.seqs))
-        out = self._execute_split(batch)
-        keep = [i for i, s in enumerate(batch.seqs) if s.request.status is Status.RUNNING]
-        batch.seqs = [batch.seqs[i] for i in keep]
-        lps = None if out.logprobs is None else [out.logprobs[i] for i in keep]
-        return ModelOutput(np.asarray(out.token_ids)[keep], lps)
+        mid = len(batch.seqs) // 2
+        rows = self._isolate(batch.seqs[:mid]) + self._isolate(batch.seqs[mid:])  # (seq, token, logprob) that ran
+        batch.seqs = [seq for seq, _, _ in rows]
+        lps = [lp for _, _, lp in rows]
+        return ModelOutput(np.array([tok for _, tok, _ in rows], dtype=np.int64), lps if any(lps) else None)
 
-    def _execute_split(self, batch: ScheduledBatch) -> ModelOutput:
-        if len(batch.seqs) > 1:
-            mid = len(batch.seqs) // 2
-            parts = [self._execute_split(ScheduledBatch(batch.seqs[:mid])),
-                     self._execute_split(ScheduledBatch(batch.seqs[mid:]))]
-            lps = [p.logprobs or [None] * len(p.token_ids) for p in parts]
-            return ModelOutput(np.concatenate([p.token_ids for p in parts]),
-                               lps[0] + lps[1] if any(p.logprobs for p in parts) else None)
+    def _isolate(self, seqs: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, int, TokenLogprob | None]]:
+        """Re-run ``seqs``, halving on failure; a seq that fails alone ends its request."""
         try:
-            return self.runner.execute(batch)
+            out = self.runner.execute(ScheduledBatch(seqs)) if seqs else ModelOutput(np.zeros(0, dtype=np.int64))
+            return [(s, int(out.token_ids[i]), out.logprobs[i] if out.logprobs else None) for i, s in enumerate(seqs)]
         except Exception as exc:  # noqa: BLE001
-            req = batch.seqs[0].request
+            if len(seqs) > 1:
+                return self._isolate(seqs[: len(seqs) // 2]) + self._isolate(seqs[len(seqs) // 2 :])
+            req = seqs[0].request
             log.error("request %s fails alone in the model runner: %s: %s", req.request_id, type(exc).__name__, exc)
             self._end([req], f"the engine failed to run this request: {exc}", 500)
-            return ModelOutput(np.full(1, -1, dtype=np.int64))
+            return []
 
     def _fail_step(self, batch: ScheduledBatch, exc: Exception) -> None:
         log.error("engine step failed", exc_info=exc)
