@@ -203,3 +203,24 @@ def test_a_failing_schedule_ends_the_live_requests_and_the_engine_goes_on(flaky_
     assert {o.error_code for o in res["ends"].values()} == {500}
     res = run(flaky_engine, echo_reqs("c"))
     assert res["ends"]["c"].finish_reason == "length" and res["tokens"]["c"] == echoed(PROMPTS[0])
+
+
+def test_runner_failures_are_pinned_to_the_requests_that_cause_them(plugin_manager: Any) -> None:
+    """Two poisoned requests among eight: bisection ends exactly those two;
+    the six others get every token they would get alone."""
+    import fdx.plugins.schedulers.v1
+    from echo_runner_plugin import PoisonEchoRunner
+
+    plugin_manager.register(fdx.plugins.schedulers.v1)
+    cfg = make_config(num_kv_blocks=64, max_model_len=512)
+    runner = PoisonEchoRunner(cfg)
+    runner.poison = 77
+    engine = Engine(cfg, collect(plugin_manager), runner=runner)
+    reqs = {f"r{i}": (PROMPTS[i % len(PROMPTS)] + ((77,) if i in (2, 5) else ()), GREEDY) for i in range(8)}
+    res = run(engine, reqs)
+    for rid, (prompt, _) in reqs.items():
+        if rid in ("r2", "r5"):
+            assert res["ends"][rid].finish_reason == "error" and res["ends"][rid].error_code == 500
+            assert res["tokens"].get(rid, []) == []
+        else:
+            assert res["ends"][rid].finish_reason == "length" and res["tokens"][rid] == echoed(prompt)
