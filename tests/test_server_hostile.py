@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 MAX_BODY = 256 * 1024
 VOCAB = 49152  # SmolLM2
+MAX_WAITING = 4
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(weights_dir: Path) -> Iterator[str]:
-    with start_server("--max-model-len", "256", "--max-request-bytes", str(MAX_BODY),
+    with start_server("--max-model-len", "256", "--max-request-bytes", str(MAX_BODY), "--max-waiting", str(MAX_WAITING),
                       "--allowed-weights-dir", str(weights_dir)) as (base, _proc):
         yield base
 
@@ -144,6 +145,21 @@ BAD_CHAT: list[tuple[str, dict[str, Any] | bytes, str | None]] = [
 def test_bad_chat_values(http: httpx.Client, body: dict[str, Any] | bytes, param: str | None) -> None:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     envelope(post_raw(http, "/v1/chat/completions", raw), 400, param)
+    still_serves(http)
+
+
+def test_many_bad_requests_leak_nothing(http: httpx.Client) -> None:
+    """Issue 14: requests that could not be encoded for the engine left their
+    handle registered, and --max-waiting of them made the server answer 429
+    for good.  Now they are 400s at the edge; many times --max-waiting of
+    them later, a normal request is still served (no 429)."""
+    bad = (b'{"prompt": "hi", "max_tokens": 2, "top_k": 18446744073709551616}',
+           b'{"prompt": "hi", "max_tokens": 2, "request_id": "leak-\\ud800"}',
+           b'{"prompt": "hi", "max_tokens": 2, "seed": -1}')
+    for _ in range(5 * MAX_WAITING):
+        for raw in bad:
+            assert post_raw(http, "/v1/completions", raw).status_code == 400
+    assert http.get("/health").json()["num_waiting"] == 0
     still_serves(http)
 
 
