@@ -150,6 +150,12 @@ class FlakyScheduler(V1Scheduler):
             raise RuntimeError("schedule broke on bad-schedule")
         return super().schedule()
 
+    def abort(self, request_ids: Any) -> Any:
+        ids = list(request_ids)
+        if "bad-abort" in ids:
+            raise RuntimeError("abort broke on bad-abort")
+        return super().abort(ids)
+
     def update(self, batch: Any, output: Any) -> None:
         super().update(batch, output)
         if any(s.request.request_id == "bad-update" for s in batch.seqs):
@@ -196,6 +202,12 @@ def test_a_broken_step_ends_its_requests_and_the_engine_goes_on(flaky_engine: En
         assert "update broke" in res["ends"][rid].error
     res = run(flaky_engine, echo_reqs("c", "d"))
     assert all(o.finish_reason == "length" for o in res["ends"].values())
+
+
+def test_a_failing_abort_is_logged_and_the_engine_goes_on(flaky_engine: Engine) -> None:
+    assert flaky_engine.abort(("bad-abort",)) == []
+    res = run(flaky_engine, echo_reqs("c"))
+    assert res["ends"]["c"].finish_reason == "length"
 
 
 def test_a_failing_schedule_ends_the_live_requests_and_the_engine_goes_on(flaky_engine: Engine) -> None:

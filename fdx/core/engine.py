@@ -109,7 +109,11 @@ class Engine:
 
     def abort(self, request_ids: Iterable[str], reason: str = "abort") -> list[Request]:
         """Abort requests; each gets a final output with its partial tokens."""
-        removed = self.scheduler.abort(request_ids)
+        try:
+            removed = self.scheduler.abort(request_ids)
+        except Exception:  # noqa: BLE001 - a scheduler bug must not end the engine
+            log.exception("scheduler failed to abort %s", list(request_ids))
+            return []
         for req in removed:
             self.finish(req, "abort", reason if reason != "abort" else None, 0)
         return removed
