@@ -295,7 +295,7 @@ def test_mooncake_pool_keeps_objects_after_the_writer_exits(mooncake_pool: Moonc
 @needs_mooncake
 @pytest.mark.mooncake
 def test_mooncake_master_down_raises_fast_then_recovers() -> None:
-    from fdx.plugins.cache_backends._common import BackendUnavailable
+    from fdx.plugins.cache_backends.backend_options import BackendUnavailable
     from fdx.plugins.cache_backends.mooncake import create
 
     with MooncakeMaster() as master:

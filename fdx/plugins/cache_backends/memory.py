@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import CacheBackend
-from fdx.plugins.cache_backends._common import Counters, check_options, size_option
+from fdx.plugins.cache_backends.backend_options import Counters, check_options, size_option
 
 DEFAULT_MAX_BYTES = 1 << 30
 

@@ -42,7 +42,7 @@ from typing import Any, Iterator, Sequence
 from fdx.core.errors import ConfigError
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import CacheBackend
-from fdx.plugins.cache_backends._common import (
+from fdx.plugins.cache_backends.backend_options import (
     BackendUnavailable,
     Counters,
     check_options,

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from fdx.core.errors import ConfigError
 from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import CacheBackend
-from fdx.plugins.cache_backends._common import Counters, check_options, float_option
+from fdx.plugins.cache_backends.backend_options import Counters, check_options, float_option
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
