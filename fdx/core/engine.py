@@ -9,7 +9,7 @@ Failure isolation -- no request can end the engine:
 
 * :meth:`Engine.add_request` checks the prompt and the sampling params
   (:func:`fdx.core.request.check_request`); a bad request ends at once with
-  an error output (400), and so does one the scheduler refuses to queue.
+  an error output (400), one the scheduler fails to queue with a 500.
 * When the runner fails on a batch, the batch is split in halves and re-run
   until each failure is pinned to single requests: those end with an error
   (500), the others go on.  Re-running a chunk rewrites the same KV slots
