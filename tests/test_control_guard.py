@@ -151,3 +151,18 @@ def test_clean_message_drops_file_bytes_and_exception_types() -> None:
     assert msg == "x.gguf: not a GGUF file"
     assert clean_message("control method wakeup failed: OSError: gone") == "control method wakeup failed: gone"
     assert "\\x00" not in clean_message("header b'\\x00\\x01ab' is short")
+
+
+def test_dns_rebinding_needs_a_key(tmp_path: Path) -> None:
+    """A page at http://evil.example:8000 whose name was rebound to
+    127.0.0.1 is same-origin with itself; its Host header is its own name."""
+    rebound = {"host": "evil.example:8000", "origin": "http://evil.example:8000"}
+    for http in _app(tmp_path):
+        js = envelope(http.post("/v1/pause", json={}, headers=rebound), 403)
+        assert "--control-api-key" in js["message"]
+        envelope(http.post("/v1/pause", json={}, headers={"host": "my-box.lan:8000"}), 403)
+        for host in ("127.0.0.1:8000", "localhost:8000", "[::1]:8000", "10.1.2.3"):
+            envelope(http.post("/v1/pause", json={}, headers={"host": host}), 503)
+    for http in _app(tmp_path, control_api_key="k"):  # with a key, names are fine
+        envelope(http.post("/v1/pause", json={}, headers={"host": "my-box.lan:8000", "authorization": "Bearer k"}),
+                 503)

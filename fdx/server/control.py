@@ -28,6 +28,9 @@ The guard (:func:`check_guard`, run before any argument is read):
 * a browser request from another origin is refused with 403: an
   ``Origin`` header that does not match ``Host``, or
   ``Sec-Fetch-Site: cross-site`` / ``same-site``;
+* without a control key, a request whose ``Host`` is a DNS name rather
+  than an IP address or ``localhost`` is refused with 403 (a DNS-rebinding
+  page is same-origin with itself, but sends its own name as ``Host``);
 * ``--control-api-key`` (default: ``--api-key``) must come as
   ``Authorization: Bearer <key>`` (401);
 * a POST must say ``Content-Type: application/json`` (415), so a browser
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import hmac
+import ipaddress
 import logging
 import math
 import os
@@ -178,15 +182,36 @@ def _origin_matches(origin: str, host: str) -> bool:
     return o.hostname.lower() == h.hostname.lower() and o_port == h_port
 
 
+def _host_is_literal(host: str) -> bool:
+    """Whether a ``Host`` header names an IP address or ``localhost``
+    (what a DNS-rebinding page cannot send: it uses its own name)."""
+    try:
+        name = urlsplit("//" + host).hostname or ""
+    except ValueError:
+        return False
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 def check_guard(request: Request, control_key: str | None) -> None:
-    """Refuse a cross-origin browser request (403), a missing or wrong
-    control key (401) and a POST that is not ``application/json`` (415)."""
+    """Refuse a cross-origin browser request (403), without a control key
+    a request addressed by a DNS name (403: DNS rebinding), a missing or
+    wrong control key (401) and a POST that is not ``application/json``
+    (415)."""
     headers = request.headers
     origin = headers.get("origin")
     site = headers.get("sec-fetch-site", "").lower()
     if (origin is not None and not _origin_matches(origin, headers.get("host", ""))) or site in (
             "cross-site", "same-site"):
         raise _BadCall("cross-origin requests to the control plane are refused (Origin does not match Host)", 403)
+    if not control_key and not _host_is_literal(headers.get("host", "")):
+        raise _BadCall("without --control-api-key the control plane only answers requests addressed to an IP "
+                       "address or localhost (Host header); set --control-api-key to reach it by name", 403)
     if control_key:
         auth = headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")

@@ -564,7 +564,8 @@ class VersionResponse(_Doc):
 _ERROR_TEXT = {
     400: "a bad request: the message names the field",
     401: "missing or wrong API key",
-    403: "refused (cross-origin browser request, or a path outside --allowed-weights-dir)",
+    403: "refused (a cross-origin browser request, an unkeyed control call addressed by name, or a path "
+         "outside --allowed-weights-dir)",
     404: "unknown model or route",
     413: "the body exceeds --max-request-bytes",
     415: "the body is not application/json",
