@@ -58,13 +58,18 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     c.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
 
     k = p.add_argument_group("components (chosen by name; see `fdx plugins`)")
-    k.add_argument("--scheduler", help="scheduler plugin (default v1)")
+    k.add_argument("--scheduler", help="scheduler plugin (default v1; dp: --data-parallel-size replicas)")
+    k.add_argument("--data-parallel-size", type=int,
+                   help="with --scheduler dp: engine processes (replicas) behind the one API server, each "
+                        "with its own batch policy, KV cache and --num-threads threads (default 1)")
+    k.add_argument("--dp-local-scheduler",
+                   help="with --scheduler dp: the batch policy every replica runs, v1 (default) or v0")
     k.add_argument("--token-processor", help="token processor plugin (default 'default')")
     k.add_argument("--cache-backend", help="cache backend plugin for the KV storage tier (default: none)")
     k.add_argument("--cache-backend-config", help="JSON object passed to the cache backend")
     k.add_argument("--device", help="device plugin, NAME or NAME:INDEX (default cpu; e.g. cuda:1 for the second GPU)")
     k.add_argument("--model-runner", help="model runner plugin (default: the device's own, e.g. 'cpu' for --device cpu)")
-    k.add_argument("--num-threads", type=int, help="compute threads (default: all cores)")
+    k.add_argument("--num-threads", type=int, help="compute threads (default: all cores; with --scheduler dp: per replica)")
     k.add_argument("--disable-plugin", dest="disable_plugins", action="append", metavar="NAME",
                    help="do not load this plugin (entry-point or distribution name); repeatable")
 
@@ -111,6 +116,8 @@ def config_from_args(args: argparse.Namespace, plugins: Any) -> Any:
 def check_component_names(cfg: Any, plugins: Any) -> None:
     """Fail early, listing the choices, for an unknown component name."""
     plugins.registry("scheduler").get(cfg.scheduler)
+    if cfg.scheduler == "dp":
+        plugins.registry("scheduler").get(cfg.dp_local_scheduler)
     plugins.registry("token_processor").get(cfg.token_processor)
     from fdx.core.config import split_device
 

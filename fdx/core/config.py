@@ -88,6 +88,12 @@ class EngineConfig:
 
     # components (chosen by name from the registries)
     scheduler: str = "v1"
+    #: ``--scheduler dp``: engine replicas behind the one API process
+    data_parallel_size: int = attrs.field(default=1, validator=_positive)
+    #: ``--scheduler dp``: the batch policy each replica runs
+    dp_local_scheduler: str = "v1"
+    #: this engine's replica (set by the launcher for each dp engine)
+    dp_rank: int = attrs.field(default=0, validator=_non_negative)
     token_processor: str = "default"
     cache_backend: str | None = None
     cache_backend_config: dict[str, Any] = attrs.field(factory=dict)
@@ -155,6 +161,10 @@ def make_config(**kwargs: Any) -> EngineConfig:
         cfg = EngineConfig(**kwargs)
     except TypeError as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.data_parallel_size > 1 and cfg.scheduler != "dp":
+        raise ConfigError(f"--data-parallel-size {cfg.data_parallel_size} needs --scheduler dp")
+    if cfg.dp_local_scheduler == "dp":
+        raise ConfigError("--dp-local-scheduler must name a batch policy (v1, v0, ...), not dp")
     if cfg.max_num_batched_tokens < cfg.block_size:
         raise ConfigError(
             f"--max-num-batched-tokens ({cfg.max_num_batched_tokens}) must be >= --block-size ({cfg.block_size})"

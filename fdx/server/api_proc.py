@@ -4,7 +4,9 @@ The config JSON (API key included) arrives on the inherited pipe FD, so it
 never shows in ``ps``.
 
 Binds the ZMQ sockets first thing (before any heavy import), so the launcher
-can start the engine as soon as the socket files exist.  Then it runs the
+can start the engine as soon as the socket files exist; with ``--scheduler
+dp``, one channel pair per replica in ``RUN_DIR/dp<rank>/``, served by a
+:class:`fdx.server.dp_client.ReplicaSet` instead of one ``EngineClient``.  Then it runs the
 FastAPI app under uvicorn.  It reports to the launcher through files in the
 run directory (see :class:`StatusBoard`); it exits when told (SIGTERM/SIGINT,
 handled by uvicorn: the lifespan shutdown sends ``Shutdown`` to the engine)
@@ -68,19 +70,23 @@ def _watch_parent(parent_pid: int, server: Any) -> None:
 def main() -> None:
     from fdx.core.ipc import FrontendSide, IpcPaths, child_args
 
+    from fdx.core.config import make_config
+    from fdx.plugins.schedulers.dp import is_dp, replica_paths
+
     values, run_dir, parent_pid = child_args(sys.argv[1:])
+    config = make_config(**values)
     paths = IpcPaths(run_dir)
-    side = FrontendSide(paths)  # bind now: the engine may connect any time after
+    # bind now: the engines may connect any time after (one channel pair per dp replica)
+    sides = [FrontendSide(p) for p in replica_paths(paths, config)]
+    side = sides[0]
 
     import uvicorn
 
-    from fdx.core.config import make_config
     from fdx.logs import setup_logging
     from fdx.core.plugins import get_plugins
     from fdx.server.app import create_app
     from fdx.server.client import EngineClient
 
-    config = make_config(**values)
     setup_logging(config.log_level, process="api")
     import prometheus_client
 
@@ -90,9 +96,18 @@ def main() -> None:
         plugins = get_plugins(config.disable_plugins)
     except Exception as exc:  # noqa: BLE001
         board.failed(f"{exc}")
-        side.close()
+        for sd in sides:
+            sd.close()
         sys.exit(1)
-    client = EngineClient(config, paths, hook=plugins.hook, side=side)
+    client: Any
+    if is_dp(config):
+        from fdx.server.dp_client import ReplicaSet
+        from fdx.server.metrics import Metrics
+
+        client = ReplicaSet(config, [sd.paths for sd in sides], hook=plugins.hook, sides=sides)
+        client.metrics = Metrics(config.model_name, lambda: client.stats, client.replica_stats)
+    else:
+        client = EngineClient(config, paths, hook=plugins.hook, side=side)
 
     def load_tokenizer() -> tuple[Any, Any]:
         from fdx.model.loader import load_tokenizer as load
@@ -102,7 +117,8 @@ def main() -> None:
         return tok, proc
 
     def on_serving() -> None:
-        board.ready({"engine_pid": client.engine_pid, "api_pid": os.getpid(),
+        board.ready({"engine_pid": client.engine_pid, "engine_pids": getattr(client, "engine_pids", [client.engine_pid]),
+                     "api_pid": os.getpid(),
                      "url": f"http://{config.host}:{config.port}"})
 
     client.on_failure.append(lambda reason, was_ready: None if was_ready else board.failed(reason))
@@ -111,7 +127,8 @@ def main() -> None:
                          on_startup_failure=board.failed, on_serving=on_serving)
     except Exception as exc:  # noqa: BLE001 - e.g. a plugin's fdx_add_routes failed
         board.failed(str(exc))
-        side.close()
+        for sd in sides:
+            sd.close()
         sys.exit(1)
     class _Server(uvicorn.Server):
         async def shutdown(self, sockets: Any = None) -> None:

@@ -191,6 +191,36 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+@attrs.define(eq=False)
+class EngineSlot:
+    """One supervised engine process: replica ``rank`` (0 without dp), its
+    IPC directory, its config and its own :class:`RestartPolicy`."""
+
+    rank: int
+    run_dir: str
+    config_json: str
+    policy: RestartPolicy
+    proc: subprocess.Popen[bytes] | None = None
+    restart_at: float | None = None
+
+    @property
+    def name(self) -> str:
+        return "engine" if self.rank < 0 else f"dp replica {self.rank} engine"
+
+
+def engine_slots(config: EngineConfig, paths: IpcPaths) -> list[EngineSlot]:
+    """The engines to run: one, or one per dp replica, each with its own
+    channel pair (``RUN_DIR/dp<rank>/``, :mod:`fdx.plugins.schedulers.dp`)."""
+    from fdx.plugins.schedulers.dp import is_dp, replica_config, replica_paths
+
+    slots = []
+    for rank, rp in enumerate(replica_paths(paths, config)):
+        cfg = replica_config(config, rank)
+        slots.append(EngineSlot(rank if is_dp(config) else -1, rp.dir, child_config_json(cfg, engine=True),
+                                RestartPolicy(config.max_engine_restarts, config.restart_window)))
+    return slots
+
+
 def serve(config: EngineConfig) -> int:
     """Run the server until a signal; returns the process exit code."""
     setup_logging(config.log_level, process="serve")
@@ -203,13 +233,13 @@ def serve(config: EngineConfig) -> int:
             old[sig] = signal.signal(sig, stop)
     paths = make_run_dir(config.ipc_dir)
     api_json = child_config_json(config, engine=False)
-    engine_json = child_config_json(config, engine=True)
     api: subprocess.Popen[bytes] | None = None
-    engine: subprocess.Popen[bytes] | None = None
+    slots: list[EngineSlot] = []
     ready = False
     try:
+        slots = engine_slots(config, paths)
         api = spawn_child("fdx.server.api_proc", api_json, paths.dir, os.getpid())
-        sockets = [os.path.join(paths.dir, n) for n in ("in.sock", "out.sock")]
+        sockets = [os.path.join(s.run_dir, n) for s in slots for n in ("in.sock", "out.sock")]
         deadline = time.monotonic() + SOCKET_WAIT_S
         while not all(os.path.exists(s) for s in sockets):
             if stop.signal is not None:
@@ -221,10 +251,11 @@ def serve(config: EngineConfig) -> int:
                 _error("API server did not bind its sockets in time")
                 return 1
             time.sleep(0.02)
-        engine = spawn_child("fdx.core.engine_proc", engine_json, paths.dir, os.getpid())
-        log.info("started API server (pid %d) and engine (pid %d); run dir %s", api.pid, engine.pid, paths.dir)
-        policy = RestartPolicy(config.max_engine_restarts, config.restart_window)
-        restart_at: float | None = None
+        for slot in slots:
+            slot.proc = spawn_child("fdx.core.engine_proc", slot.config_json, slot.run_dir, os.getpid())
+        log.info("started API server (pid %d) and %s (pid %s); run dir %s", api.pid,
+                 "engine" if len(slots) == 1 else f"{len(slots)} dp engines",
+                 ", ".join(str(s.proc.pid) for s in slots if s.proc), paths.dir)
         failed_path = os.path.join(paths.dir, FAILED_FILE)
         ready_path = os.path.join(paths.dir, READY_FILE)
         while stop.signal is None:
@@ -241,62 +272,77 @@ def serve(config: EngineConfig) -> int:
                 msg = None if ready else _read(failed_path)
                 _error(msg or f"API server exited with code {api.returncode}")
                 return 1
-            if engine is not None and engine.poll() is not None:
-                if not ready:
-                    # the API process may still be writing the engine's message
-                    t_end = time.monotonic() + 2.0
-                    msg = None
-                    while time.monotonic() < t_end and not (msg := _read(failed_path)):
-                        time.sleep(0.05)
-                    _error(msg or f"engine process exited with code {engine.returncode} before it was ready")
-                    return 1
-                how = describe_exit(engine.returncode)
-                delay = policy.on_crash(time.monotonic())
-                if delay is None:
-                    n = len(policy.crashes)
-                    _error(f"the engine process {engine.pid} {how}: {n} engine crash{'es' if n != 1 else ''} "
-                           f"within {config.restart_window:g}s (--max-engine-restarts "
-                           f"{config.max_engine_restarts}); giving up")
-                    engine = None
-                    return 1
-                log.error("engine process %d %s; starting a new engine in %.1fs (restart %d of at most %d "
-                          "within %gs)", engine.pid, how, delay, len(policy.crashes), config.max_engine_restarts,
-                          config.restart_window)
-                engine = None
-                restart_at = time.monotonic() + delay
-            if engine is None and restart_at is not None and time.monotonic() >= restart_at:
-                restart_at = None
-                engine = spawn_child("fdx.core.engine_proc", engine_json, paths.dir, os.getpid())
-                log.info("started a new engine (pid %d)", engine.pid)
+            for slot in slots:
+                code = _supervise(slot, ready, failed_path, config)
+                if code is not None:
+                    return code
             stop.event.wait(POLL_S)
         log.info("received %s, shutting down", signal.Signals(stop.signal).name)
         return 0
     finally:
-        _stop_children(api, engine, ready)
+        _stop_children(api, [s.proc for s in slots], ready)
         paths.cleanup()
         for sig, handler in old.items():
             signal.signal(sig, handler)
 
 
-def _stop_children(api: subprocess.Popen[bytes] | None, engine: subprocess.Popen[bytes] | None,
+def _supervise(slot: EngineSlot, ready: bool, failed_path: str, config: EngineConfig) -> int | None:
+    """One look at one engine: note its death, restart it when due; an
+    exit code when ``fdx serve`` must stop."""
+    engine = slot.proc
+    if engine is not None and engine.poll() is not None:
+        if not ready:
+            # the API process may still be writing the engine's message
+            t_end = time.monotonic() + 2.0
+            msg = None
+            while time.monotonic() < t_end and not (msg := _read(failed_path)):
+                time.sleep(0.05)
+            _error(msg or f"{slot.name} process exited with code {engine.returncode} before it was ready")
+            return 1
+        how = describe_exit(engine.returncode)
+        delay = slot.policy.on_crash(time.monotonic())
+        slot.proc = None
+        if delay is None:
+            n = len(slot.policy.crashes)
+            _error(f"the {slot.name} process {engine.pid} {how}: {n} engine crash{'es' if n != 1 else ''} "
+                   f"within {config.restart_window:g}s (--max-engine-restarts "
+                   f"{config.max_engine_restarts}); giving up")
+            return 1
+        log.error("%s process %d %s; starting a new engine in %.1fs (restart %d of at most %d "
+                  "within %gs)", slot.name, engine.pid, how, delay, len(slot.policy.crashes),
+                  config.max_engine_restarts, config.restart_window)
+        slot.restart_at = time.monotonic() + delay
+    if slot.proc is None and slot.restart_at is not None and time.monotonic() >= slot.restart_at:
+        slot.restart_at = None
+        slot.proc = spawn_child("fdx.core.engine_proc", slot.config_json, slot.run_dir, os.getpid())
+        log.info("started a new %s (pid %d)", slot.name, slot.proc.pid)
+    return None
+
+
+def _stop_children(api: subprocess.Popen[bytes] | None, engines: list[subprocess.Popen[bytes] | None],
                    ready: bool) -> None:
-    """API first (its shutdown sends Shutdown to the engine), then the
-    engine; SIGTERM, then SIGKILL, each bounded in time."""
-    if engine is not None and not ready and engine.poll() is None:
-        # failed engines exit by themselves; one still loading reads no Shutdown
-        if not _wait(engine, 1.0):
-            _signal(engine, signal.SIGTERM)
+    """API first (its shutdown sends Shutdown to the engines), then the
+    engines; SIGTERM, then SIGKILL, each bounded in time."""
+    live = [e for e in engines if e is not None]
+    for engine in live:
+        if not ready and engine.poll() is None:
+            # failed engines exit by themselves; one still loading reads no Shutdown
+            if not _wait(engine, 1.0):
+                _signal(engine, signal.SIGTERM)
     if api is not None and api.poll() is None:
         _signal(api, signal.SIGTERM)
         _wait(api, API_STOP_S)
-    if engine is not None and engine.poll() is None:
-        _wait(engine, ENGINE_STOP_S)
-    for p in (api, engine):
+    t_end = time.monotonic() + ENGINE_STOP_S
+    for engine in live:
+        if engine.poll() is None:
+            _wait(engine, max(0.0, t_end - time.monotonic()))
+    for p in (api, *live):
         if p is not None and p.poll() is None:
             _signal(p, signal.SIGTERM)
-            if not _wait(p, TERM_WAIT_S):
-                _signal(p, signal.SIGKILL)
-                _wait(p, TERM_WAIT_S)
+    for p in (api, *live):
+        if p is not None and p.poll() is None and not _wait(p, TERM_WAIT_S):
+            _signal(p, signal.SIGKILL)
+            _wait(p, TERM_WAIT_S)
 
 
 def _signal(p: subprocess.Popen[bytes], sig: int) -> None:

@@ -5,6 +5,11 @@ counts are observed here per request; engine-side numbers (queue sizes, KV
 usage, prefix-cache counters, preemptions) are read at scrape time from the
 latest :class:`~fdx.core.messages.EngineStats` the engine sent, through a
 custom collector, so the engine's cumulative counters are exported as-is.
+With ``--scheduler dp`` the unlabelled names are the totals over the
+replicas, and each replica's numbers are exported again as ``fdx:dp_NAME``
+with a ``dp_rank`` label (plus ``fdx:dp_replica_up``,
+``fdx:dp_requests_routed``, ``fdx:dp_engine_restarts`` and
+``fdx:dp_engine_crashes``).
 Each :class:`Metrics` owns a private registry (no global state).
 """
 
@@ -30,57 +35,76 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-class _EngineCollector(Collector):
-    """Exports the latest EngineStats snapshot at scrape time."""
+#: (name, help, kind, value of an EngineStats) of every engine-side series
+_ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...] = (
+    ("num_requests_running", "Requests running in the engine.", "gauge", lambda s: s.num_running),
+    ("num_requests_waiting", "Requests waiting in the engine.", "gauge", lambda s: s.num_waiting),
+    ("kv_cache_usage_perc", "KV-cache usage (1 = 100%).", "gauge", lambda s: s.kv_usage),
+    ("kv_blocks_used", "KV blocks in use.", "gauge", lambda s: s.kv_blocks_used),
+    ("kv_blocks_total", "KV blocks in the pool.", "gauge", lambda s: s.kv_blocks_total),
+    ("engine_paused", "1 while the engine is paused.", "gauge", lambda s: 1.0 if s.is_paused else 0.0),
+    ("prefix_cache_queries", "Prefix-cache queries (tokens).", "counter", lambda s: s.prefix_queries),
+    ("prefix_cache_hits", "Prefix-cache hits (tokens).", "counter", lambda s: s.prefix_hits),
+    ("kv_storage_hits", "KV storage (cache backend) hits.", "counter", lambda s: s.storage_hits),
+    ("kv_storage_errors", "KV storage (cache backend) errors.", "counter", lambda s: s.storage_errors),
+    ("kv_storage_puts", "KV blocks written to the storage backend (write completed).", "counter",
+     lambda s: getattr(s, "storage_puts", 0)),
+    ("num_preemptions", "Preemptions.", "counter", lambda s: s.num_preemptions),
+    ("engine_steps", "Engine steps.", "counter", lambda s: s.steps),
+    ("engine_batched_tokens", "Tokens run by the engine (prefill + decode).", "counter",
+     lambda s: getattr(s, "num_batched_tokens", 0)),
+    ("engine_generated_tokens", "Tokens sampled by the engine.", "counter",
+     lambda s: getattr(s, "num_generated_tokens", 0)),
+)
 
-    def __init__(self, get_stats: Callable[[], EngineStats], model: str) -> None:
+#: ``(rank, stats, serving)`` of each dp replica
+ReplicaStats = Callable[[], "list[tuple[int, EngineStats, bool]]"]
+
+
+class _EngineCollector(Collector):
+    """Exports the latest EngineStats snapshot at scrape time: the totals
+    under ``fdx:NAME`` and, with dp replicas, each replica's under
+    ``fdx:dp_NAME{dp_rank}`` (other names, so a sum over a total's series
+    never counts a replica twice)."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats], model: str,
+                 get_replicas: ReplicaStats | None = None) -> None:
         self.get_stats = get_stats
         self.model = model
+        self.get_replicas = get_replicas
 
     def collect(self) -> Iterator[Metric]:
         s = self.get_stats()
-        labels = ["model_name"]
-        v = [self.model]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(v, value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(v, value)
-            return c
-
-        yield gauge("fdx:num_requests_running", "Requests running in the engine.", s.num_running)
-        yield gauge("fdx:num_requests_waiting", "Requests waiting in the engine.", s.num_waiting)
-        yield gauge("fdx:kv_cache_usage_perc", "KV-cache usage (1 = 100%).", s.kv_usage)
-        yield gauge("fdx:kv_blocks_used", "KV blocks in use.", s.kv_blocks_used)
-        yield gauge("fdx:kv_blocks_total", "KV blocks in the pool.", s.kv_blocks_total)
-        yield gauge("fdx:engine_paused", "1 while the engine is paused.", 1.0 if s.is_paused else 0.0)
-        yield counter("fdx:prefix_cache_queries", "Prefix-cache queries (tokens).", s.prefix_queries)
-        yield counter("fdx:prefix_cache_hits", "Prefix-cache hits (tokens).", s.prefix_hits)
-        yield counter("fdx:kv_storage_hits", "KV storage (cache backend) hits.", s.storage_hits)
-        yield counter("fdx:kv_storage_errors", "KV storage (cache backend) errors.", s.storage_errors)
-        yield counter("fdx:kv_storage_puts", "KV blocks written to the storage backend (write completed).",
-                      getattr(s, "storage_puts", 0))
-        yield counter("fdx:num_preemptions", "Preemptions.", s.num_preemptions)
-        yield counter("fdx:engine_steps", "Engine steps.", s.steps)
-        yield counter("fdx:engine_batched_tokens", "Tokens run by the engine (prefill + decode).",
-                      getattr(s, "num_batched_tokens", 0))
-        yield counter("fdx:engine_generated_tokens", "Tokens sampled by the engine.",
-                      getattr(s, "num_generated_tokens", 0))
+        for name, doc, kind, value in _ENGINE_SERIES:
+            fam = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            m = fam(f"fdx:{name}", doc, labels=["model_name"])
+            m.add_metric([self.model], value(s))
+            yield m
+        if self.get_replicas is None:
+            return
+        replicas = self.get_replicas()
+        for name, doc, kind, value in _ENGINE_SERIES:
+            fam = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            m = fam(f"fdx:dp_{name}", f"{doc} (per dp replica)", labels=["model_name", "dp_rank"])
+            for rank, rs, _up in replicas:
+                m.add_metric([self.model, str(rank)], value(rs))
+            yield m
+        up = GaugeMetricFamily("fdx:dp_replica_up", "1 while the dp replica serves.", labels=["model_name", "dp_rank"])
+        for rank, _rs, serving in replicas:
+            up.add_metric([self.model, str(rank)], 1.0 if serving else 0.0)
+        yield up
 
 
 class Metrics:
     """Per-process metrics; observed by :class:`fdx.server.client.EngineClient`."""
 
-    def __init__(self, model: str, get_stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model: str, get_stats: Callable[[], EngineStats],
+                 get_replicas: ReplicaStats | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         reg, lab = self.registry, ["model_name"]
         self.model = model
         ProcessCollector(registry=reg)
-        reg.register(_EngineCollector(get_stats, model))
+        reg.register(_EngineCollector(get_stats, model, get_replicas))
         self.ttft = Histogram("fdx:time_to_first_token_seconds", "Time to first token.", lab,
                               buckets=_TTFT_BUCKETS, registry=reg).labels(model)
         self.itl = Histogram("fdx:inter_token_latency_seconds", "Inter-token latency.", lab,
@@ -111,6 +135,20 @@ class Metrics:
             self._crashes.labels(model, r)
         self._last_crash = Info("fdx:engine_last_crash", "The last engine crash: its reason and message.", lab,
                                 registry=reg)
+        self._dp = get_replicas is not None
+        if self._dp:
+            dlab = lab + ["dp_rank"]
+            self._dp_restarts = Counter("fdx:dp_engine_restarts", "New engine processes of the dp replica ready "
+                                        "after a crash.", dlab, registry=reg)
+            self._dp_crashes = Counter("fdx:dp_engine_crashes", "Engine crashes of the dp replica, by reason.",
+                                       dlab + ["reason"], registry=reg)
+            self._dp_routed = Counter("fdx:dp_requests_routed", "Engine requests routed to the dp replica, by "
+                                      "reason: affinity (its cached prefix) or load (least loaded).",
+                                      dlab + ["reason"], registry=reg)
+            for rank, _s, _up in get_replicas():  # type: ignore[misc]
+                self._dp_restarts.labels(model, str(rank))
+                for r in CRASH_REASONS:
+                    self._dp_crashes.labels(model, str(rank), r)
 
     def finished(self, reason: str, num_prompt: int, num_output: int, e2e: float) -> None:
         c = self.success.get(reason)
@@ -125,12 +163,22 @@ class Metrics:
         self.prompt_tokens.inc(num_prompt)
         self.generation_tokens.inc(num_output)
 
-    def engine_crashed(self, reason: str, message: str) -> None:
+    def engine_crashed(self, reason: str, message: str, dp_rank: int | None = None) -> None:
         self._crashes.labels(self.model, reason).inc()
+        if dp_rank is not None and self._dp:
+            self._dp_crashes.labels(self.model, str(dp_rank), reason).inc()
+            message = f"dp replica {dp_rank}: {message}"
         self._last_crash.labels(self.model).info({"reason": reason, "message": " ".join(message.split())[:200]})
 
-    def engine_restarted(self) -> None:
+    def engine_restarted(self, dp_rank: int | None = None) -> None:
         self.engine_restarts.inc()
+        if dp_rank is not None and self._dp:
+            self._dp_restarts.labels(self.model, str(dp_rank)).inc()
+
+    def dp_routed(self, dp_rank: int, reason: str) -> None:
+        """One engine request routed to replica ``dp_rank`` (``affinity``/``load``)."""
+        if self._dp:
+            self._dp_routed.labels(self.model, str(dp_rank), reason).inc()
 
     def reject(self, code: int) -> None:
         self.rejected.labels(self.model, str(code)).inc()
