@@ -14,8 +14,6 @@
 // so chunks of several new tokens per sequence (prefill) work.
 // RoPE is NEOX "rotate_half" style (Hugging Face q/k order).
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -41,27 +39,29 @@ inline void rope_rotate(const float* x, float* y, const float* cs, int half) {
 
 // In-place softmax of r[0..n).
 inline void softmax(float* r, int n) {
-  __m512 vmx = _mm512_set1_ps(-INFINITY);
+  namespace v = fdx::simd;
+  constexpr int L = v::kLanes;
+  v::vf vmx = v::set1(-INFINITY);
   int j = 0;
-  for (; j + 16 <= n; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(r + j));
-  float mx = _mm512_reduce_max_ps(vmx);
+  for (; j + L <= n; j += L) vmx = v::max(vmx, v::load(r + j));
+  float mx = v::reduce_max(vmx);
   for (int k = j; k < n; ++k) mx = std::max(mx, r[k]);
-  const __m512 m = _mm512_set1_ps(mx);
-  __m512 vs = _mm512_setzero_ps();
-  for (j = 0; j + 16 <= n; j += 16) {
-    const __m512 e = fdx::exp512(_mm512_sub_ps(_mm512_loadu_ps(r + j), m));
-    _mm512_storeu_ps(r + j, e);
-    vs = _mm512_add_ps(vs, e);
+  const v::vf m = v::set1(mx);
+  v::vf vs = v::zero();
+  for (j = 0; j + L <= n; j += L) {
+    const v::vf e = v::exp(v::sub(v::load(r + j), m));
+    v::store(r + j, e);
+    vs = v::add(vs, e);
   }
   if (j < n) {
-    const __mmask16 k = (__mmask16)((1u << (n - j)) - 1u);
-    const __m512 e = _mm512_maskz_mov_ps(k, fdx::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, r + j), m)));
-    _mm512_mask_storeu_ps(r + j, k, e);
-    vs = _mm512_add_ps(vs, e);
+    const v::vf e = v::keep_first(v::exp(v::sub(v::load_first(r + j, n - j), m)), n - j);
+    v::store_first(r + j, e, n - j);
+    vs = v::add(vs, e);
   }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vs));
-  for (j = 0; j + 16 <= n; j += 16) _mm512_storeu_ps(r + j, _mm512_mul_ps(_mm512_loadu_ps(r + j), inv));
-  for (; j < n; ++j) r[j] *= _mm512_cvtss_f32(inv);
+  const float inv = 1.f / v::reduce_add(vs);
+  const v::vf vinv = v::set1(inv);
+  for (j = 0; j + L <= n; j += L) v::store(r + j, v::mul(v::load(r + j), vinv));
+  for (; j < n; ++j) r[j] *= inv;
 }
 
 inline float dot(const float* a, const float* b, int n) {

@@ -19,14 +19,12 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "simd_math.h"
 
 namespace {
 
-inline float h2f(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
+namespace v = fdx::simd;
+constexpr int kVecs = 32 / v::kLanes;  // vectors per 32-weight block
 
 int block_bytes(int qtype) {
   switch (qtype) {
@@ -44,41 +42,41 @@ void kernel(const float* x, const float* xsum, const uint8_t* w, float* out, int
   const int64_t nb = K / 32;
   constexpr int BB = QT == 2 ? 18 : (QT == 3 ? 20 : 34);
   const __m128i low4 = _mm_set1_epi8(0x0F);
+  alignas(16) uint8_t q[32];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
-    __m512 acc[MR];
+    v::vf acc[MR];
     float macc[MR];
     for (int r = 0; r < MR; ++r) {
-      acc[r] = _mm512_setzero_ps();
+      acc[r] = v::zero();
       macc[r] = 0.f;
     }
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = row + b * BB;
-      const float d = h2f(blk);
-      __m512 flo, fhi;
+      const float d = v::half_to_float(blk);
+      v::vf f[kVecs];
       float m = 0.f;
       if constexpr (QT == 8) {
-        flo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2))));
-        fhi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 18))));
+        for (int c = 0; c < kVecs; ++c) f[c] = v::from_i8(reinterpret_cast<const int8_t*>(blk + 2) + c * v::kLanes);
       } else {
+        // byte i holds weight i (low nibble) and weight i + 16 (high nibble)
         const int qoff = QT == 3 ? 4 : 2;
         const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + qoff));
-        const __m128i lo = _mm_and_si128(raw, low4);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
-        flo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
-        fhi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
-        m = QT == 3 ? h2f(blk + 2) : -8.f * d;
+        _mm_store_si128((__m128i*)q, _mm_and_si128(raw, low4));
+        _mm_store_si128((__m128i*)(q + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+        for (int c = 0; c < kVecs; ++c) f[c] = v::from_u8(q + c * v::kLanes);
+        m = QT == 3 ? v::half_to_float(blk + 2) : -8.f * d;
       }
-      const __m512 vd = _mm512_set1_ps(d);
+      const v::vf vd = v::set1(d);
       for (int r = 0; r < MR; ++r) {
         const float* xr = x + r * K + b * 32;
-        __m512 v = _mm512_mul_ps(flo, _mm512_loadu_ps(xr));
-        v = _mm512_fmadd_ps(fhi, _mm512_loadu_ps(xr + 16), v);
-        acc[r] = _mm512_fmadd_ps(v, vd, acc[r]);
+        v::vf s = v::mul(f[0], v::load(xr));
+        for (int c = 1; c < kVecs; ++c) s = v::fmadd(f[c], v::load(xr + c * v::kLanes), s);
+        acc[r] = v::fmadd(s, vd, acc[r]);
         if constexpr (QT != 8) macc[r] += m * xsum[r * nb + b];
       }
     }
-    for (int r = 0; r < MR; ++r) out[r * N + n] = _mm512_reduce_add_ps(acc[r]) + macc[r];
+    for (int r = 0; r < MR; ++r) out[r * N + n] = v::reduce_add(acc[r]) + macc[r];
   }
 }
 

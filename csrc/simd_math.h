@@ -1,28 +1,149 @@
-// Shared AVX-512 helpers for fdx's CPU ops.
+// fdx's SIMD layer for its CPU ops: one vector type and the few operations
+// the kernels need, implemented for AVX-512F and for AVX2 + FMA + F16C.
+//
+// The set is chosen at build time by the compiler's target macros
+// (fdx/model/native.py builds with -march=native, or -mno-avx512f when it is
+// told to build the AVX2 set): __AVX512F__ -> 16 float lanes (__m512),
+// otherwise __AVX2__ + __FMA__ + __F16C__ -> 8 float lanes (__m256).  Each
+// kernel is written once against fdx::simd and loops in steps of kLanes.
+// native.py passes -DFDX_EXPECT_AVX512 or -DFDX_EXPECT_AVX2; a mismatch
+// between that and what the compiler targets is a build error, so the
+// kernel set native.py logs is the one that was compiled.
 #pragma once
 
 #include <immintrin.h>
 
-namespace fdx {
+#include <cstdint>
+#include <cstring>
 
-// exp(x) for 16 lanes: range reduction x = n*ln2 + r (|r| <= ln2/2, Cody-Waite
-// split of ln2), degree-7 Taylor polynomial for e^r, then scale by 2^n.
-// Relative error ~1e-7 (float rounding level); x < -87 gives 0.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+#if defined(FDX_EXPECT_AVX512) && !defined(__AVX512F__)
+#error "fdx: asked for the AVX-512 kernel set but the compiler does not target AVX-512F"
+#endif
+#if defined(FDX_EXPECT_AVX2) && (defined(__AVX512F__) || !defined(__AVX2__))
+#error "fdx: asked for the AVX2 kernel set but the compiler targets another ISA"
+#endif
+
+namespace fdx {
+namespace simd {
+
+#if defined(__AVX512F__)
+
+constexpr int kLanes = 16;
+constexpr const char* kIsa = "avx512";
+using vf = __m512;
+
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf set1(float a) { return _mm512_set1_ps(a); }
+inline vf load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }   // a*b + c
+inline vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); } // c - a*b
+inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
+inline float reduce_max(vf v) { return _mm512_reduce_max_ps(v); }
+inline vf round_nearest(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// v * 2^n for integral n in [-126, 127]
+inline vf scale_pow2(vf v, vf n) { return _mm512_scalef_ps(v, n); }
+
+// The first n (0 <= n < kLanes) lanes of p, the others 0; and the inverse.
+inline __mmask16 first_mask(int n) { return (__mmask16)((1u << n) - 1u); }
+inline vf load_first(const float* p, int n) { return _mm512_maskz_loadu_ps(first_mask(n), p); }
+inline void store_first(float* p, vf v, int n) { _mm512_mask_storeu_ps(p, first_mask(n), v); }
+inline vf keep_first(vf v, int n) { return _mm512_maskz_mov_ps(first_mask(n), v); }
+
+// kLanes signed / unsigned bytes -> floats
+inline vf from_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf from_u8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+constexpr int kLanes = 8;
+constexpr const char* kIsa = "avx2";
+using vf = __m256;
+
+inline vf zero() { return _mm256_setzero_ps(); }
+inline vf set1(float a) { return _mm256_set1_ps(a); }
+inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf min(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+inline float reduce_add(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float reduce_max(vf v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vf round_nearest(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf scale_pow2(vf v, vf n) {
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(v, _mm256_castsi256_ps(e));
+}
+
+inline __m256i first_mask(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline vf load_first(const float* p, int n) { return _mm256_maskload_ps(p, first_mask(n)); }
+inline void store_first(float* p, vf v, int n) { _mm256_maskstore_ps(p, first_mask(n), v); }
+inline vf keep_first(vf v, int n) { return _mm256_and_ps(v, _mm256_castsi256_ps(first_mask(n))); }
+
+inline vf from_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf from_u8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+#else
+#error "fdx CPU ops need AVX-512F, or AVX2 + FMA + F16C (build with -march=native on such a CPU)"
+#endif
+
+// IEEE half (2 bytes, any alignment) -> float (F16C, present with both sets).
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// exp(x) per lane: range reduction x = n*ln2 + r (|r| <= ln2/2, Cody-Waite
+// split of ln2), degree-7 Taylor polynomial for e^r, then scale by 2^n.
+// Relative error ~1e-7 (float rounding level); x < -87 gives ~e^-87, x > 88
+// gives ~e^88 (never inf or a denormal).
+inline vf exp(vf x) {
+  x = min(max(x, set1(-87.0f)), set1(88.0f));
+  const vf n = round_nearest(mul(x, set1(1.44269504088896341f)));
+  vf r = fnmadd(n, set1(0.693145751953125f), x);
+  r = fnmadd(n, set1(1.428606765330187045e-06f), r);
+  vf p = set1(1.f / 5040.f);
+  p = fmadd(p, r, set1(1.f / 720.f));
+  p = fmadd(p, r, set1(1.f / 120.f));
+  p = fmadd(p, r, set1(1.f / 24.f));
+  p = fmadd(p, r, set1(1.f / 6.f));
+  p = fmadd(p, r, set1(0.5f));
+  p = fmadd(p, r, set1(1.f));
+  p = fmadd(p, r, set1(1.f));
+  return scale_pow2(p, n);
+}
+
+}  // namespace simd
 }  // namespace fdx

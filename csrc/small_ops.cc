@@ -93,11 +93,12 @@ std::vector<paddle::Tensor> Swiglu(const paddle::Tensor& x) {
     const float* u = g + F;
     float* o = op + t * F;
     int64_t i = 0;
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (; i + 16 <= F; i += 16) {
-      const __m512 gv = _mm512_loadu_ps(g + i);
-      const __m512 e = fdx::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-      _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+    namespace v = fdx::simd;
+    const v::vf one = v::set1(1.f);
+    for (; i + v::kLanes <= F; i += v::kLanes) {
+      const v::vf gv = v::load(g + i);
+      const v::vf e = v::exp(v::sub(v::zero(), gv));
+      v::store(o + i, v::mul(v::div(gv, v::add(one, e)), v::load(u + i)));
     }
     for (; i < F; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
   }

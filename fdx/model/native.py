@@ -1,11 +1,19 @@
 """JIT-build and load fdx's C++ CPU ops (csrc/) with ``paddle.utils.cpp_extension``.
 
+The kernels are written once against csrc/simd_math.h, a small SIMD layer
+with two implementations chosen at build time: **AVX-512F** (16 lanes) where
+the CPU has it, else **AVX2 + FMA + F16C** (8 lanes).  :func:`cpu_isa` picks
+the set from ``/proc/cpuinfo`` (``FDX_NATIVE_ISA=avx2`` forces the AVX2 set
+on an AVX-512 CPU, e.g. to test it), :func:`load_ops` logs one line naming
+the set it loaded, and a CPU with neither falls back with one log line.
+
 The build is cached under ``$FDX_CACHE_DIR`` (default ``~/.cache/fdx``) in
-a folder keyed by a hash of the sources, Paddle's version and the flags, and
-guarded by a file lock so concurrent processes build it once.  When the
-compiler is missing or the build fails (the kernels need AVX-512F and F16C),
+``ops/<isa>-<hash>``, the hash covering the sources, Paddle's version, the
+flags, the ISA and the CPU's flags, so a build for one kernel set is never
+loaded on a CPU that needs the other; a file lock makes concurrent processes
+build it once.  When the compiler is missing or the build fails,
 :func:`load_ops` returns ``None`` and the model falls back to pure Paddle ops
-(slower, same results).
+(slower, same results); ``FDX_NATIVE_OPS=0`` asks for that fallback.
 
 Ops: ``fdx_paged_attention`` (csrc/paged_attention.cc: RoPE + KV write +
 paged causal attention), ``fdx_qgemv`` (csrc/qgemv.cc: few-row matmul
@@ -33,7 +41,15 @@ SOURCES = ("paged_attention.cc", "qgemv.cc", "small_ops.cc")
 HEADERS = ("simd_math.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only")
 
+#: extra compiler flags per kernel set (-march=native targets the CPU; the
+#: -D guard makes csrc/simd_math.h fail the build if the target disagrees)
+ISA_CFLAGS = {
+    "avx512": ("-DFDX_EXPECT_AVX512",),
+    "avx2": ("-mno-avx512f", "-DFDX_EXPECT_AVX2"),
+}
+
 _ops: Any = None
+_isa: str | None = None
 _tried = False
 
 
@@ -44,21 +60,50 @@ def cache_dir() -> str:
 def load_ops() -> Any:
     """The compiled op module, or ``None`` if it cannot be built here
     (``FDX_NATIVE_OPS=0`` disables it)."""
-    global _ops, _tried
+    global _ops, _isa, _tried
     if _tried:
         return _ops
     _tried = True
     if os.environ.get("FDX_NATIVE_OPS", "1") == "0":
         return None
-    if not has_avx512():
-        log.warning("fdx native CPU ops need AVX-512, which this CPU lacks; using pure Paddle ops")
+    isa = cpu_isa()
+    if isa is None:
+        log.warning("fdx native CPU ops need AVX-512F or AVX2+FMA+F16C, which this CPU lacks; using pure Paddle ops")
         return None
     try:
-        _ops = _build()
+        _ops = _build(isa)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the fallback"
         log.warning("fdx native CPU ops unavailable (%s: %s); using pure Paddle ops", type(exc).__name__, exc)
         _ops = None
+        return None
+    _isa = isa
+    log.info("fdx native CPU ops: %s kernel set", isa)
     return _ops
+
+
+def loaded_isa() -> str | None:
+    """The kernel set of the loaded ops (``"avx512"``/``"avx2"``), or ``None``."""
+    return _isa if _ops is not None else None
+
+
+def cpu_isa() -> str | None:
+    """The kernel set this CPU runs: ``"avx512"`` (AVX-512F), ``"avx2"``
+    (AVX2 + FMA + F16C), or ``None``.  ``FDX_NATIVE_ISA=avx2`` picks the AVX2
+    set on an AVX-512 CPU; asking for a set the CPU lacks gives ``None``."""
+    flags = set(_cpu_flags().split())
+    has = {
+        "avx512": "avx512f" in flags and "f16c" in flags,
+        "avx2": {"avx2", "fma", "f16c"} <= flags,
+    }
+    want = os.environ.get("FDX_NATIVE_ISA", "").strip().lower()
+    if want:
+        if want not in has:
+            raise ValueError(f"FDX_NATIVE_ISA={want!r}: choose one of {sorted(has)}")
+        return want if has[want] else None
+    for isa in ("avx512", "avx2"):
+        if has[isa]:
+            return isa
+    return None
 
 
 def _ldflags() -> list[str]:
@@ -87,10 +132,10 @@ def _cpu_flags() -> str:
 def has_avx512() -> bool:
     """Whether this CPU runs AVX-512F code (the C++ ops and Paddle's fused
     CPU RMSNorm kernel use it; they die with SIGILL where it is missing)."""
-    return " avx512f" in _cpu_flags()
+    return "avx512f" in _cpu_flags().split()
 
 
-def _build() -> Any:
+def _build(isa: str) -> Any:
     import paddle
 
     with warnings.catch_warnings():  # "No ccache found" on import
@@ -102,12 +147,14 @@ def _build() -> Any:
     for p in paths + [os.path.join(CSRC, x) for x in HEADERS]:
         with open(p, "rb") as f:
             h.update(f.read())
+    cflags = CFLAGS + ISA_CFLAGS[isa]
     h.update(paddle.__version__.encode())
-    h.update(" ".join(CFLAGS + tuple(_ldflags())).encode())
+    h.update(isa.encode())
+    h.update(" ".join(cflags + tuple(_ldflags())).encode())
     h.update(sys.version.encode())
     h.update(_cpu_flags().encode())  # -march=native builds are CPU specific
     key = h.hexdigest()[:16]
-    build_dir = os.path.join(cache_dir(), "ops", key)
+    build_dir = os.path.join(cache_dir(), "ops", f"{isa}-{key}")
     os.makedirs(build_dir, exist_ok=True)
     with open(os.path.join(build_dir, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -115,9 +162,9 @@ def _build() -> Any:
         with contextlib.redirect_stdout(sink), warnings.catch_warnings(), _muted_paddle_logs():
             warnings.simplefilter("ignore")
             return cpp_extension.load(
-                name="fdx_ops_" + key,
+                name=f"fdx_ops_{isa}_{key}",
                 sources=paths,
-                extra_cxx_cflags=list(CFLAGS),
+                extra_cxx_cflags=list(cflags),
                 extra_ldflags=_ldflags(),
                 extra_include_paths=[CSRC],
                 build_directory=build_dir,

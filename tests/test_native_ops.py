@@ -1,0 +1,299 @@
+"""fdx's C++ CPU ops (csrc/, loaded by fdx/model/native.py): kernel-set
+choice and fallback, each op against a numpy reference (with lengths that
+leave SIMD tails for both the 8- and the 16-lane sets), and the real model's
+native forward against its pure-Paddle forward.
+
+The op and model tests run whichever kernel set this CPU gets (AVX2 on an
+AVX2-only CPU, AVX-512 elsewhere; ``FDX_NATIVE_ISA=avx2`` tests the AVX2 set
+on an AVX-512 CPU) and are skipped only on a CPU with neither.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fdx.model import native
+
+AVX512_FLAGS = "flags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512bw\n"
+AVX2_FLAGS = "flags\t\t: fpu sse2 avx avx2 fma f16c\n"
+NO_FMA_FLAGS = "flags\t\t: fpu sse2 avx avx2 f16c\n"
+
+needs_simd = pytest.mark.skipif(native.cpu_isa() is None, reason="CPU has neither AVX-512F nor AVX2+FMA+F16C")
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """native.load_ops as if never called in this process (restored after)."""
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_ops", None)
+    monkeypatch.setattr(native, "_isa", None)
+    return native
+
+
+# --------------------------------------------------------------------------
+# kernel-set choice and fallback
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "want"),
+    [
+        (AVX512_FLAGS, None, "avx512"),
+        (AVX2_FLAGS, None, "avx2"),
+        (NO_FMA_FLAGS, None, None),
+        ("flags\t\t: fpu sse2\n", None, None),
+        (AVX512_FLAGS, "avx2", "avx2"),
+        (AVX2_FLAGS, "avx512", None),
+    ],
+)
+def test_cpu_isa_choice(monkeypatch: pytest.MonkeyPatch, flags: str, env: str | None, want: str | None) -> None:
+    monkeypatch.setattr(native, "_cpu_flags", lambda: flags)
+    if env is None:
+        monkeypatch.delenv("FDX_NATIVE_ISA", raising=False)
+    else:
+        monkeypatch.setenv("FDX_NATIVE_ISA", env)
+    assert native.cpu_isa() == want
+
+
+def test_unknown_isa_name_lists_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FDX_NATIVE_ISA", "sse9")
+    with pytest.raises(ValueError, match=r"avx2.*avx512"):
+        native.cpu_isa()
+
+
+def test_disabled_by_env(fresh_loader: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FDX_NATIVE_OPS", "0")
+    assert fresh_loader.load_ops() is None
+    assert fresh_loader.loaded_isa() is None
+
+
+def test_cpu_without_simd_falls_back_with_one_line(
+    fresh_loader: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("FDX_NATIVE_OPS", raising=False)
+    monkeypatch.delenv("FDX_NATIVE_ISA", raising=False)
+    monkeypatch.setattr(native, "_cpu_flags", lambda: NO_FMA_FLAGS)
+    monkeypatch.setattr(native, "_build", lambda isa: pytest.fail("must not build without a kernel set"))
+    with caplog.at_level(logging.INFO, logger="fdx.model"):
+        assert fresh_loader.load_ops() is None
+    lines = [r for r in caplog.records if r.name == "fdx.model"]
+    assert len(lines) == 1 and "AVX2+FMA+F16C" in lines[0].getMessage()
+    assert fresh_loader.loaded_isa() is None
+
+
+def test_cache_key_separates_kernel_sets(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Builds for the two sets land in different cache folders (and modules)."""
+    from paddle.utils import cpp_extension
+
+    seen: list[tuple[str, str, list[str]]] = []
+
+    def fake_load(**kw: Any) -> str:
+        seen.append((kw["build_directory"], kw["name"], kw["extra_cxx_cflags"]))
+        return "module"
+
+    monkeypatch.setenv("FDX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    native._build("avx512")
+    native._build("avx2")
+    (d512, n512, f512), (d2, n2, f2) = seen
+    assert d512 != d2 and n512 != n2
+    assert "avx512-" in d512 and "avx2-" in d2
+    assert "-DFDX_EXPECT_AVX512" in f512 and "-mno-avx512f" in f2 and "-DFDX_EXPECT_AVX2" in f2
+
+
+@needs_simd
+def test_native_ops_load_on_this_cpu(caplog: pytest.LogCaptureFixture) -> None:
+    import os
+
+    if os.environ.get("FDX_NATIVE_OPS") == "0":
+        pytest.skip("FDX_NATIVE_OPS=0")
+    ops = native.load_ops()
+    assert ops is not None, "native ops did not build on a CPU that has a kernel set"
+    assert native.loaded_isa() == native.cpu_isa()
+    for name in ("fdx_paged_attention", "fdx_qgemv", "fdx_add_rms_norm", "fdx_swiglu"):
+        assert callable(getattr(ops, name))
+
+
+# --------------------------------------------------------------------------
+# each op against numpy
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ops() -> Any:
+    if native.cpu_isa() is None:
+        pytest.skip("CPU has neither AVX-512F nor AVX2+FMA+F16C")
+    o = native.load_ops()
+    if o is None:
+        pytest.skip("native ops disabled or not buildable here")
+    return o
+
+
+def _quantize(rng: np.random.Generator, N: int, K: int, qtype: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random GGUF rows of ``qtype`` and their dequantized fp32 matrix."""
+    nb = K // 32
+    d = rng.uniform(0.005, 0.05, size=(N, nb)).astype(np.float16)
+    if qtype == 8:
+        q = rng.integers(-128, 128, size=(N, nb, 32), dtype=np.int8)
+        raw = np.concatenate([d[..., None].view(np.uint8), q.view(np.uint8)], axis=2)
+        deq = d.astype(np.float32)[..., None] * q.astype(np.float32)
+    else:
+        q = rng.integers(0, 16, size=(N, nb, 32), dtype=np.uint8)
+        packed = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)  # byte i: weights i and i + 16
+        if qtype == 3:
+            m = rng.uniform(-0.3, 0.3, size=(N, nb)).astype(np.float16)
+            raw = np.concatenate([d[..., None].view(np.uint8), m[..., None].view(np.uint8), packed], axis=2)
+            deq = d.astype(np.float32)[..., None] * q + m.astype(np.float32)[..., None]
+        else:
+            raw = np.concatenate([d[..., None].view(np.uint8), packed], axis=2)
+            deq = d.astype(np.float32)[..., None] * (q.astype(np.float32) - 8.0)
+    return raw.reshape(N, -1), deq.reshape(N, K).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", [2, 3, 8])
+@pytest.mark.parametrize("M", [1, 3, 6])
+def test_qgemv_matches_dequantized_matmul(ops: Any, qtype: int, M: int) -> None:
+    import paddle
+
+    rng = np.random.default_rng(qtype * 10 + M)
+    N, K = 37, 96
+    raw, w = _quantize(rng, N, K, qtype)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    got = ops.fdx_qgemv(paddle.to_tensor(x), paddle.to_tensor(raw), qtype).numpy()
+    want = (x.astype(np.float64) @ w.T.astype(np.float64)).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("H", [5, 24, 579])
+def test_add_rms_norm_and_swiglu(ops: Any, H: int) -> None:
+    import paddle
+
+    rng = np.random.default_rng(H)
+    x = rng.standard_normal((3, H)).astype(np.float32)
+    res = rng.standard_normal((3, H)).astype(np.float32)
+    w = rng.standard_normal(H).astype(np.float32)
+    out, res_out = ops.fdx_add_rms_norm(paddle.to_tensor(x), paddle.to_tensor(res), paddle.to_tensor(w), 1e-5)
+    s = (x + res).astype(np.float64)
+    want = s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(res_out.numpy(), s, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
+    out0, res0 = ops.fdx_add_rms_norm(paddle.to_tensor(x), paddle.zeros([0], "float32"), paddle.to_tensor(w), 1e-5)
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(out0.numpy(), x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5) * w,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(res0.numpy(), x)
+
+    g = (rng.standard_normal((3, 2 * H)) * 6).astype(np.float32)  # large |x| exercises exp's clamping
+    got = ops.fdx_swiglu(paddle.to_tensor(g)).numpy()
+    a, b = g[:, :H].astype(np.float64), g[:, H:].astype(np.float64)
+    np.testing.assert_allclose(got, a / (1 + np.exp(-a)) * b, rtol=1e-5, atol=1e-5)
+
+
+def _rot_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def test_paged_attention_matches_numpy(ops: Any) -> None:
+    """Two sequences prefilled in one call (lengths 13 and 21: softmax tails
+    for 8 and 16 lanes), then one decode token each; block tables are
+    interleaved, not contiguous."""
+    import paddle
+
+    rng = np.random.default_rng(7)
+    H, KV, D, BS, NB, P = 4, 2, 16, 4, 24, 64
+    half = D // 2
+    inv = 1.0 / (10000.0 ** (np.arange(half) * 2.0 / D))
+    ang = np.arange(P)[:, None] * inv[None, :]
+    rope = np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
+    lens = [13, 21]
+    tables = np.full((2, 8), -1, dtype=np.int32)
+    nxt = NB - 1
+    for j in range(8):
+        for s in range(2):
+            if j * BS < lens[s] + 1:
+                tables[s, j] = nxt
+                nxt -= 1
+    cache = paddle.zeros([2, NB, KV, BS, D], "float32")
+    ks: list[list[np.ndarray]] = [[], []]
+    vs: list[list[np.ndarray]] = [[], []]
+
+    def step(seq_pos: list[tuple[int, int]]) -> None:
+        T = len(seq_pos)
+        qkv = rng.standard_normal((T, (H + 2 * KV) * D)).astype(np.float32)
+        meta = np.array(seq_pos, dtype=np.int32)
+        out = ops.fdx_paged_attention(paddle.to_tensor(qkv), cache, paddle.to_tensor(rope), paddle.to_tensor(meta),
+                                      paddle.to_tensor(tables), H, KV, BS, float(D) ** -0.5).numpy()
+        q = qkv[:, : H * D].reshape(T, H, D)
+        k = qkv[:, H * D : (H + KV) * D].reshape(T, KV, D)
+        v = qkv[:, (H + KV) * D :].reshape(T, KV, D)
+        for t, (s, p) in enumerate(seq_pos):
+            ks[s].append(_rot_half(k[t], rope[p, :half], rope[p, half:]))
+            vs[s].append(v[t])
+        for t, (s, p) in enumerate(seq_pos):
+            qr = _rot_half(q[t], rope[p, :half], rope[p, half:]).astype(np.float64)
+            K_, V_ = np.stack(ks[s][: p + 1]), np.stack(vs[s][: p + 1])  # [n, KV, D]
+            for h in range(H):
+                kh = h // (H // KV)
+                sc = K_[:, kh] @ qr[h] * D**-0.5
+                e = np.exp(sc - sc.max())
+                want = (e / e.sum()) @ V_[:, kh]
+                np.testing.assert_allclose(out[t, h * D : (h + 1) * D], want, rtol=1e-4, atol=1e-5)
+
+    step([(0, p) for p in range(lens[0])] + [(1, p) for p in range(lens[1])])
+    step([(0, lens[0]), (1, lens[1])])
+    # the cache holds the rotated keys where the block tables say
+    c = cache.numpy()
+    p = lens[1]
+    np.testing.assert_allclose(c[0, tables[1, p // BS], :, p % BS], ks[1][p], rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# the real model: native forward vs pure-Paddle forward
+# --------------------------------------------------------------------------
+
+PROMPTS = ["What is the capital of France?", "def fibonacci(n):", "Name three colours."]
+N_TOKENS = 12
+
+
+@pytest.mark.slow
+def test_native_forward_matches_paddle(ops: Any) -> None:
+    from fdx.core.config import make_config
+    from fdx.model.loader import load_tokenizer
+    from fdx.model.runner import PaddleModelRunner
+    from fdx.plugins.hardware.cpu import CPUDevice
+    from test_model_parity import run_greedy
+
+    runner = PaddleModelRunner(make_config(num_kv_blocks=64, max_model_len=512), CPUDevice())
+    assert runner.attention_impl == "native" and runner.model.ops is ops
+    tok = load_tokenizer(None)
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    model = runner.model
+    forward = model.forward
+    logits: list[np.ndarray] = []
+
+    def recording(step: Any, caches: Any) -> Any:
+        out = forward(step, caches)
+        if out is not None:
+            logits.append(out.numpy().copy())
+        return out
+
+    model.forward = recording  # type: ignore[method-assign]
+    native_toks = run_greedy(runner, prompts, N_TOKENS)
+    native_logits, logits[:] = list(logits), []
+    model.ops = None
+    try:
+        paddle_toks = run_greedy(runner, prompts, N_TOKENS)
+    finally:
+        model.ops = ops
+        model.forward = forward  # type: ignore[method-assign]
+    assert native_toks == paddle_toks
+    assert len(native_logits) == len(logits) == N_TOKENS
+    for a, b in zip(native_logits, logits):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-3 * max(1.0, float(np.abs(b).max())))
