@@ -90,6 +90,7 @@ class RequestHandle:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     done: bool = False
+    prompt: tuple[int, ...] = ()  # the prompt's token ids (to send it again elsewhere: dp re-routing)
 
 
 class EngineClient:
@@ -132,6 +133,10 @@ class EngineClient:
         #: called once with the reason when the engine fails or dies
         self.on_failure: list[Callable[[str, bool], None]] = []
         self.on_ready: list[Callable[[EngineReady], None]] = []
+        #: when set (dp replicas), called for each request that got no token
+        #: yet when this engine dies or hangs: True if it was sent elsewhere
+        #: (it is then no longer this client's), False to fail it here
+        self.reroute: Callable[[RequestHandle], bool] | None = None
 
     # ------------------------------------------------------------------
     # life cycle
@@ -233,7 +238,8 @@ class EngineClient:
             data = encode(msg)
         except Exception:  # noqa: BLE001 - a value msgpack cannot carry (int >= 2**64, lone surrogate)
             raise wire_error(msg) from None
-        h = RequestHandle(request_id, len(ids), params, arrival, sink if sink is not None else asyncio.Queue(), tag)
+        h = RequestHandle(request_id, len(ids), params, arrival, sink if sink is not None else asyncio.Queue(), tag,
+                          prompt=ids)
         # registered only once the message is on its way: no failure path leaves a handle behind
         self._live[request_id] = h
         try:
@@ -245,6 +251,24 @@ class EngineClient:
         self._call_hook("fdx_request_added", request_id=request_id, num_prompt_tokens=len(ids), params=params,
                         time=arrival)
         return h
+
+    def adopt(self, h: RequestHandle) -> None:
+        """Send ``h`` (a request another replica held, none of whose tokens
+        reached the client) to this engine; it keeps its handle, sink and
+        hooks (``fdx_request_added`` is not fired again).  Raises
+        :class:`EngineUnavailable` when this engine cannot take it."""
+        self.check_available()
+        if self._closed or h.request_id in self._live:
+            raise EngineUnavailable("cannot take the request here")
+        data = encode(AddRequest(h.request_id, h.prompt, h.params, h.arrival))
+        self._live[h.request_id] = h
+        h.done = False
+        try:
+            self._send_encoded(data, "AddRequest")
+        except BaseException:
+            self._live.pop(h.request_id, None)
+            h.done = True
+            raise
 
     def finish(self, handle: RequestHandle, reason: str = "stop") -> None:
         """End a request from the front end as finished normally (a stop
@@ -531,6 +555,16 @@ class EngineClient:
         self.failed = reason
         if hung:  # it may come back: remember what to abort then
             self._hung_ids = list(self._live)
+        if self.reroute is not None:
+            for h in [h for h in self._live.values() if h.num_output_tokens == 0 and h.first_token_time is None]:
+                self._live.pop(h.request_id, None)
+                try:
+                    moved = self.reroute(h)
+                except Exception:  # noqa: BLE001
+                    log.exception("re-routing request %s failed", h.request_id)
+                    moved = False
+                if not moved:
+                    self._live[h.request_id] = h
         self._fail_all(f"engine unavailable: {reason}")
         for cb in self.on_failure:
             try:

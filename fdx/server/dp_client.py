@@ -10,6 +10,10 @@ know how many engines there are.  Invariants:
   :class:`~fdx.server.dp_router.PrefixAffinityRouter` among the replicas
   that serve now; each replica client keeps its own guarantees (one
   terminal item per handle, hooks and metrics once);
+* a replica that dies or hangs holding requests none of whose tokens has
+  reached the client hands them to another serving replica (same handle,
+  same sink: the client sees one answer); the ones that already streamed
+  tokens end with a 503 error event;
 * the set serves while at least one replica serves: a replica that dies
   ends only its own requests (503 error events), the others go on, and the
   launcher restarts it; ``/health`` is 503 only when none serves;
@@ -131,6 +135,7 @@ class ReplicaSet:
         for rank, c in enumerate(self.replicas):
             c.on_ready.append(lambda msg, rank=rank: self._replica_ready(rank, msg))
             c.on_failure.append(lambda reason, was_ready, rank=rank: self._replica_failed(rank, reason, was_ready))
+            c.reroute = lambda h, rank=rank: self._reroute(rank, h)
 
     # -- the EngineClient surface ------------------------------------------
 
@@ -330,6 +335,25 @@ class ReplicaSet:
         return [r for r in ranks if r in owners]
 
     # -- replica events ------------------------------------------------------
+
+    def _reroute(self, dead: int, h: RequestHandle) -> bool:
+        """Replica ``dead`` went down holding ``h``, none of whose tokens
+        reached the client: send it to another serving replica."""
+        loads = {r: self.load(r) for r in self.serving() if r != dead}
+        while loads:
+            choice = self.router.choose(h.prompt, loads)
+            try:
+                self.replicas[choice.rank].adopt(h)
+            except EngineUnavailable:
+                loads.pop(choice.rank)
+                continue
+            log.warning("request %s moved from dp replica %d (down) to %d before any token", h.request_id, dead,
+                        choice.rank)
+            routed = getattr(self._metrics, "dp_routed", None)
+            if routed is not None:
+                routed(choice.rank, "rerouted")
+            return True
+        return False
 
     def _replica_ready(self, rank: int, msg: EngineReady) -> None:
         first = rank not in self._ever_ready

@@ -143,7 +143,8 @@ class Metrics:
             self._dp_crashes = Counter("fdx:dp_engine_crashes", "Engine crashes of the dp replica, by reason.",
                                        dlab + ["reason"], registry=reg)
             self._dp_routed = Counter("fdx:dp_requests_routed", "Engine requests routed to the dp replica, by "
-                                      "reason: affinity (its cached prefix) or load (least loaded).",
+                                      "reason: affinity (its cached prefix), load (least loaded) or rerouted "
+                                      "(its replica went down before any token).",
                                       dlab + ["reason"], registry=reg)
             for rank, _s, _up in get_replicas():  # type: ignore[misc]
                 self._dp_restarts.labels(model, str(rank))
