@@ -146,6 +146,22 @@ def test_control_fans_out_to_every_replica(dp: tuple[str, Any]) -> None:
     assert _complete(base, "After resuming,", 4)["usage"]["completion_tokens"] == 4
 
 
+def test_abort_by_id_reaches_the_replica_holding_it(dp: tuple[str, Any]) -> None:
+    base = dp[0]
+    body = {"model": "smollm2", "prompt": "Count slowly:", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        first = next(ln for ln in lines if ln.startswith("data: "))
+        rid = json.loads(first[6:])["id"]
+        res = httpx.post(base + "/v1/abort_requests", json={"req_ids": [rid, "no-such-id"]}, timeout=30)
+        assert res.status_code == 200, res.text
+        result = res.json()["result"]
+        assert [a["request_id"] for a in result["aborted"]] == [rid] and result["not_found"] == ["no-such-id"]
+        finish = [json.loads(ln[6:])["choices"][0].get("finish_reason") for ln in lines
+                  if ln.startswith("data: {") and json.loads(ln[6:]).get("choices")]
+    assert finish and finish[-1] == "abort"
+
+
 def _stream(base: str, prompt: str, out: dict[str, Any], started: threading.Event) -> None:
     body = {"model": "smollm2", "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True,
             "temperature": 0}
