@@ -11,9 +11,9 @@
 //   out [M, N]          float32
 // qtype: 2 = Q4_0 (B=18), 3 = Q4_1 (B=20), 8 = Q8_0 (B=34) (ggml type ids).
 
-#include <immintrin.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -41,8 +41,6 @@ void kernel(const float* x, const float* xsum, const uint8_t* w, float* out, int
             int64_t n1, int64_t row_bytes) {
   const int64_t nb = K / 32;
   constexpr int BB = QT == 2 ? 18 : (QT == 3 ? 20 : 34);
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  alignas(16) uint8_t q[32];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     v::vf acc[MR];
@@ -59,12 +57,7 @@ void kernel(const float* x, const float* xsum, const uint8_t* w, float* out, int
       if constexpr (QT == 8) {
         for (int c = 0; c < kVecs; ++c) f[c] = v::from_i8(reinterpret_cast<const int8_t*>(blk + 2) + c * v::kLanes);
       } else {
-        // byte i holds weight i (low nibble) and weight i + 16 (high nibble)
-        const int qoff = QT == 3 ? 4 : 2;
-        const __m128i raw = _mm_loadu_si128((const __m128i*)(blk + qoff));
-        _mm_store_si128((__m128i*)q, _mm_and_si128(raw, low4));
-        _mm_store_si128((__m128i*)(q + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), low4));
-        for (int c = 0; c < kVecs; ++c) f[c] = v::from_u8(q + c * v::kLanes);
+        v::from_nibbles(blk + (QT == 3 ? 4 : 2), f);
         m = QT == 3 ? v::half_to_float(blk + 2) : -8.f * d;
       }
       const v::vf vd = v::set1(d);

@@ -56,12 +56,17 @@ inline vf load_first(const float* p, int n) { return _mm512_maskz_loadu_ps(first
 inline void store_first(float* p, vf v, int n) { _mm512_mask_storeu_ps(p, first_mask(n), v); }
 inline vf keep_first(vf v, int n) { return _mm512_maskz_mov_ps(first_mask(n), v); }
 
-// kLanes signed / unsigned bytes -> floats
+// kLanes signed bytes -> floats
 inline vf from_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-inline vf from_u8(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+// 16 packed bytes of a GGUF Q4 block -> its 32 weights (0..15) as floats:
+// byte i holds weight i in its low nibble and weight i + 16 in its high one.
+inline void from_nibbles(const uint8_t* p, vf* f) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  f[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, low4)));
+  f[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)));
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -110,8 +115,15 @@ inline vf keep_first(vf v, int n) { return _mm256_and_ps(v, _mm256_castsi256_ps(
 inline vf from_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-inline vf from_u8(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+inline void from_nibbles(const uint8_t* p, vf* f) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(raw, low4);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+  f[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  f[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  f[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  f[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
 
 #else

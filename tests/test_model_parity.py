@@ -245,6 +245,19 @@ def _compare(got: list[int], want: list[int], ref_logits: list[np.ndarray], labe
     return True
 
 
+def test_parity_runs_the_native_ops_where_the_cpu_has_them(runner: Any) -> None:
+    """The parity tests below exercise the C++ ops (AVX-512 or AVX2 kernel
+    set) on any CPU that has one, not only the pure-Paddle path."""
+    import os
+
+    from fdx.model import native
+
+    if os.environ.get("FDX_NATIVE_OPS") == "0" or native.cpu_isa() is None:
+        pytest.skip("native ops disabled or no AVX-512F / AVX2+FMA+F16C here")
+    assert runner.attention_impl == "native"
+    assert native.loaded_isa() == native.cpu_isa()
+
+
 def test_greedy_parity_with_numpy(runner: Any, reference: NumpyLlama, prompt_ids: list[list[int]]) -> None:
     got = run_greedy(runner, prompt_ids, N_TOKENS)
     exact = 0
