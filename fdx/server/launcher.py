@@ -1,4 +1,4 @@
-"""``fdx serve`` in the foreground: start, supervise and stop the two children.
+"""``fdx serve`` in the foreground: start, supervise and stop the children (API + engine(s)).
 
 Order: make the per-run IPC directory -> start the API process (it binds the
 ZMQ sockets at once) -> when the socket files exist, start the engine
@@ -25,6 +25,12 @@ Invariants:
   everything stops, exit 1, so an outside supervisor (systemd, Kubernetes)
   sees it.
 * The API process dying -> everything stops, exit 1.
+* ``--scheduler dp --data-parallel-size N`` -> N engine processes, one
+  :class:`EngineSlot` each (replica ``rank``, its channel pair in
+  ``RUN_DIR/dp<rank>/``, its config from
+  :func:`fdx.plugins.schedulers.dp.replica_config`, its own
+  :class:`RestartPolicy`): each is supervised and restarted as the single
+  engine is; one replica giving up stops everything, exit 1.
 """
 
 from __future__ import annotations
