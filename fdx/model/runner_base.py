@@ -1,0 +1,320 @@
+"""What the ``cpu`` and ``gpu`` model runners share: :class:`PagedRunnerBase`
+(checkpoint and tokenizer facts, KV pool sizing, the step's flattened
+layout and the sampling of its last rows, the KV fingerprint, KV block I/O
+as bytes, sleep/wakeup and weight swaps) and :class:`StepLayout`.
+
+A subclass loads its model, sets ``dtype``, ``model``, ``sampler`` and
+``caches``, and supplies the device-specific pieces: :meth:`_forward` (one
+step's forward over a :class:`StepLayout`), :meth:`_allocate` (a fresh KV
+pool), :meth:`_kv_views` and :meth:`_block_rows` (how block ids map to rows
+of the per-layer 2-D cache views that block I/O reads and writes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from fdx.core.errors import FdxError, ModelLoadError
+from fdx.core.interfaces import KVCacheSpec, ModelOutput, ModelRunner, ScheduledBatch
+
+if TYPE_CHECKING:
+    from fdx.core.config import EngineConfig
+    from fdx.core.interfaces import Device, ScheduledSeq
+    from fdx.model.loader import Checkpoint
+
+log = logging.getLogger("fdx.model")
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> the float32 values they encode (exact)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+class StepLayout:
+    """A step's sequences flattened to rows (host arrays, built once per step).
+
+    ``ids[T]`` the new tokens of all sequences back to back; per sequence
+    ``q_lens``, ``starts`` (tokens already computed), ``q_starts`` (first
+    row), ``samples`` (whether its last row is sampled) and ``tables``
+    (``[S, max blocks]`` block ids, zero-padded); per row ``seq_of`` and
+    ``positions``; ``rows`` the sampled rows.
+    """
+
+    __slots__ = ("ids", "q_lens", "starts", "samples", "tables", "q_starts", "seq_of", "positions", "rows")
+
+    def __init__(self, ids: list[int], q_lens: np.ndarray, starts: np.ndarray, samples: np.ndarray,
+                 tables: np.ndarray, q_starts: np.ndarray, seq_of: np.ndarray, positions: np.ndarray,
+                 rows: np.ndarray) -> None:
+        self.ids = ids
+        self.q_lens = q_lens
+        self.starts = starts
+        self.samples = samples
+        self.tables = tables
+        self.q_starts = q_starts
+        self.seq_of = seq_of
+        self.positions = positions
+        self.rows = rows
+
+
+class PagedRunnerBase(ModelRunner):
+    """See the module docstring."""
+
+    #: dtype of :attr:`StepLayout.tables` (what the subclass's kernels read)
+    table_dtype: Any = np.int64
+
+    config: EngineConfig
+    device: Device
+    dtype: str
+    model: Any
+    sampler: Any
+    caches: list[Any] | None
+
+    # ------------------------------------------------------------------ start-up
+
+    def _open_checkpoint(self, config: EngineConfig) -> Checkpoint:
+        """Load ``--model``'s checkpoint and tokenizer facts; the caller
+        loads the weights from the returned checkpoint into its model."""
+        from fdx.model.loader import load_checkpoint, load_tokenizer
+
+        ckpt = load_checkpoint(config.model)
+        self.source = ckpt.source
+        self.args = ckpt.args
+        tok = load_tokenizer(config.model)
+        self.eos_token_ids = frozenset(tok.eos_token_ids)
+        self.vocab_size = self.args.vocab_size
+        self.block_size = config.block_size
+        self.max_model_len = int(config.max_model_len or self.args.max_position)
+        self.weights_version = ""
+        self._weights_path = config.model
+        return ckpt
+
+    def _available_memory(self) -> int:
+        return self.device.memory_info()[1]
+
+    def _size_kv_pool(self) -> None:
+        """``bytes_per_block``, ``num_kv_blocks`` (``--num-kv-blocks``, else
+        what ``--kv-cache-memory`` holds within 80% of the device's free
+        memory, capped at ``max_num_seqs`` full-length sequences) and the
+        pool's :class:`KVCacheSpec`."""
+        a, config = self.args, self.config
+        self.bytes_per_block = a.num_layers * 2 * a.num_kv_heads * self.block_size * a.head_dim * _ITEMSIZE[self.dtype]
+        if config.num_kv_blocks:
+            n = int(config.num_kv_blocks)
+        else:
+            budget = int(config.kv_cache_memory)
+            avail = self._available_memory()
+            if avail and budget > 0.8 * avail:
+                log.warning("kv_cache_memory %d B exceeds 80%% of available memory (%d B); shrinking", budget, avail)
+                budget = int(0.8 * avail)
+            n = max(1, budget // self.bytes_per_block)
+            # no point in more blocks than max_num_seqs full-length sequences
+            n = min(n, config.max_num_seqs * math.ceil(self.max_model_len / self.block_size) + 1)
+        self.num_kv_blocks = int(n)
+        self._spec = KVCacheSpec(
+            num_layers=a.num_layers, num_blocks=self.num_kv_blocks, block_size=self.block_size,
+            num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=self.dtype,
+        )
+
+    def _allocate(self) -> list[Any]:
+        """A fresh zeroed KV pool, in the form :attr:`caches` keeps."""
+        return self.device.allocate_kv_cache(self._spec)
+
+    # ------------------------------------------------------------------ step
+
+    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+        seqs = batch.seqs
+        if not seqs:
+            return ModelOutput(np.zeros(0, dtype=np.int64), None)
+        if self.caches is None or not self.model.loaded:
+            raise FdxError("model runner is sleeping (call wakeup first)")
+        layout = self._layout(seqs)
+        return self._sample(self._forward(layout), seqs, layout.samples)
+
+    def _forward(self, layout: StepLayout) -> Any:
+        """The step's forward: logits of ``layout.rows`` (``None`` when no row samples)."""
+        raise NotImplementedError
+
+    def _layout(self, seqs: Sequence[ScheduledSeq]) -> StepLayout:
+        """Flatten and check the step (a chunk past the request's tokens,
+        past ``max_model_len``, without enough blocks, or with a block id
+        outside the pool is an :class:`FdxError`)."""
+        S = len(seqs)
+        bs = self.block_size
+        ids: list[int] = []
+        q_lens = np.empty(S, dtype=np.int64)
+        starts = np.empty(S, dtype=np.int64)
+        nblocks = np.empty(S, dtype=np.int64)
+        samples = np.zeros(S, dtype=bool)
+        for i, seq in enumerate(seqs):
+            r = seq.request
+            c, n = r.num_computed_tokens, seq.num_new_tokens
+            np_, end = len(r.prompt_token_ids), c + n
+            if n <= 0 or end > np_ + len(r.output_token_ids):
+                raise FdxError(f"request {r.request_id}: bad chunk ({c}+{n} of {r.num_tokens} tokens)")
+            if end > self.max_model_len:
+                raise FdxError(f"request {r.request_id}: position {end} exceeds max_model_len {self.max_model_len}")
+            nb = -(-end // bs)
+            if len(r.block_ids) < nb:
+                raise FdxError(f"request {r.request_id}: {len(r.block_ids)} blocks cannot hold {end} tokens")
+            if c >= np_:
+                ids.extend(r.output_token_ids[c - np_ : end - np_])
+            elif end <= np_:
+                ids.extend(r.prompt_token_ids[c:end])
+            else:
+                ids.extend(r.prompt_token_ids[c:])
+                ids.extend(r.output_token_ids[: end - np_])
+            q_lens[i], starts[i], nblocks[i] = n, c, nb
+            samples[i] = end >= np_ + len(r.output_token_ids)
+        tables = np.zeros((S, int(nblocks.max())), dtype=self.table_dtype)
+        for i, seq in enumerate(seqs):
+            tables[i, : nblocks[i]] = seq.request.block_ids[: nblocks[i]]
+        if int(tables.max()) >= self.num_kv_blocks or int(tables.min()) < 0:
+            raise FdxError(f"block id out of range (pool has {self.num_kv_blocks} blocks)")
+        q_starts = np.zeros(S, dtype=np.int64)
+        np.cumsum(q_lens[:-1], out=q_starts[1:])
+        seq_of = np.repeat(np.arange(S, dtype=np.int64), q_lens)
+        positions = np.arange(len(ids), dtype=np.int64) - np.repeat(q_starts - starts, q_lens)
+        rows = (q_starts + q_lens - 1)[samples]
+        return StepLayout(ids, q_lens, starts, samples, tables, q_starts, seq_of, positions, rows)
+
+    def _sample(self, logits: Any, seqs: Sequence[ScheduledSeq], samples: np.ndarray) -> ModelOutput:
+        """One token per sampling sequence (``-1`` for the others)."""
+        S = len(seqs)
+        token_ids = np.full(S, -1, dtype=np.int64)
+        logprobs_out: list[Any] | None = None
+        if logits is not None:
+            sidx = np.flatnonzero(samples)
+            toks, lps = self.sampler.sample(logits, [seqs[i].request for i in sidx])
+            token_ids[sidx] = toks
+            if lps is not None:
+                logprobs_out = [None] * S
+                for j, i in enumerate(sidx):
+                    logprobs_out[i] = lps[j]
+        return ModelOutput(token_ids, logprobs_out)
+
+    # ------------------------------------------------------------------ KV blocks
+
+    def kv_fingerprint(self) -> str:
+        """The same parts for both runners: a float32 block written by
+        either is read back identically by the other."""
+        a = self.args
+        try:
+            stamp = self.source.stamp()
+        except OSError:
+            stamp = (self.source.path, 0, 0)
+        parts = [
+            "fdx-kv-v1", str(stamp), self.weights_version, self.dtype, str(self.block_size),
+            str(a.num_layers), str(a.num_kv_heads), str(a.head_dim), a.arch, "neox-rope",
+        ]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+    def _kv_views(self) -> list[Any]:
+        """Per layer, a 2-D view of the KV pool sharing its storage."""
+        raise NotImplementedError
+
+    def _block_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of :meth:`_kv_views` holding blocks ``ids``: ``[n, 2, r]`` (K then V)."""
+        raise NotImplementedError
+
+    def _check_ids(self, block_ids: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(list(block_ids), dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_kv_blocks):
+            raise FdxError("block id out of range")
+        return ids
+
+    def _views(self) -> list[Any]:
+        if self.caches is None:
+            raise FdxError("KV cache is released (sleeping)")
+        return self._kv_views()
+
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Each block as bytes: layout ``[layer, K/V, kv_head, slot, head_dim]``
+        in the runner dtype (bfloat16 as its bit pattern)."""
+        import paddle
+
+        ids = self._check_ids(block_ids)
+        if ids.size == 0:
+            return []
+        views = self._views()
+        idx = paddle.to_tensor(self._block_rows(ids).reshape(-1))
+        per_layer = [paddle.index_select(v, idx).numpy() for v in views]  # bf16 -> uint16 bits
+        arr = np.stack(per_layer).reshape(len(per_layer), ids.size, -1).transpose(1, 0, 2)  # [n, L, 2*X]
+        return [np.ascontiguousarray(arr[i]).tobytes() for i in range(ids.size)]
+
+    def write_kv_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+        import paddle
+
+        ids = self._check_ids(block_ids)
+        if ids.size != len(payloads):
+            raise FdxError("write_kv_blocks: block_ids and payloads differ in length")
+        if ids.size == 0:
+            return
+        for p in payloads:
+            if len(p) != self.bytes_per_block:
+                raise FdxError(f"KV payload has {len(p)} bytes, expected {self.bytes_per_block}")
+        views = self._views()
+        raw = b"".join(payloads)
+        if self.dtype == "bfloat16":  # numpy has no bfloat16: go through exact float32
+            arr = bf16_bits_to_f32(np.frombuffer(raw, dtype=np.uint16))
+        else:
+            arr = np.frombuffer(raw, dtype=np.float16 if self.dtype == "float16" else np.float32)
+        W = int(views[0].shape[1])
+        arr = arr.reshape(ids.size, len(views), -1, W)
+        idx = paddle.to_tensor(self._block_rows(ids).reshape(-1))
+        for layer, view in enumerate(views):
+            upd = paddle.to_tensor(np.ascontiguousarray(arr[:, layer].reshape(-1, W)))
+            if upd.dtype != view.dtype:
+                upd = upd.astype(self.dtype)
+            paddle.scatter_(view, idx, upd, overwrite=True)
+
+    # ------------------------------------------------------------------ sleep / weights
+
+    def release(self, tags: Sequence[str]) -> None:
+        tags = set(tags)
+        if "weight" in tags:
+            self.model.release()
+        if "kv_cache" in tags:
+            self.caches = None
+        self.device.trim_memory()  # cpu: malloc_trim, RSS really drops; cuda: empty Paddle's allocator cache
+
+    def restore(self, tags: Sequence[str]) -> None:
+        import paddle
+
+        from fdx.model.loader import load_checkpoint
+
+        tags = set(tags)
+        if "weight" in tags and not self.model.loaded:
+            ckpt = load_checkpoint(self._weights_path)
+            with paddle.no_grad():
+                self.model.load(ckpt, progress=False)
+        if "kv_cache" in tags and self.caches is None:
+            self.caches = self._allocate()
+
+    def load_weights(self, path: str, version: str) -> None:
+        import paddle
+
+        from fdx.model.loader import load_checkpoint
+
+        ckpt = load_checkpoint(path)
+        if ckpt.args != self.args:
+            diff = _arg_diff(ckpt.args, self.args)
+            raise ModelLoadError(f"{ckpt.source.path}: shapes differ from the running model: {', '.join(diff)}")
+        with paddle.no_grad():
+            self.model.load(ckpt, progress=False)
+        self._weights_path = path
+        self.source = ckpt.source
+        self.weights_version = version
+
+
+def _arg_diff(new: Any, old: Any) -> list[str]:
+    import attrs
+
+    return [f"{f.name}={getattr(new, f.name)!r} (running {getattr(old, f.name)!r})"
+            for f in attrs.fields(type(old)) if getattr(new, f.name) != getattr(old, f.name)]
