@@ -141,3 +141,17 @@ def test_config_errors() -> None:
         make_config(scheduler="dp", dp_local_scheduler="dp")
     with pytest.raises(ConfigError, match="--data-parallel-size must be > 0"):
         make_config(scheduler="dp", data_parallel_size=0)
+
+
+def test_inside_one_engine_dp_is_the_local_policy() -> None:
+    from fdx.core.kv_cache import KVCacheManager
+    from fdx.core.plugins import get_plugins
+    from fdx.plugins.schedulers.v0 import V0Scheduler
+    from fdx.plugins.schedulers.v1 import V1Scheduler
+
+    plugins = get_plugins()
+    assert "dp" in plugins.registry("scheduler").names()
+    for local, cls in (("v0", V0Scheduler), ("v1", V1Scheduler)):
+        cfg = make_config(scheduler="dp", dp_local_scheduler=local)
+        sched = plugins.create("scheduler", "dp", config=cfg, kv=KVCacheManager(64, 16, True))
+        assert type(sched) is cls
