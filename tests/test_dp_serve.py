@@ -9,7 +9,8 @@ two engine replicas (``--num-threads 1`` each) behind one API process.
 * control calls reach both replicas (pause both, resume both);
 * a SIGKILLed replica: its streams end with an error event, the other
   replica's streams finish, new requests are served, and the killed one is
-  restarted (``fdx:dp_replica_up``, ``fdx:dp_engine_restarts``).
+  restarted (``fdx:dp_replica_up``, ``fdx:dp_engine_restarts``); one
+  restarted while the set is paused is paused again.
 
 One single-instance server (reference) and one dp server for the module.
 """
@@ -240,6 +241,27 @@ def test_a_killed_replica_fails_only_its_streams_and_is_restarted(dp: tuple[str,
     assert _metric(base, "fdx:dp_engine_crashes_total", dp_rank="1", reason="exited") == 1.0
     for i in range(4):  # both replicas serve again
         assert _complete(base, f"Again {i}:", 2)["usage"]["completion_tokens"] == 2
+
+
+def test_a_replica_restarted_while_paused_is_paused_again(dp: tuple[str, Any]) -> None:
+    base, proc = dp
+    assert _control(base, "pause")["is_paused"] is True
+    victim = _replica_pid(proc, 0)
+    assert victim
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while _metric(base, "fdx:dp_engine_restarts_total", dp_rank="0") < 1.0:
+        assert time.monotonic() < deadline, f"replica 0 was not restarted:\n{read_log(proc)}"
+        time.sleep(0.2)
+    while True:
+        state = _control(base, "is_paused")
+        if state["is_paused"] and "unavailable" not in state:
+            break
+        assert time.monotonic() < deadline, state
+        time.sleep(0.2)
+    assert [x["is_paused"] for x in state["replicas"]] == [True, True]
+    assert _control(base, "resume")["is_paused"] is False
+    assert _complete(base, "Resumed after a restart,", 2)["usage"]["completion_tokens"] == 2
 
 
 @pytest.mark.parametrize("args,needle", [
