@@ -130,8 +130,9 @@ def _cpu_flags() -> str:
 
 
 def has_avx512() -> bool:
-    """Whether this CPU runs AVX-512F code (the C++ ops and Paddle's fused
-    CPU RMSNorm kernel use it; they die with SIGILL where it is missing)."""
+    """Whether this CPU runs AVX-512F code (Paddle's fused CPU RMSNorm kernel
+    needs it and dies with SIGILL where it is missing; fdx's own ops have an
+    AVX2 set too, see :func:`cpu_isa`)."""
     return "avx512f" in _cpu_flags().split()
 
 
