@@ -27,27 +27,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from fdx.core.messages import TokenLogprob
-from fdx.model.sampler import GREEDY_EPS, SamplerState
+from fdx.model.sampler import GREEDY_EPS, has_penalty, min_tokens_active, sampler_state
 
 if TYPE_CHECKING:
     from fdx.core.request import Request
-
-
-def _state(req: Request) -> SamplerState:
-    st = req.sampler_state
-    if not isinstance(st, SamplerState):
-        st = SamplerState(req.params.seed)
-        req.sampler_state = st
-    return st
-
-
-def _has_penalty(req: Request) -> bool:
-    p = req.params
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-def _min_tokens_active(req: Request) -> bool:
-    return req.params.min_tokens > 0 and len(req.output_token_ids) < req.params.min_tokens
 
 
 class DeviceSampler:
@@ -73,8 +56,8 @@ class DeviceSampler:
             logits = logits[:, : self.vocab_size]
         params = [r.params for r in requests]
         greedy = np.array([p.temperature < GREEDY_EPS for p in params])
-        pen = [i for i, r in enumerate(requests) if _has_penalty(r)]
-        mt = [i for i, r in enumerate(requests) if _min_tokens_active(r)]
+        pen = [i for i, r in enumerate(requests) if has_penalty(r.params)]
+        mt = [i for i, r in enumerate(requests) if min_tokens_active(r)]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if greedy.all() and not pen and not mt and not lp_rows:
             return paddle.argmax(logits, axis=-1).numpy().astype(np.int64), None
@@ -110,7 +93,7 @@ class DeviceSampler:
             idx, cnt, rep, fr, pr = [], [], [], [], []
             for i in pen:
                 r = requests[i]
-                ids, counts = _state(r).penalty_tokens(r.prompt_token_ids, r.output_token_ids, width)
+                ids, counts = sampler_state(r).penalty_tokens(r.prompt_token_ids, r.output_token_ids, width)
                 idx.append(i * width + ids)
                 cnt.append(counts)
                 k = len(ids)
@@ -144,7 +127,7 @@ class DeviceSampler:
         u = np.empty(len(requests), dtype=np.float64)
         unseeded = []
         for j, r in enumerate(requests):
-            gen = _state(r).gen
+            gen = sampler_state(r).gen
             if gen is None:
                 unseeded.append(j)
             else:

@@ -101,7 +101,8 @@ class SamplerState:
         return self.ids, self.counts[self.ids]
 
 
-def _state(req: Request) -> SamplerState:
+def sampler_state(req: Request) -> SamplerState:
+    """The request's :class:`SamplerState`, created on first use."""
     st = req.sampler_state
     if not isinstance(st, SamplerState):
         st = SamplerState(req.params.seed)
@@ -109,11 +110,13 @@ def _state(req: Request) -> SamplerState:
     return st
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
+    """Whether ``p`` asks for any repetition, presence or frequency penalty."""
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def _min_tokens_active(req: Request) -> bool:
+def min_tokens_active(req: Request) -> bool:
+    """Whether ``req`` still has to generate tokens before eos/stop ids may be sampled."""
     return req.params.min_tokens > 0 and len(req.output_token_ids) < req.params.min_tokens
 
 
@@ -164,8 +167,8 @@ class Sampler:
             if not (
                 p.temperature < GREEDY_EPS
                 and p.logprobs is None
-                and not _has_penalty(p)
-                and not _min_tokens_active(r)
+                and not has_penalty(p)
+                and not min_tokens_active(r)
             ):
                 fast = False
                 break
@@ -185,8 +188,8 @@ class Sampler:
         params = [r.params for r in requests]
 
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        pen_rows = [i for i, p in enumerate(params) if _has_penalty(p)]
-        mt_rows = [i for i, r in enumerate(requests) if _min_tokens_active(r)]
+        pen_rows = [i for i, p in enumerate(params) if has_penalty(p)]
+        mt_rows = [i for i, r in enumerate(requests) if min_tokens_active(r)]
         temps = np.array([p.temperature for p in params], dtype=np.float32)
         greedy = temps < GREEDY_EPS
 
@@ -224,7 +227,7 @@ class Sampler:
         for i in rows:
             r = requests[i]
             p = r.params
-            ids, counts = _state(r).penalty_tokens(r.prompt_token_ids, r.output_token_ids, width)
+            ids, counts = sampler_state(r).penalty_tokens(r.prompt_token_ids, r.output_token_ids, width)
             t_idx.append(ids)
             cnt.append(counts)
             lens.append(len(ids))
@@ -272,7 +275,7 @@ class Sampler:
         u = np.empty(len(rows), dtype=np.float64)
         unseeded: list[int] = []
         for j, i in enumerate(rows):
-            gen = _state(requests[i]).gen
+            gen = sampler_state(requests[i]).gen
             if gen is None:
                 unseeded.append(j)
             else:
