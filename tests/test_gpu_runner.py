@@ -21,6 +21,7 @@ from fdx.core.errors import FdxError, ModelLoadError
 from fdx.core.interfaces import ScheduledBatch, ScheduledSeq
 from fdx.core.messages import SamplingParams
 from fdx.core.request import Request
+from runnerutil import run_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -50,36 +51,6 @@ def prompt_ids() -> list[list[int]]:
 
 def _request(runner: Any, i: int, ids: list[int], params: SamplingParams) -> Request:
     return Request(f"r{i}", list(ids), params, eos_token_ids=runner.eos_token_ids, max_model_len=runner.max_model_len)
-
-
-def run_greedy(runner: Any, prompts: list[list[int]], n: int, chunk: int = 1 << 30) -> list[list[int]]:
-    """All prompts at once: prefill in ``chunk``-token pieces mixed with the
-    decode rows of sequences already generating, one execute per step;
-    block tables interleaved from the top of the pool down."""
-    bs = runner.block_size
-    reqs = [_request(runner, i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-            for i, p in enumerate(prompts)]
-    nxt = runner.num_kv_blocks - 1
-    need = [-(-(len(p) + n) // bs) for p in prompts]
-    for j in range(max(need)):
-        for i, r in enumerate(reqs):
-            if j < need[i]:
-                r.block_ids.append(nxt)
-                nxt -= 1
-    live = list(reqs)
-    while live:
-        seqs = [ScheduledSeq(r, min(chunk, r.num_tokens - r.num_computed_tokens)) for r in live]
-        samples = [s.samples for s in seqs]
-        out = runner.execute(ScheduledBatch(seqs))
-        for s, smp, tok in zip(seqs, samples, out.token_ids):
-            s.request.num_computed_tokens += s.num_new_tokens
-            if smp:
-                assert tok >= 0
-                s.request.finish_reason = s.request.append_token(int(tok))
-            else:
-                assert tok == -1
-        live = [r for r in live if r.finish_reason is None]
-    return [list(r.output_token_ids) for r in reqs]
 
 
 # --------------------------------------------------------------------------

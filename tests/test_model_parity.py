@@ -19,9 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fdx.core.interfaces import ScheduledBatch, ScheduledSeq
-from fdx.core.messages import SamplingParams
-from fdx.core.request import Request
+from runnerutil import run_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -157,52 +155,6 @@ def numpy_from_gguf(path: str) -> NumpyLlama:
         eps=float(f["llama.attention.layer_norm_rms_epsilon"]),
     )
     return NumpyLlama(w, cfg, rope="pairs")
-
-
-# --------------------------------------------------------------------------
-# driving the fdx runner by hand (no scheduler)
-# --------------------------------------------------------------------------
-
-
-def run_greedy(runner: Any, prompts: list[list[int]], n: int, chunk: int = 1 << 30, ignore_eos: bool = True) -> list[list[int]]:
-    """Run all prompts concurrently: prefill in chunks of ``chunk`` tokens,
-    mixed with the decode tokens of sequences already generating, ONE
-    runner.execute per step.  Blocks are handed out from the top of the
-    pool downwards, interleaved between requests (so block tables are not
-    contiguous)."""
-    bs = runner.block_size
-    reqs = []
-    next_block = runner.num_kv_blocks - 1
-    need = [-(-(len(p) + n) // bs) for p in prompts]
-    for i, p in enumerate(prompts):
-        r = Request(f"r{i}", list(p), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=ignore_eos),
-                    eos_token_ids=runner.eos_token_ids, max_model_len=runner.max_model_len)
-        reqs.append(r)
-    for j in range(max(need)):
-        for i, r in enumerate(reqs):
-            if j < need[i]:
-                r.block_ids.append(next_block)
-                next_block -= 1
-    assert next_block >= -1
-    live = list(reqs)
-    while live:
-        seqs = []
-        for r in live:
-            remaining = r.num_tokens - r.num_computed_tokens
-            seqs.append(ScheduledSeq(r, min(chunk, remaining)))
-        samples = [s.samples for s in seqs]
-        out = runner.execute(ScheduledBatch(seqs))
-        for s, smp, tok in zip(seqs, samples, out.token_ids):
-            s.request.num_computed_tokens += s.num_new_tokens
-            if smp:
-                assert tok >= 0
-                reason = s.request.append_token(int(tok))
-                if reason:
-                    s.request.finish_reason = reason
-            else:
-                assert tok == -1
-        live = [r for r in live if r.finish_reason is None]
-    return [list(r.output_token_ids) for r in reqs]
 
 
 @pytest.fixture(scope="module")
