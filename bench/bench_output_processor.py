@@ -13,8 +13,6 @@ shared: compare the ratios).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Callable
 
 from fdx.core.messages import RequestOutput, SamplingParams, TokenLogprob
@@ -22,20 +20,7 @@ from fdx.core.plugins import get_plugins
 from fdx.model.loader import load_tokenizer
 from fdx.output_processor import OutputProcessor
 
-SAMPLE = (
-    "Héllo wörld, crème brûlée; 你好，世界。日本語のテキスト 😀🎉👍🏽 and ✨.\r\n"
-    "def f(x: int) -> int:\n    return {'a': [1, 2, 3]}[x] ** 2  # 42\n"
-    "The quick brown fox jumps over the lazy dog. Numbers 1234567890 and naïve café.\n"
-)
-
-
-def per_token(fn: Callable[[], None], n_tokens: int, repeat: int) -> float:
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / n_tokens
+from bench_token_processor import per_token, sample_ids  # same mixed text and timing as that bench
 
 
 def main() -> None:
@@ -46,10 +31,7 @@ def main() -> None:
     tok = load_tokenizer(None)
     proc = get_plugins().create("token_processor", "default", tokenizer=tok, config=None)
     outputs = OutputProcessor(proc)
-    ids: list[int] = []
-    while len(ids) < args.tokens:
-        ids += tok.encode(SAMPLE)
-    ids = ids[: args.tokens]
+    ids = sample_ids(tok, args.tokens)
     n = len(ids)
     stops = ("###END###", "\n\nUser:")
     msgs = [RequestOutput("r", (t,), None, 3, 0, k + 1) for k, t in enumerate(ids)]

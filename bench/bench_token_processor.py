@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from fdx.core.messages import SamplingParams
 from fdx.model.loader import load_tokenizer
@@ -29,7 +29,16 @@ SAMPLE = (
 )
 
 
+def sample_ids(tok: Any, n_tokens: int) -> list[int]:
+    """``n_tokens`` ids of :data:`SAMPLE` repeated."""
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        ids += tok.encode(SAMPLE)
+    return ids[:n_tokens]
+
+
 def per_token(fn: Callable[[], None], n_tokens: int, repeat: int) -> float:
+    """Median seconds per token of ``fn`` (which handles ``n_tokens``) over ``repeat`` runs."""
     ts = []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -44,10 +53,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     tok = load_tokenizer(None)
-    ids: list[int] = []
-    while len(ids) < args.tokens:
-        ids += tok.encode(SAMPLE)
-    ids = ids[: args.tokens]
+    ids = sample_ids(tok, args.tokens)
     n = len(ids)
     t0 = time.perf_counter()
     byte_proc = DefaultTokenProcessor(tok)
