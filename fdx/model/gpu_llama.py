@@ -37,6 +37,7 @@ import numpy as np
 from fdx.core.errors import ModelLoadError
 from fdx.model.arch import ModelArgs
 from fdx.model.fused_kernels import Kernels
+from fdx.model.llama import check_layer, check_shape, qkv_bias
 
 
 @attrs.define
@@ -145,25 +146,12 @@ class GPULlama:
             from tqdm.auto import tqdm
 
             it = tqdm(it, total=a.num_layers, desc=f"loading {ckpt.source.name} ({self.dtype})", unit="layer", leave=False)
-        h, q, kv, ff = a.hidden_size, a.q_size, a.kv_size, a.intermediate_size
         for lw in it:
             i = len(layers)
-            for name, shape in (
-                ("wq", (q, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q)),
-                ("w_gate", (ff, h)), ("w_up", (ff, h)), ("w_down", (h, ff)),
-                ("attn_norm", (h,)), ("ffn_norm", (h,)),
-            ):
-                _check(getattr(lw, name), shape, f"layer {i} {name}", ckpt.source.path)
+            check_layer(lw, a, i, ckpt.source.path)
             dq += len(lw.raw)
             lw.raw = {}  # never uploaded: no kernel of this runner reads quant blocks
-            b_qkv = None
-            if lw.bq is not None or lw.bk is not None or lw.bv is not None:
-                z = np.zeros
-                b_qkv = np.concatenate([
-                    lw.bq if lw.bq is not None else z(q, np.float32),
-                    lw.bk if lw.bk is not None else z(kv, np.float32),
-                    lw.bv if lw.bv is not None else z(kv, np.float32),
-                ])
+            b_qkv = qkv_bias(lw, a)
             layers.append(GPULayer(
                 attn_norm=self._t(lw.attn_norm),
                 w_qkv=self._t(np.concatenate([lw.wq, lw.wk, lw.wv], axis=0).T),
@@ -175,11 +163,11 @@ class GPULlama:
             ))
         if len(layers) != a.num_layers:
             raise ModelLoadError(f"{ckpt.source.path}: expected {a.num_layers} layers, got {len(layers)}")
-        _check(ckpt.embed, (a.vocab_size, a.hidden_size), "embedding", ckpt.source.path)
-        _check(ckpt.final_norm, (a.hidden_size,), "final norm", ckpt.source.path)
+        check_shape(ckpt.embed, (a.vocab_size, a.hidden_size), "embedding", ckpt.source.path)
+        check_shape(ckpt.final_norm, (a.hidden_size,), "final norm", ckpt.source.path)
         lm_head = None
         if ckpt.lm_head is not None:
-            _check(ckpt.lm_head, (a.vocab_size, a.hidden_size), "lm_head", ckpt.source.path)
+            check_shape(ckpt.lm_head, (a.vocab_size, a.hidden_size), "lm_head", ckpt.source.path)
             lm_head = self._t(ckpt.lm_head.T)
         embed, final_norm = self._t(ckpt.embed), self._t(ckpt.final_norm)
         self.layers, self.embed, self.final_norm, self.lm_head = layers, embed, final_norm, lm_head
@@ -370,8 +358,3 @@ def _plain(seqs: np.ndarray, rows: np.ndarray | None, q_lens: np.ndarray, starts
     return dict(kind="plain", rows=rows, pad_rows=pad_rows, rowmap=rowmap.reshape(-1), valid=valid,
                 mask=mask, S=S, qmax=qmax, lmax=lmax)
 
-
-def _check(x: np.ndarray | None, shape: tuple[int, ...], what: str, path: str) -> None:
-    if x is None or tuple(x.shape) != shape:
-        got = None if x is None else tuple(x.shape)
-        raise ModelLoadError(f"{path}: {what} has shape {got}, expected {shape}")

@@ -78,6 +78,36 @@ class Layer:
     q_down: tuple[paddle.Tensor, int] | None = None
 
 
+def check_shape(x: np.ndarray | None, shape: tuple[int, ...], what: str, path: str) -> None:
+    """A one-line :class:`ModelLoadError` unless ``x`` has ``shape``."""
+    if x is None or tuple(x.shape) != shape:
+        got = None if x is None else tuple(x.shape)
+        raise ModelLoadError(f"{path}: {what} has shape {got}, expected {shape}")
+
+
+def check_layer(lw: LayerWeights, a: ModelArgs, i: int, path: str) -> None:
+    """Layer ``i``'s weights have the shapes ``a`` says (both runners' models check this at load)."""
+    h, q, kv, ff = a.hidden_size, a.q_size, a.kv_size, a.intermediate_size
+    for name, shape in (
+        ("wq", (q, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q)),
+        ("w_gate", (ff, h)), ("w_up", (ff, h)), ("w_down", (h, ff)),
+        ("attn_norm", (h,)), ("ffn_norm", (h,)),
+    ):
+        check_shape(getattr(lw, name), shape, f"layer {i} {name}", path)
+
+
+def qkv_bias(lw: LayerWeights, a: ModelArgs) -> np.ndarray | None:
+    """The fused q|k|v bias (float32; zeros for a missing part), ``None`` without biases."""
+    if lw.bq is None and lw.bk is None and lw.bv is None:
+        return None
+    zeros = np.zeros
+    return np.concatenate([
+        lw.bq if lw.bq is not None else zeros(a.q_size, np.float32),
+        lw.bk if lw.bk is not None else zeros(a.kv_size, np.float32),
+        lw.bv if lw.bv is not None else zeros(a.kv_size, np.float32),
+    ]).astype(np.float32)
+
+
 def rope_table(args: ModelArgs, max_pos: int) -> np.ndarray:
     """``[max_pos, head_dim]``: cos in the first half, sin in the second."""
     half = args.head_dim // 2
@@ -133,13 +163,13 @@ class LlamaModel:
             layers.append(self._convert_layer(lw, ckpt.source.path, len(layers)))
         if len(layers) != a.num_layers:
             raise ModelLoadError(f"{ckpt.source.path}: expected {a.num_layers} layers, got {len(layers)}")
-        self._check(ckpt.embed, (a.vocab_size, a.hidden_size), "embedding", ckpt.source.path)
-        self._check(ckpt.final_norm, (a.hidden_size,), "final norm", ckpt.source.path)
+        check_shape(ckpt.embed, (a.vocab_size, a.hidden_size), "embedding", ckpt.source.path)
+        check_shape(ckpt.final_norm, (a.hidden_size,), "final norm", ckpt.source.path)
         self.layers = layers
         self.embed = paddle.to_tensor(np.ascontiguousarray(ckpt.embed, dtype=np.float32))
         self.final_norm = paddle.to_tensor(ckpt.final_norm.astype(np.float32))
         if ckpt.lm_head is not None:
-            self._check(ckpt.lm_head, (a.vocab_size, a.hidden_size), "lm_head", ckpt.source.path)
+            check_shape(ckpt.lm_head, (a.vocab_size, a.hidden_size), "lm_head", ckpt.source.path)
             self.lm_head = paddle.to_tensor(np.ascontiguousarray(ckpt.lm_head.T, dtype=np.float32))
         else:
             self.lm_head = None
@@ -155,30 +185,11 @@ class LlamaModel:
         self.lm_head = None
         self.q_lm_head = None
 
-    @staticmethod
-    def _check(x: np.ndarray | None, shape: tuple[int, ...], what: str, path: str) -> None:
-        if x is None or tuple(x.shape) != shape:
-            got = None if x is None else tuple(x.shape)
-            raise ModelLoadError(f"{path}: {what} has shape {got}, expected {shape}")
-
     def _convert_layer(self, lw: LayerWeights, path: str, i: int) -> Layer:
         a = self.args
-        h, q, kv, ff = a.hidden_size, a.q_size, a.kv_size, a.intermediate_size
-        for name, shape in (
-            ("wq", (q, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q)),
-            ("w_gate", (ff, h)), ("w_up", (ff, h)), ("w_down", (h, ff)),
-            ("attn_norm", (h,)), ("ffn_norm", (h,)),
-        ):
-            self._check(getattr(lw, name), shape, f"layer {i} {name}", path)
+        check_layer(lw, a, i, path)
         w_qkv = np.concatenate([lw.wq, lw.wk, lw.wv], axis=0).T
-        b_qkv = None
-        if lw.bq is not None or lw.bk is not None or lw.bv is not None:
-            zeros = np.zeros
-            b_qkv = np.concatenate([
-                lw.bq if lw.bq is not None else zeros(q, np.float32),
-                lw.bk if lw.bk is not None else zeros(kv, np.float32),
-                lw.bv if lw.bv is not None else zeros(kv, np.float32),
-            ]).astype(np.float32)
+        b_qkv = qkv_bias(lw, a)
         w_gu = np.concatenate([lw.w_gate, lw.w_up], axis=0).T
         t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
 
