@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from fdx.core.messages import TokenLogprob
-from fdx.model.sampler import GREEDY_EPS, has_penalty, min_tokens_active, sampler_state
+from fdx.model.sampler import GREEDY_EPS, has_penalty, min_tokens_active, min_tokens_blocked_ids, sampler_state
 
 if TYPE_CHECKING:
     from fdx.core.request import Request
@@ -113,11 +113,7 @@ class DeviceSampler:
         if mt:
             cols: list[int] = []
             for i in mt:
-                r = requests[i]
-                ids = set(r.params.stop_token_ids)
-                if not r.params.ignore_eos:
-                    ids.update(r.eos_token_ids)
-                cols.extend(i * width + t for t in ids if 0 <= t < width)
+                cols.extend(i * width + t for t in min_tokens_blocked_ids(requests[i]) if 0 <= t < width)
             if cols:
                 ti = paddle.to_tensor(np.array(cols, dtype=np.int64))
                 flat = paddle.scatter(flat, ti, paddle.full([len(cols)], -np.inf, dtype="float32"), overwrite=True)

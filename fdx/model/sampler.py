@@ -120,6 +120,15 @@ def min_tokens_active(req: Request) -> bool:
     return req.params.min_tokens > 0 and len(req.output_token_ids) < req.params.min_tokens
 
 
+def min_tokens_blocked_ids(req: Request) -> set[int]:
+    """The ids a row under ``min_tokens`` may not sample: its stop token ids,
+    and its eos ids unless ``ignore_eos``."""
+    ids = set(req.params.stop_token_ids)
+    if not req.params.ignore_eos:
+        ids.update(req.eos_token_ids)
+    return ids
+
+
 def _is_paddle(x: Any) -> bool:
     return type(x).__module__.startswith("paddle")
 
@@ -259,11 +268,7 @@ class Sampler:
         ri: list[int] = []
         ci: list[int] = []
         for i in rows:
-            r = requests[i]
-            ids = set(r.params.stop_token_ids)
-            if not r.params.ignore_eos:
-                ids.update(r.eos_token_ids)
-            for t in ids:
+            for t in min_tokens_blocked_ids(requests[i]):
                 if 0 <= t < width:
                     ri.append(i)
                     ci.append(t)
