@@ -17,14 +17,16 @@ unless ``FDX_KEEP_SERVER_LOGS`` is set); ``proc.run_dir`` is the server's
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 
@@ -87,6 +89,36 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
         if pid_alive(k):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(k, signal.SIGKILL)
+
+
+def record_stream(base: str, body: dict[str, Any], out: dict[str, Any], started: threading.Event,
+                  timeout: float = 60) -> None:
+    """POST a streaming ``/v1/completions`` request and record how it ends in
+    ``out``: ``status``, ``done`` ([DONE] seen), ``error`` (an error event),
+    ``finish`` (the last finish_reason), ``exc`` (a transport error) and
+    ``ended`` (monotonic time).  ``started`` is set at the first event, and at
+    the end whatever happened, so a waiting test never hangs."""
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=timeout) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                started.set()
+                if line == "data: [DONE]":
+                    out["done"] = True
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    out["error"] = ev["error"]
+                for ch in ev.get("choices") or ():
+                    if ch.get("finish_reason"):
+                        out["finish"] = ch["finish_reason"]
+    except httpx.HTTPError as exc:
+        out["exc"] = repr(exc)
+    finally:
+        out["ended"] = time.monotonic()
+        started.set()
 
 
 def serve_command(*args: str) -> list[str]:

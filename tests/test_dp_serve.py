@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
-from serverutil import children_of, pid_alive, read_log, start_server
+from serverutil import children_of, pid_alive, read_log, record_stream, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -164,28 +164,8 @@ def test_abort_by_id_reaches_the_replica_holding_it(dp: tuple[str, Any]) -> None
 
 
 def _stream(base: str, prompt: str, out: dict[str, Any], started: threading.Event) -> None:
-    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True,
-            "temperature": 0}
-    try:
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
-            out["status"] = r.status_code
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                started.set()
-                if line == "data: [DONE]":
-                    out["done"] = True
-                    continue
-                ev = json.loads(line[6:])
-                if "error" in ev:
-                    out["error"] = ev["error"]
-                for ch in ev.get("choices") or ():
-                    if ch.get("finish_reason"):
-                        out["finish"] = ch["finish_reason"]
-    except httpx.HTTPError as exc:
-        out["exc"] = repr(exc)
-    finally:
-        started.set()
+    record_stream(base, {"model": "smollm2", "prompt": prompt, "max_tokens": 400, "ignore_eos": True,
+                         "temperature": 0}, out, started, timeout=120)
 
 
 def _replica_pid(proc: Any, rank: int) -> int | None:

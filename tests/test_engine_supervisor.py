@@ -5,7 +5,6 @@ plus the pure restart/hang policies and the heartbeat's step progress."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -17,7 +16,7 @@ import httpx
 import pytest
 import zmq
 import stall_runner_plugin
-from serverutil import pid_alive, read_log, start_server
+from serverutil import pid_alive, read_log, record_stream, start_server
 
 from fdx.core.engine_proc import HeartbeatThread, Progress
 from fdx.core.ipc import IpcPaths, Liveness
@@ -122,26 +121,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, stall_token: int) -> Iterat
 
 
 def _stream(base: str, out: dict[str, Any], started: threading.Event) -> None:
-    body = {"model": "smollm2", "prompt": "An endless list:", "max_tokens": 1800, "ignore_eos": True,
-            "stream": True}
-    try:
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
-            out["status"] = r.status_code
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                started.set()
-                if line == "data: [DONE]":
-                    out["done"] = True
-                    continue
-                ev = json.loads(line[6:])
-                if "error" in ev:
-                    out["error"] = ev["error"]
-    except httpx.HTTPError as exc:
-        out["exc"] = repr(exc)
-    finally:
-        out["ended"] = time.monotonic()
-        started.set()
+    record_stream(base, {"model": "smollm2", "prompt": "An endless list:", "max_tokens": 1800,
+                         "ignore_eos": True}, out, started)
 
 
 def _metric(base: str, name: str, **labels: str) -> float:

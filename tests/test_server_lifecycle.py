@@ -4,7 +4,6 @@ tests/test_engine_supervisor.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,32 +14,14 @@ from typing import Any
 
 import httpx
 import pytest
-from serverutil import free_port, pid_alive, read_log, serve_command, start_server
+from serverutil import free_port, pid_alive, read_log, record_stream, serve_command, start_server
 
 pytestmark = pytest.mark.slow
 
 
 def _stream_until_error(base: str, out: dict[str, Any], started: threading.Event) -> None:
-    body = {"model": "smollm2", "prompt": "An endless list:", "max_tokens": 1800, "ignore_eos": True,
-            "stream": True}
-    try:
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                started.set()
-                if line == "data: [DONE]":
-                    out["done"] = True
-                    continue
-                ev = json.loads(line[6:])
-                if "error" in ev:
-                    out["error"] = ev["error"]
-                elif ev["choices"] and ev["choices"][0].get("finish_reason"):
-                    out["finish"] = ev["choices"][0]["finish_reason"]
-    except httpx.HTTPError as exc:
-        out["exc"] = repr(exc)
-    finally:
-        started.set()
+    record_stream(base, {"model": "smollm2", "prompt": "An endless list:", "max_tokens": 1800,
+                         "ignore_eos": True}, out, started)
 
 
 def _wait_503(base: str, limit: float) -> float:
