@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -119,6 +120,19 @@ def record_stream(base: str, body: dict[str, Any], out: dict[str, Any], started:
     finally:
         out["ended"] = time.monotonic()
         started.set()
+
+
+def metric_value(base: str, name: str, **labels: str) -> float:
+    """The value of the labelled series ``name{...}`` on ``base``'s /metrics
+    whose labels include ``labels`` (0.0 when there is none)."""
+    text = httpx.get(base + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', line[len(name):line.rindex("}") + 1]))
+        if all(got.get(k) == v for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def serve_command(*args: str) -> list[str]:

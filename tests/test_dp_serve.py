@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
-from serverutil import children_of, pid_alive, read_log, record_stream, start_server
+from serverutil import children_of, metric_value, pid_alive, read_log, record_stream, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -73,17 +72,6 @@ def _run_workload(base: str) -> dict[str, Any]:
     return {"texts": texts, "cached": cached}
 
 
-def _metric(base: str, name: str, **labels: str) -> float:
-    text = httpx.get(base + "/metrics", timeout=10).text
-    for line in text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', line[len(name):line.rindex("}") + 1]))
-        if all(got.get(k) == v for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 @pytest.fixture(scope="module")
 def reference() -> dict[str, Any]:
     with start_server(*COMMON, "--num-threads", "2", default_args=()) as (base, _proc):
@@ -107,12 +95,12 @@ def test_greedy_outputs_equal_a_single_instance(reference: dict[str, Any], dp_re
     assert dp_results["texts"] == reference["texts"]
     base = dp[0]
     for rank in ("0", "1"):  # both replicas served
-        routed = sum(_metric(base, "fdx:dp_requests_routed_total", dp_rank=rank, reason=why)
+        routed = sum(metric_value(base, "fdx:dp_requests_routed_total", dp_rank=rank, reason=why)
                      for why in ("load", "affinity"))
         assert routed > 0, rank
-        assert _metric(base, "fdx:dp_engine_steps_total", dp_rank=rank) > 0
-    total = _metric(base, "fdx:engine_steps_total")
-    assert total == sum(_metric(base, "fdx:dp_engine_steps_total", dp_rank=r) for r in ("0", "1"))
+        assert metric_value(base, "fdx:dp_engine_steps_total", dp_rank=rank) > 0
+    total = metric_value(base, "fdx:engine_steps_total")
+    assert total == sum(metric_value(base, "fdx:dp_engine_steps_total", dp_rank=r) for r in ("0", "1"))
 
 
 def test_prefix_affinity_keeps_the_cache_hits(reference: dict[str, Any], dp_results: dict[str, Any]) -> None:
@@ -137,7 +125,7 @@ def test_control_fans_out_to_every_replica(dp: tuple[str, Any]) -> None:
     assert all(x["is_paused"] for x in res["replicas"])
     assert _control(base, "is_paused")["is_paused"] is True
     deadline = time.monotonic() + 10
-    while not all(_metric(base, "fdx:dp_engine_paused", dp_rank=r) == 1.0 for r in ("0", "1")):
+    while not all(metric_value(base, "fdx:dp_engine_paused", dp_rank=r) == 1.0 for r in ("0", "1")):
         assert time.monotonic() < deadline, "a replica does not report paused"
         time.sleep(0.1)
     res = _control(base, "resume")
@@ -208,17 +196,17 @@ def test_a_killed_replica_fails_only_its_streams_and_is_restarted(dp: tuple[str,
     for o in failed:
         assert o["error"]["code"] == 503 and "engine" in o["error"]["message"], o
     deadline = t_kill + 60
-    while not (_metric(base, "fdx:dp_replica_up", dp_rank="1") == 1.0
-               and _metric(base, "fdx:dp_engine_restarts_total", dp_rank="1") == 1.0):
+    while not (metric_value(base, "fdx:dp_replica_up", dp_rank="1") == 1.0
+               and metric_value(base, "fdx:dp_engine_restarts_total", dp_rank="1") == 1.0):
         assert time.monotonic() < deadline, f"replica 1 was not restarted:\n{read_log(proc)}"
         assert proc.poll() is None, read_log(proc)
         time.sleep(0.2)
     new = _replica_pid(proc, 1)
     assert new and new != victim and not pid_alive(victim)
     assert _replica_pid(proc, 0) == survivor
-    assert _metric(base, "fdx:dp_engine_restarts_total", dp_rank="0") == 0.0
-    assert _metric(base, "fdx:engine_restarts_total") == 1.0
-    assert _metric(base, "fdx:dp_engine_crashes_total", dp_rank="1", reason="exited") == 1.0
+    assert metric_value(base, "fdx:dp_engine_restarts_total", dp_rank="0") == 0.0
+    assert metric_value(base, "fdx:engine_restarts_total") == 1.0
+    assert metric_value(base, "fdx:dp_engine_crashes_total", dp_rank="1", reason="exited") == 1.0
     for i in range(4):  # both replicas serve again
         assert _complete(base, f"Again {i}:", 2)["usage"]["completion_tokens"] == 2
 
@@ -230,7 +218,7 @@ def test_a_replica_restarted_while_paused_is_paused_again(dp: tuple[str, Any]) -
     assert victim
     os.kill(victim, signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while _metric(base, "fdx:dp_engine_restarts_total", dp_rank="0") < 1.0:
+    while metric_value(base, "fdx:dp_engine_restarts_total", dp_rank="0") < 1.0:
         assert time.monotonic() < deadline, f"replica 0 was not restarted:\n{read_log(proc)}"
         time.sleep(0.2)
     while True:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import zmq
 import stall_runner_plugin
-from serverutil import pid_alive, read_log, record_stream, start_server
+from serverutil import metric_value, pid_alive, read_log, record_stream, start_server
 
 from fdx.core.engine_proc import HeartbeatThread, Progress
 from fdx.core.ipc import IpcPaths, Liveness
@@ -125,17 +125,6 @@ def _stream(base: str, out: dict[str, Any], started: threading.Event) -> None:
                          "ignore_eos": True}, out, started)
 
 
-def _metric(base: str, name: str, **labels: str) -> float:
-    text = httpx.get(base + "/metrics", timeout=10).text
-    for line in text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', line[len(name):line.rindex("}") + 1]))
-        if all(got.get(k) == v for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def _engine_pid(base: str) -> int:
     r = httpx.get(base + "/health", timeout=10)
     assert r.status_code == 200, r.text
@@ -191,10 +180,10 @@ def test_killed_engine_under_16_streams_is_replaced(server: tuple[str, Any]) -> 
     new_pid, _took = _wait_serving(base, proc, pid, 30 - (time.monotonic() - t_kill))
     assert new_pid != pid and not pid_alive(pid)
     _complete(base)
-    assert _metric(base, "fdx:engine_restarts_total") == 1.0
-    assert _metric(base, "fdx:engine_crashes_total", reason="exited") == 1.0
-    assert _metric(base, "fdx:engine_last_crash_info", reason="exited") == 1.0
-    assert _metric(base, "fdx:kv_blocks_used") == 0.0  # the new engine starts clean
+    assert metric_value(base, "fdx:engine_restarts_total") == 1.0
+    assert metric_value(base, "fdx:engine_crashes_total", reason="exited") == 1.0
+    assert metric_value(base, "fdx:engine_last_crash_info", reason="exited") == 1.0
+    assert metric_value(base, "fdx:kv_blocks_used") == 0.0  # the new engine starts clean
 
 
 @pytest.mark.slow
@@ -218,9 +207,9 @@ def test_frozen_engine_is_killed_and_replaced(server: tuple[str, Any]) -> None:
             os.kill(pid, signal.SIGKILL)
     assert new_pid != pid
     _complete(base)
-    assert _metric(base, "fdx:engine_crashes_total", reason="hung") == 1.0
-    assert _metric(base, "fdx:engine_last_crash_info", reason="hung") == 1.0
-    assert _metric(base, "fdx:engine_restarts_total") == 2.0
+    assert metric_value(base, "fdx:engine_crashes_total", reason="hung") == 1.0
+    assert metric_value(base, "fdx:engine_last_crash_info", reason="hung") == 1.0
+    assert metric_value(base, "fdx:engine_restarts_total") == 2.0
 
 
 @pytest.mark.slow
@@ -230,7 +219,7 @@ def test_hung_step_is_killed_although_the_heartbeat_goes_on(server: tuple[str, A
     --step-timeout, replaced."""
     base, proc = server
     pid = _engine_pid(base)
-    crashes_before = _metric(base, "fdx:engine_crashes_total", reason="hung")
+    crashes_before = metric_value(base, "fdx:engine_crashes_total", reason="hung")
     r = httpx.post(base + "/v1/completions", json={"model": "smollm2", "prompt": STALL_TEXT, "max_tokens": 4},
                    timeout=STEP_TIMEOUT + 60)
     assert r.status_code == 503, r.text
@@ -238,7 +227,7 @@ def test_hung_step_is_killed_although_the_heartbeat_goes_on(server: tuple[str, A
     new_pid, _took = _wait_serving(base, proc, pid, 40)
     assert new_pid != pid and not pid_alive(pid)
     _complete(base)
-    assert _metric(base, "fdx:engine_crashes_total", reason="hung") == crashes_before + 1
+    assert metric_value(base, "fdx:engine_crashes_total", reason="hung") == crashes_before + 1
     text = httpx.get(base + "/metrics", timeout=10).text
     assert re.search(r'fdx:engine_last_crash_info\{[^}]*message="engine step has run for', text), text[-2000:]
 
@@ -246,7 +235,7 @@ def test_hung_step_is_killed_although_the_heartbeat_goes_on(server: tuple[str, A
 @pytest.mark.slow
 def test_too_many_crashes_exit_nonzero(server: tuple[str, Any]) -> None:
     base, proc = server
-    crashes = int(sum(_metric(base, "fdx:engine_crashes_total", reason=r)
+    crashes = int(sum(metric_value(base, "fdx:engine_crashes_total", reason=r)
                       for r in ("crashed", "exited", "hung", "start_failed")))
     assert crashes <= MAX_RESTARTS
     for _ in range(MAX_RESTARTS + 1 - crashes):
