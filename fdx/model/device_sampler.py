@@ -27,7 +27,14 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from fdx.core.messages import TokenLogprob
-from fdx.model.sampler import GREEDY_EPS, has_penalty, min_tokens_active, min_tokens_blocked_ids, sampler_state
+from fdx.model.sampler import (
+    GREEDY_EPS,
+    has_penalty,
+    min_tokens_active,
+    min_tokens_blocked_ids,
+    sampler_state,
+    uniform_draws,
+)
 
 if TYPE_CHECKING:
     from fdx.core.request import Request
@@ -120,17 +127,7 @@ class DeviceSampler:
         return flat.reshape([n, width])
 
     def _uniforms(self, requests: Sequence[Request]) -> np.ndarray:
-        u = np.empty(len(requests), dtype=np.float64)
-        unseeded = []
-        for j, r in enumerate(requests):
-            gen = sampler_state(r).gen
-            if gen is None:
-                unseeded.append(j)
-            else:
-                u[j] = gen.random()
-        if unseeded:
-            u[unseeded] = self._rng.random(len(unseeded))
-        return 1.0 - u  # in (0, 1]
+        return uniform_draws(requests, self._rng)  # in (0, 1]
 
     def _sample_random(self, x: Any, requests: Sequence[Request]) -> Any:
         import paddle

@@ -110,6 +110,24 @@ def sampler_state(req: Request) -> SamplerState:
     return st
 
 
+
+def uniform_draws(requests: Sequence[Request], rng: np.random.Generator) -> np.ndarray:
+    """One draw in (0, 1] per request, in order: from the request's own
+    generator when seeded, else one batch from ``rng`` (the process-level
+    generator).  Shared by the NumPy and the device sampler, so a seeded
+    request draws the same sequence on either."""
+    u = np.empty(len(requests), dtype=np.float64)
+    unseeded: list[int] = []
+    for j, r in enumerate(requests):
+        gen = sampler_state(r).gen
+        if gen is None:
+            unseeded.append(j)
+        else:
+            u[j] = gen.random()
+    if unseeded:
+        u[unseeded] = rng.random(len(unseeded))
+    return 1.0 - u
+
 def has_penalty(p: SamplingParams) -> bool:
     """Whether ``p`` asks for any repetition, presence or frequency penalty."""
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
@@ -275,19 +293,8 @@ class Sampler:
         return np.array(ri, np.int64), np.array(ci, np.int64), np.full(len(ri), -np.inf, np.float32)
 
     def _uniforms(self, rows: np.ndarray, requests: Sequence[Request]) -> np.ndarray:
-        """One draw in (0, 1] per row: from the request's own generator when
-        seeded, else from the process-level one."""
-        u = np.empty(len(rows), dtype=np.float64)
-        unseeded: list[int] = []
-        for j, i in enumerate(rows):
-            gen = sampler_state(requests[i]).gen
-            if gen is None:
-                unseeded.append(j)
-            else:
-                u[j] = gen.random()
-        if unseeded:
-            u[unseeded] = self._rng.random(len(unseeded))
-        return 1.0 - u
+        """One draw in (0, 1] per row (see :func:`uniform_draws`)."""
+        return uniform_draws([requests[i] for i in rows], self._rng)
 
     def _sample_random(
         self, x: _Patched, rows: np.ndarray, temps: np.ndarray, requests: Sequence[Request]
