@@ -133,7 +133,7 @@ class DeviceSampler:
         import paddle
         import paddle.nn.functional as F
 
-        m, width = int(x.shape[0]), int(x.shape[1])
+        width = int(x.shape[1])
         ps = [r.params for r in requests]
         t = paddle.to_tensor
         inv_t = t(np.array([1.0 / p.temperature for p in ps], dtype=np.float32))
