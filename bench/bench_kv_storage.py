@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     args = ap.parse_args()
 
-    from fdx.core.config import make_config
+    from fdx.config import make_config
     from fdx.core.engine import Engine
     from fdx.plugins.cache_backends.kv_storage import KVStorage
     from fdx.core.plugins import get_plugins

@@ -39,7 +39,7 @@ PEER = "/opt/peers/bin/llama-server"
 
 
 def build_runner(args: argparse.Namespace):  # noqa: ANN201
-    from fdx.core.config import make_config
+    from fdx.config import make_config
     from fdx.model.runner import PaddleModelRunner
     from fdx.plugins.hardware.cpu import CPUDevice
 

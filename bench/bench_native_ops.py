@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=400)
     args = ap.parse_args()
 
-    from fdx.core.config import make_config
+    from fdx.config import make_config
     from fdx.model import native
     from fdx.model.runner import PaddleModelRunner
     from fdx.plugins.hardware.cpu import CPUDevice

@@ -34,7 +34,7 @@ os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
 
 import numpy as np  # noqa: E402
 
-from fdx.core.config import make_config  # noqa: E402
+from fdx.config import make_config  # noqa: E402
 from fdx.core.engine import Engine, build_runner  # noqa: E402
 from fdx.core.messages import AddRequest, SamplingParams  # noqa: E402
 from fdx.core.plugins import get_plugins  # noqa: E402

@@ -103,7 +103,7 @@ def build_parser(plugins: Any | None = None) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace, plugins: Any) -> Any:
     """Validated config: flags + env, plugin adjustments, names checked."""
-    from fdx.core.config import from_args
+    from fdx.config import from_args
 
     cfg = from_args(args)
     for override in plugins.hook.fdx_adjust_config(config=cfg, args=args):
@@ -119,7 +119,7 @@ def check_component_names(cfg: Any, plugins: Any) -> None:
     if cfg.scheduler == "dp":
         plugins.registry("scheduler").get(cfg.dp_local_scheduler)
     plugins.registry("token_processor").get(cfg.token_processor)
-    from fdx.core.config import split_device
+    from fdx.config import split_device
 
     plugins.registry("device").get(split_device(cfg.device)[0])
     if cfg.model_runner:

@@ -69,12 +69,12 @@ class LLM:
 
     ``model``: ``None``/``"smollm2"`` (the embedded SmolLM2), a ``.gguf`` path
     or a Hugging Face folder.  Other keyword arguments are
-    :class:`~fdx.core.config.EngineConfig` fields (``max_num_seqs=...``,
+    :class:`~fdx.config.EngineConfig` fields (``max_num_seqs=...``,
     ``num_kv_blocks=...``, ``scheduler="v0"``, ...).
     """
 
     def __init__(self, model: str | None = None, **config_kwargs: Any) -> None:
-        from fdx.core.config import make_config
+        from fdx.config import make_config
         from fdx.core.engine import Engine
         from fdx.core.plugins import get_plugins
         from fdx.model.loader import load_tokenizer

@@ -30,7 +30,7 @@ from fdx.core.messages import SamplingParams
 from fdx.core.request import Request
 
 if TYPE_CHECKING:
-    from fdx.core.config import EngineConfig
+    from fdx.config import EngineConfig
     from fdx.core.hookspecs import Register
     from fdx.core.interfaces import Device, Scheduler
     from fdx.core.kv_cache import KVCacheManager

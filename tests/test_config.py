@@ -8,7 +8,7 @@ import sys
 import attrs
 import pytest
 
-from fdx.core.config import make_config, parse_bytes
+from fdx.config import make_config, parse_bytes
 from fdx.core.errors import ConfigError
 
 

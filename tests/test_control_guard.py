@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import pytest
 from starlette.testclient import TestClient
 
-from fdx.core.config import make_config
+from fdx.config import make_config
 from fdx.server.control import clean_message, resolve_weights_path
 
 

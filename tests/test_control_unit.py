@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 import pytest
 
-from fdx.core.config import make_config
+from fdx.config import make_config
 from fdx.engine_control import ControlError, parse_tags
 from fdx.core.engine import Engine
 from fdx.core.errors import ModelLoadError

@@ -67,7 +67,7 @@ def test_default_runners(plugins) -> None:  # noqa: ANN001
 
 
 def test_device_index_selects_the_place() -> None:
-    from fdx.core.config import make_config, split_device
+    from fdx.config import make_config, split_device
     from fdx.plugins.hardware.cuda import CUDADevice
     from fdx.plugins.hardware.iluvatar import IluvatarDevice
     from fdx.plugins.hardware.xpu import XPUDevice
@@ -88,7 +88,7 @@ def test_device_index_selects_the_place() -> None:
 def test_bad_device_index_is_a_one_line_error(plugins) -> None:  # noqa: ANN001
     """An index past the visible devices (or a build without CUDA) stops
     start-up with the device's reason, before any model is loaded."""
-    from fdx.core.config import make_config
+    from fdx.config import make_config
     from fdx.core.engine import build_runner
 
     with pytest.raises(FdxError) as e:
@@ -192,7 +192,7 @@ def _greedy(runner: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
 def test_gpu_runner_on_cuda_matches_cpu_runner(cuda_device: Any, dtype: str) -> None:
     """float32 on the GPU: the same greedy tokens as the cpu runner.
     bfloat16: the same first tokens (later ones may part at near-ties)."""
-    from fdx.core.config import make_config
+    from fdx.config import make_config
     from fdx.model.gpu_runner import GPUModelRunner
     from fdx.model.loader import load_tokenizer
     from fdx.model.runner import PaddleModelRunner

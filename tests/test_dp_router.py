@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from fdx.core.config import make_config
+from fdx.config import make_config
 from fdx.core.errors import ConfigError
 from fdx.core.ipc import IpcPaths
 from fdx.core.messages import EngineStats

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import zmq
 
-from fdx.core.config import make_config
+from fdx.config import make_config
 from fdx.core.errors import RequestError
 from fdx.core.ipc import make_run_dir
 from fdx.core.messages import EngineFailed, EngineReady, EngineStats, Heartbeat, OutputBatch, SamplingParams

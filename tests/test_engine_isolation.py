@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import pytest
 
-from fdx.core.config import make_config
+from fdx.config import make_config
 from fdx.core.engine import Engine
 from fdx.core.hookspecs import hookimpl
 from fdx.core.messages import AddRequest, SamplingParams

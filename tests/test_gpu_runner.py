@@ -32,7 +32,7 @@ N_TOKENS = 16
 @pytest.fixture(scope="module")
 def runners() -> tuple[Any, Any]:
     """(gpu runner on the CPU place, cpu runner), same config."""
-    from fdx.core.config import make_config
+    from fdx.config import make_config
     from fdx.model.gpu_runner import GPUModelRunner
     from fdx.model.runner import PaddleModelRunner
     from fdx.plugins.hardware.cpu import CPUDevice

@@ -229,7 +229,7 @@ def hf_numpy_logits(folder: Path, tokens: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_hf_checkpoint_loads_and_matches_numpy(tmp_path: Path, arch: str) -> None:
-    from fdx.core.config import make_config
+    from fdx.config import make_config
     from fdx.core.interfaces import ScheduledBatch, ScheduledSeq
     from fdx.core.messages import SamplingParams
     from fdx.core.request import Request
@@ -276,7 +276,7 @@ def test_hf_checkpoint_loads_and_matches_numpy(tmp_path: Path, arch: str) -> Non
 
 
 def test_load_weights_same_shape_and_mismatch(tmp_path: Path) -> None:
-    from fdx.core.config import make_config
+    from fdx.config import make_config
     from fdx.model.runner import PaddleModelRunner
     from fdx.plugins.hardware.cpu import CPUDevice
 

@@ -55,7 +55,7 @@ def test_toy_runner_serves_requests_through_the_serve_path(plugin_manager) -> No
 
 
 def test_runner_defaults_to_the_devices_choice(plugin_manager) -> None:  # type: ignore[no-untyped-def]
-    from fdx.core.config import make_config
+    from fdx.config import make_config
     from fdx.core.engine import build_runner
     from fdx.core.interfaces import Device
 

@@ -263,7 +263,7 @@ N_TOKENS = 12
 
 @pytest.mark.slow
 def test_native_forward_matches_paddle(ops: Any) -> None:
-    from fdx.core.config import make_config
+    from fdx.config import make_config
     from fdx.model.loader import load_tokenizer
     from fdx.model.runner import PaddleModelRunner
     from fdx.plugins.hardware.cpu import CPUDevice

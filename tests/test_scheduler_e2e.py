@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from fdx.core.config import make_config
+from fdx.config import make_config
 from fdx.core.engine import Engine
 from fdx.core.messages import AddRequest, SamplingParams
 

@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from fdx.core.config import make_config
+from fdx.config import make_config
 from fdx.core.interfaces import ModelOutput
 from fdx.core.kv_cache import KVCacheManager
 from fdx.core.request import Status

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fdx.core.config import make_config
+from fdx.config import make_config
 from fdx.core.kv_cache import KVCacheManager
 from fdx.testing import FakeRunner, make_request
 from fdx.plugins.schedulers.v0 import OUT_OF_BLOCKS, V0Scheduler, partial_chunked_tokens, plan_chunks

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from fdx.core.config import make_config
+from fdx.config import make_config
 from fdx.core.hookspecs import hookimpl
 from fdx.core.ipc import EngineSide, IpcPaths, make_run_dir
 from fdx.core.messages import (

@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from fdx.core.config import make_config
+from fdx.config import make_config
 
 LIMIT = 4096
 

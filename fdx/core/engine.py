@@ -29,7 +29,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from fdx.core.config import EngineConfig, split_device
+from fdx.config import EngineConfig, split_device
 from fdx.core.errors import ControlError, FdxError
 from fdx.core.interfaces import Device, ModelOutput, ModelRunner, ScheduledBatch, ScheduledSeq, Scheduler
 from fdx.core.kv_cache import KVCacheManager

@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from fdx.core.config import EngineConfig
+from fdx.config import EngineConfig
 from fdx.core.errors import ControlError, FdxError
 from fdx.core.ipc import EngineSide, IpcPaths, child_args, pid_alive
 from fdx.logs import setup_logging
@@ -240,7 +240,7 @@ class StatsLogger:
 def main() -> None:
     """``python -m fdx.core.engine_proc --config-fd FD RUN_DIR PARENT_PID``
     (the config JSON arrives on the inherited pipe FD, never in argv)."""
-    from fdx.core.config import make_config
+    from fdx.config import make_config
 
     values, run_dir, parent_pid = child_args(sys.argv[1:])
     sys.exit(run_engine(make_config(**values), IpcPaths(run_dir), parent_pid))

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from fastapi import FastAPI
 
-    from fdx.core.config import EngineConfig
+    from fdx.config import EngineConfig
     from fdx.core.messages import SamplingParams
     from fdx.server.client import EngineClient
 
@@ -69,7 +69,7 @@ def fdx_register_schedulers(register: Register) -> None:
     :param register: call ``register(name, factory)`` for each scheduler.
         ``factory(config=..., kv=...)`` must return a
         :class:`fdx.core.interfaces.Scheduler`; ``config`` is the frozen
-        :class:`fdx.core.config.EngineConfig` and ``kv`` the
+        :class:`fdx.config.EngineConfig` and ``kv`` the
         :class:`fdx.core.kv_cache.KVCacheManager` that owns the block pool.
 
     Return nothing.  Registering a name twice (from any two plugins) is an
@@ -92,7 +92,7 @@ def fdx_register_token_processors(register: Register) -> None:
         ``factory(tokenizer=..., config=...)`` returns a
         :class:`fdx.core.interfaces.TokenProcessor`; ``tokenizer`` is the
         model's :class:`fdx.core.interfaces.Tokenizer` and ``config`` the
-        :class:`fdx.core.config.EngineConfig`.
+        :class:`fdx.config.EngineConfig`.
 
     Return nothing.
     """
@@ -147,7 +147,7 @@ def fdx_register_model_runners(register: Register) -> None:
     :param register: call ``register(name, factory)`` for each runner.
         ``factory(config=..., device=...)`` must return a
         :class:`fdx.core.interfaces.ModelRunner`; ``config`` is the frozen
-        :class:`fdx.core.config.EngineConfig` and ``device`` the
+        :class:`fdx.config.EngineConfig` and ``device`` the
         :class:`fdx.core.interfaces.Device` chosen by ``--device``, already
         created, checked available and configured (``configure_env``).
 
@@ -185,7 +185,7 @@ def fdx_adjust_config(config: EngineConfig, args: argparse.Namespace | None) -> 
     Called once, in the front-end process, after the config is built and
     validated.
 
-    :param config: the frozen :class:`fdx.core.config.EngineConfig`.
+    :param config: the frozen :class:`fdx.config.EngineConfig`.
     :param args: the :class:`argparse.Namespace` (or ``None`` for ``fdx.LLM``).
 
     Return a dict of field overrides, or ``None`` for no change.  Not

@@ -16,7 +16,7 @@ import numpy as np
 from fdx.core.messages import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from fdx.core.config import EngineConfig
+    from fdx.config import EngineConfig
     from fdx.core.kv_cache import KVCacheManager
     from fdx.core.request import Request
 

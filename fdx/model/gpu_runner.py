@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from fdx.core.config import EngineConfig
+from fdx.config import EngineConfig
 from fdx.core.errors import ModelLoadError
 from fdx.core.interfaces import Device
 from fdx.model.runner_base import PagedRunnerBase, StepLayout, bf16_bits_to_f32

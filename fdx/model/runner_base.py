@@ -23,7 +23,7 @@ from fdx.core.errors import FdxError, ModelLoadError
 from fdx.core.interfaces import KVCacheSpec, ModelOutput, ModelRunner, ScheduledBatch
 
 if TYPE_CHECKING:
-    from fdx.core.config import EngineConfig
+    from fdx.config import EngineConfig
     from fdx.core.interfaces import Device, ScheduledSeq
     from fdx.model.loader import Checkpoint
 

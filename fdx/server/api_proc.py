@@ -70,7 +70,7 @@ def _watch_parent(parent_pid: int, server: Any) -> None:
 def main() -> None:
     from fdx.core.ipc import FrontendSide, IpcPaths, child_args
 
-    from fdx.core.config import make_config
+    from fdx.config import make_config
     from fdx.plugins.schedulers.dp import is_dp, replica_paths
 
     values, run_dir, parent_pid = child_args(sys.argv[1:])

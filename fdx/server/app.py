@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import fdx
-from fdx.core.config import EngineConfig
+from fdx.config import EngineConfig
 from fdx.core.errors import RequestError
 from fdx.server.client import EngineClient
 from fdx.server.control import add_control_routes, is_control_path

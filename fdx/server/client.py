@@ -38,7 +38,7 @@ import attrs
 import msgpack
 import zmq
 
-from fdx.core.config import EngineConfig
+from fdx.config import EngineConfig
 from fdx.core.errors import RequestError
 from fdx.core.ipc import FrontendSide, IpcPaths, Liveness, pid_alive
 from fdx.core.messages import (

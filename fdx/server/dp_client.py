@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable
 
 import attrs
 
-from fdx.core.config import EngineConfig
+from fdx.config import EngineConfig
 from fdx.core.ipc import FrontendSide, IpcPaths
 from fdx.core.messages import EngineReady, EngineStats, SamplingParams
 from fdx.server.client import ControlCallError, EngineClient, EngineUnavailable, RequestHandle, Sink

@@ -49,7 +49,7 @@ from typing import Any
 
 import attrs
 
-from fdx.core.config import EngineConfig
+from fdx.config import EngineConfig
 from fdx.core.ipc import IpcPaths, make_run_dir, write_config
 from fdx.logs import setup_logging
 from fdx.server.api_proc import FAILED_FILE, READY_FILE

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Mapping
 
-from fdx.core.config import parse_bytes
+from fdx.config import parse_bytes
 from fdx.core.errors import ConfigError
 
 

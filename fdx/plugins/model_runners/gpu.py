@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from fdx.core.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from fdx.core.config import EngineConfig
+    from fdx.config import EngineConfig
     from fdx.core.interfaces import Device, ModelRunner
 
 

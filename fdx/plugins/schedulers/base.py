@@ -20,7 +20,7 @@ from fdx.core.kv_cache import cdiv
 from fdx.core.request import Request, Status
 
 if TYPE_CHECKING:
-    from fdx.core.config import EngineConfig
+    from fdx.config import EngineConfig
     from fdx.core.kv_cache import KVCacheManager
 
 

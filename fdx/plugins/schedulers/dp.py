@@ -26,7 +26,7 @@ from fdx.core.hookspecs import hookimpl
 from fdx.core.ipc import IpcPaths
 
 if TYPE_CHECKING:
-    from fdx.core.config import EngineConfig
+    from fdx.config import EngineConfig
     from fdx.core.hookspecs import Register
 
 

@@ -38,7 +38,7 @@ from fdx.core.request import Request, Status
 from fdx.plugins.schedulers.base import BaseScheduler
 
 if TYPE_CHECKING:
-    from fdx.core.config import EngineConfig
+    from fdx.config import EngineConfig
     from fdx.core.hookspecs import Register
     from fdx.core.kv_cache import KVCacheManager
 

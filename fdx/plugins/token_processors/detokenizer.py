@@ -31,7 +31,7 @@ from fdx.core.interfaces import TextDelta, TokenProcessor, TokenStream
 from fdx.core.messages import SamplingParams
 
 if TYPE_CHECKING:
-    from fdx.core.config import EngineConfig
+    from fdx.config import EngineConfig
     from fdx.core.interfaces import Tokenizer
 
 log = logging.getLogger(__name__)

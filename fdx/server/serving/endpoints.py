@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from fdx.core.config import EngineConfig
+from fdx.config import EngineConfig
 from fdx.core.errors import RequestError
 from fdx.core.messages import SamplingParams
 from fdx.output_processor import OutputProcessor

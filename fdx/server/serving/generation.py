@@ -36,7 +36,7 @@ from fdx.server.protocol import error_body
 from fdx.server.sse import EventStreamResponse
 
 if TYPE_CHECKING:
-    from fdx.core.config import EngineConfig
+    from fdx.config import EngineConfig
     from fdx.server.client import EngineClient, RequestHandle
 
 
