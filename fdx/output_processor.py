@@ -4,8 +4,8 @@ An :class:`OutputProcessor` turns the engine's
 :class:`~fdx.core.messages.RequestOutput` messages into typed
 :class:`OutputEvent` values, one per output of one choice, through the token
 processor plugin chosen by name (``--token-processor``): incremental
-detokenization, stop strings, logprobs passed through, finish reasons, token
-counts for usage.  The offline API folds the events into results; the
+detokenization, stop strings, logprobs (prompt logprobs kept on the choice)
+passed through, finish reasons, token counts for usage.  The offline API folds the events into results; the
 server formats them as SSE chunks or folds them into one JSON body.  The
 design follows vLLM's ``v1/engine/output_processor.py``: one processor, two
 front ends, so they cannot disagree on text, logprobs or finish reasons.
@@ -87,6 +87,8 @@ class ChoiceState:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     failure: RequestFailure | None = None
+    #: logprobs of prompt tokens 1.. when the request asked for them (with its first output)
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -162,6 +164,8 @@ class OutputProcessor:
             state.num_output_tokens = out.num_output_tokens
         if out.num_cached_tokens > state.num_cached_tokens:
             state.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = out.prompt_logprobs
         reason = out.finish_reason
         lps = out.logprobs or ()
         if reason == "error":

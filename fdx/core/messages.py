@@ -45,6 +45,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    #: top alternatives of each prompt token's logprob (``None``: none computed; such a request skips the prefix cache)
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -97,11 +99,13 @@ class Shutdown:
 
 @attrs.frozen
 class TokenLogprob:
-    """The chosen token's logprob and the top alternatives ``(id, logprob)``."""
+    """The chosen token's logprob and the top alternatives ``(id, logprob)``;
+    ``rank``: the token's 1-based rank in the vocabulary (0: not computed)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0
 
 
 @attrs.frozen
@@ -125,6 +129,8 @@ class RequestOutput:
     #: seconds from arrival to the request's first scheduling; sent once, with
     #: the request's first output
     queue_time: float | None = None
+    #: logprobs of prompt tokens 1.. (``params.prompt_logprobs``), sent once, with the first output
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @attrs.frozen

@@ -65,17 +65,21 @@ class ModelTokenizer:
         t = self._tok.id_to_token(int(token_id))
         return "" if t is None else t
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **template_vars: Any) -> str:
+        """The chat template rendered; ``template_vars`` are extra template
+        variables (``chat_template_kwargs``, ``tools``), below the fixed ones."""
         if not self.chat_template:
             raise ModelLoadError(f"{self.source}: the model has no chat template")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        return self._template.render({
+            **template_vars,
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+        })
 
     # -- extras ---------------------------------------------------------
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:

@@ -213,23 +213,45 @@ FIELD_HINTS: dict[str, str] = {
     "stop": "a string or a list of at most 16 strings",
     "stop_token_ids": "a list of token ids",
     "logprobs": "for completions an integer >= 0; for chat true or false",
-    "top_logprobs": "an integer >= 0",
+    "top_logprobs": "an integer in [0, 20]",
+    "prompt_logprobs": "an integer >= 0 (at most --max-logprobs)",
+    "return_token_ids": "true or false",
+    "continue_final_message": "true or false",
     "request_id": "a string of at most 256 characters",
 }
 
 
+#: fields OpenAI clients send that change nothing fdx computes: accepted
+#: (their type is checked) and documented as having no effect.  Every other
+#: field a request model does not declare is refused with a 400 naming it
+#: (:func:`unknown_field`): fdx never silently ignores what a client asks for.
+NO_EFFECT_FIELDS: dict[str, str] = {
+    "user": "an end-user id for the provider's abuse monitoring",
+    "metadata": "key-value tags for the provider's stored completions",
+    "store": "whether the provider stores the completion (fdx stores nothing)",
+    "service_tier": "the provider's processing tier (fdx has one)",
+    "safety_identifier": "an end-user id for the provider's safety monitoring",
+    "prompt_cache_key": "a routing hint for the provider's prompt cache (fdx caches prefixes by content)",
+    "prompt_cache_retention": "how long the provider keeps a cached prompt",
+}
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # unknown fields are refused: by unknown_field() at the top level (a
+    # clear message), by pydantic inside nested objects
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
-    include_usage: StrictBool | None = False
-    continuous_usage_stats: StrictBool | None = False
+    include_usage: StrictBool | None = Field(False, description="a last chunk with the request's usage")
+    continuous_usage_stats: StrictBool | None = Field(
+        False, description="usage (so far) on every chunk, as vLLM")
 
 
 class _Common(_Strict):
-    """Fields shared by completions and chat completions.  Unknown fields
-    are ignored (clients send many we don't implement)."""
+    """Fields shared by completions and chat completions.  A field not
+    declared here (or by an endpoint's model) is refused with a 400; the
+    no-effect fields of :data:`NO_EFFECT_FIELDS` are declared."""
 
     model: StrictStr | None = Field(None, description="the served model name (optional)")
     n: Annotated[int, Strict(), Field(ge=1, le=128)] | None = Field(1, description="choices per prompt")
@@ -251,7 +273,19 @@ class _Common(_Strict):
     frequency_penalty: Annotated[float, Strict(), Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
     repetition_penalty: Annotated[float, Strict(), Field(gt=0, le=10, allow_inf_nan=False)] | None = None
     ignore_eos: StrictBool | None = False
+    prompt_logprobs: NonNegInt | None = Field(
+        None, description="logprobs of each prompt token with this many top alternatives (vLLM): a list with "
+                          "null for the first token, then {token_id: {logprob, rank, decoded_token}}")
+    return_token_ids: StrictBool | None = Field(
+        False, description="add prompt_token_ids and each choice's token_ids to the response (vLLM)")
+    # no effect (NO_EFFECT_FIELDS)
     user: StrictStr | None = None
+    metadata: dict[str, StrictStr] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    prompt_cache_retention: StrictStr | None = None
     request_id: Annotated[str, Strict(), Field(max_length=256)] | None = Field(
         None, description="your id for the request (used by /v1/abort_requests); default: generated")
 
@@ -286,13 +320,36 @@ class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PosInt | None = None
     logprobs: StrictBool | None = False
-    top_logprobs: NonNegInt | None = None
-    add_generation_prompt: StrictBool | None = True
+    top_logprobs: Annotated[int, Strict(), Field(ge=0, le=20)] | None = Field(
+        None, description="0-20 (at most --max-logprobs) alternatives per token; needs logprobs=true")
+    add_generation_prompt: StrictBool | None = Field(
+        True, description="end the prompt with the assistant turn's opening (the chat template's generation prompt)")
+    continue_final_message: StrictBool | None = Field(
+        False, description="continue the last (assistant) message instead of starting a new one; "
+                           "excludes add_generation_prompt")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extra variables for the chat template (e.g. enable_thinking)")
+
+
+def unknown_field(data: dict[str, Any], model: type[BaseModel]) -> RequestError | None:
+    """A 400 naming the first field of ``data`` that ``model`` does not
+    declare (``None`` when every field is known)."""
+    fields = model.model_fields
+    for key in data:
+        if key not in fields:
+            name = _printable(str(key))
+            return RequestError(f"'{name}' is not supported by this server: fdx refuses a field it does not "
+                                f"implement rather than ignore it (remove it from the request)", 400, param=name)
+    return None
 
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
-    """Bytes -> validated request model, or a 400 :class:`RequestError`."""
+    """Bytes -> validated request model, or a 400 :class:`RequestError`
+    (an unknown field, a wrong type or range, naming the field)."""
     data = loads_object(raw)
+    unknown = unknown_field(data, model)
+    if unknown is not None:
+        raise unknown
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -371,6 +428,8 @@ def sampling_params(
     never wrapped: a seed outside [0, 2^63-1] (or whose ``seed + n - 1``
     for the last choice is) is refused.
     """
+    if req.stream_options is not None and not req.stream:
+        raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
     n = 1 if req.n is None else req.n
     if n < 1:
         raise _bad(f"'n' must be >= 1, got {n}", "n")
@@ -409,6 +468,11 @@ def sampling_params(
     if num_logprobs is not None and not 0 <= num_logprobs <= max_logprobs:
         param = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
         raise _bad(f"'{param}' must be in [0, {max_logprobs}], got {num_logprobs}", param)
+    prompt_lp = req.prompt_logprobs
+    if prompt_lp is not None and not 0 <= prompt_lp <= max_logprobs:
+        raise _bad(f"'prompt_logprobs' must be in [0, {max_logprobs}], got {prompt_lp}", "prompt_logprobs")
+    if isinstance(req, CompletionRequest) and req.echo and num_logprobs is not None:
+        prompt_lp = max(prompt_lp or 0, num_logprobs)  # echo + logprobs: the echoed prompt has logprobs too
     stop_ids = tuple(req.stop_token_ids or ())
     for t in stop_ids:
         if not 0 <= t < vocab_size:
@@ -435,6 +499,7 @@ def sampling_params(
         ignore_eos=bool(req.ignore_eos),
         logprobs=num_logprobs,
         n=n,
+        prompt_logprobs=prompt_lp,
     )
 
 

@@ -30,22 +30,39 @@ class ChatEndpoint:
                  "finish_reason": None} for s in gen.states]
 
     def delta(self, gen: Generation, ev: OutputEvent) -> dict[str, Any] | None:
-        if not ev.text and not ev.logprobs and ev.finish_reason is None:
+        ids = gen.return_token_ids and ev.token_ids
+        if not ev.text and not ev.logprobs and ev.finish_reason is None and not ids:
             return None
-        return {
+        c = {
             "index": ev.index,
             "delta": {"content": ev.text} if ev.text else {},
             "logprobs": self.logprobs(gen, ev.logprobs) if gen.want_logprobs and ev.logprobs else None,
             "finish_reason": ev.finish_reason,
         }
+        if gen.return_token_ids:
+            c["token_ids"] = list(ev.token_ids)
+        return c
 
     def full(self, gen: Generation, res: ChoiceResult) -> dict[str, Any]:
-        return {
+        c = {
             "index": res.index,
             "message": {"role": "assistant", "content": "".join(res.text)},
             "logprobs": self.logprobs(gen, res.logprobs) if gen.want_logprobs else None,
             "finish_reason": res.finish_reason,
         }
+        if gen.return_token_ids:
+            c["token_ids"] = res.token_ids
+        return c
+
+    def top_fields(self, gen: Generation, first_chunk: bool) -> dict[str, Any]:
+        """vLLM: the prompt's ids (``return_token_ids``) and
+        ``prompt_logprobs`` at the response level (the first chunk's, streaming)."""
+        top: dict[str, Any] = {}
+        if gen.return_token_ids:
+            top["prompt_token_ids"] = list(gen.prompts[0].ids)
+        if gen.params.prompt_logprobs is not None:
+            top["prompt_logprobs"] = gen.prompt_logprobs(0)
+        return top
 
     @staticmethod
     def logprobs(gen: Generation, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
@@ -66,6 +83,19 @@ class ChatEndpoint:
         return {"content": content}
 
 
+def chat_options(req: ChatCompletionRequest) -> tuple[bool, bool, dict[str, Any]]:
+    """``(add_generation_prompt, continue_final_message, template variables)``
+    of a request (vLLM's semantics: setting both flags true is a 400; a
+    continued final message gets no generation prompt)."""
+    cont = bool(req.continue_final_message)
+    explicit_add = "add_generation_prompt" in req.model_fields_set and bool(req.add_generation_prompt)
+    if cont and explicit_add:
+        raise RequestError("'continue_final_message' and 'add_generation_prompt' cannot both be true", 400,
+                           param="continue_final_message")
+    add_gen = req.add_generation_prompt if req.add_generation_prompt is not None else True
+    return add_gen and not cont, cont, dict(req.chat_template_kwargs or {})
+
+
 async def chat(serving: OpenAIServing, request: Request, arrival: float) -> Response:
     req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
     serving.check_model(req.model)
@@ -77,9 +107,9 @@ async def chat(serving: OpenAIServing, request: Request, arrival: float) -> Resp
     explicit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     mml = serving.client.max_model_len
-    add_gen = req.add_generation_prompt if req.add_generation_prompt is not None else True
+    add_gen, cont, template_vars = chat_options(req)
     try:
-        tok = await serving.prompts.encode_chat(messages, add_gen, mml - (explicit or 1))
+        tok = await serving.prompts.encode_chat(messages, add_gen, mml - (explicit or 1), cont, template_vars)
     except RequestError:
         raise
     except Exception as exc:  # noqa: BLE001 - template errors are the caller's input

@@ -23,7 +23,12 @@ MAX_CHOICES = 1024
 
 
 class CompletionEndpoint:
-    """Renders completion choices; keeps each choice's ``text_offset``."""
+    """Renders completion choices; keeps each choice's ``text_offset``.
+
+    With ``echo`` the prompt leads each choice: in the first chunk on its
+    own, or -- with ``logprobs`` -- together with its prompt logprobs in the
+    choice's first delta (vLLM's shape: the first prompt token has ``null``
+    logprobs)."""
 
     object_full = "text_completion"
     object_chunk = "text_completion"
@@ -31,33 +36,90 @@ class CompletionEndpoint:
     def __init__(self, echo: bool, num_choices: int) -> None:
         self.echo = echo
         self.offsets = [0] * num_choices
+        self.started = [False] * num_choices
 
     def head(self, gen: Generation) -> list[dict[str, Any]]:
-        if not self.echo:
+        if not self.echo or gen.want_logprobs:
             return []
         return [{"index": s.index, "text": gen.echo_text(s.prompt_index), "logprobs": None, "finish_reason": None}
                 for s in gen.states]
 
     def delta(self, gen: Generation, ev: OutputEvent) -> dict[str, Any] | None:
-        if not ev.text and not ev.logprobs and ev.finish_reason is None:
+        first = not self.started[ev.index]
+        self.started[ev.index] = True
+        p_idx = gen.states[ev.index].prompt_index
+        text = ev.text
+        lp = self.logprobs(gen, ev.index, ev.logprobs) if gen.want_logprobs and ev.logprobs else None
+        if first and self.echo and gen.want_logprobs:
+            text = gen.echo_text(p_idx) + text
+            lp = self.prompt_part(gen, ev.index, p_idx, ev.logprobs)
+        extras = first and (gen.return_token_ids or gen.params.prompt_logprobs is not None)
+        if not text and not lp and ev.finish_reason is None and not extras and not (
+                gen.return_token_ids and ev.token_ids):
             return None
-        return {
-            "index": ev.index,
-            "text": ev.text,
-            "logprobs": self.logprobs(gen, ev.index, ev.logprobs) if gen.want_logprobs and ev.logprobs else None,
-            "finish_reason": ev.finish_reason,
-        }
+        c: dict[str, Any] = {"index": ev.index, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
+        self._extras(gen, c, p_idx, list(ev.token_ids), first)
+        return c
 
     def full(self, gen: Generation, res: ChoiceResult) -> dict[str, Any]:
         text = "".join(res.text)
+        lp = None
         if self.echo:
             text = gen.echo_text(res.prompt_index) + text
-        return {
-            "index": res.index,
-            "text": text,
-            "logprobs": self.logprobs(gen, res.index, res.logprobs) if gen.want_logprobs else None,
-            "finish_reason": res.finish_reason,
-        }
+        if gen.want_logprobs:
+            lp = (self.prompt_part(gen, res.index, res.prompt_index, res.logprobs) if self.echo
+                  else self.logprobs(gen, res.index, res.logprobs))
+        c: dict[str, Any] = {"index": res.index, "text": text, "logprobs": lp, "finish_reason": res.finish_reason}
+        self._extras(gen, c, res.prompt_index, res.token_ids, True)
+        return c
+
+    def top_fields(self, gen: Generation, first_chunk: bool) -> dict[str, Any]:
+        return {}
+
+    @staticmethod
+    def _extras(gen: Generation, c: dict[str, Any], p_idx: int, token_ids: list[int], first: bool) -> None:
+        """vLLM's per-choice ``prompt_token_ids`` / ``token_ids``
+        (``return_token_ids``) and ``prompt_logprobs`` (once per choice)."""
+        if gen.return_token_ids:
+            if first:
+                c["prompt_token_ids"] = list(gen.prompts[p_idx].ids)
+            c["token_ids"] = token_ids
+        if first and gen.params.prompt_logprobs is not None:
+            c["prompt_logprobs"] = gen.prompt_logprobs(p_idx)
+
+    def prompt_part(self, gen: Generation, index: int, p_idx: int, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """Logprobs of the echoed prompt (``null`` for its first token, and
+        for every token if the engine sent none), then of ``lps``."""
+        k = gen.params.logprobs or 0
+        tok = gen.token_text
+        ids = gen.prompts[p_idx].ids
+        state = gen.states[index]
+        plps = state.prompt_logprobs or ()
+        tokens: list[str] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        off = 0
+        for i, tid in enumerate(ids):
+            t = tok(tid)
+            lp = plps[i - 1] if 0 < i <= len(plps) else None
+            tokens.append(t)
+            offsets.append(off)
+            off += len(t)
+            if lp is None:
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            token_lps.append(json_logprob(lp.logprob))
+            top: dict[str, float] = {}
+            for alt, v in lp.top[:k]:
+                top.setdefault(tok(alt), json_logprob(v))
+            top.setdefault(t, json_logprob(lp.logprob))
+            tops.append(top)
+        self.offsets[index] = off
+        rest = self.logprobs(gen, index, lps)
+        return {"tokens": tokens + rest["tokens"], "token_logprobs": token_lps + rest["token_logprobs"],
+                "top_logprobs": tops + rest["top_logprobs"], "text_offset": offsets + rest["text_offset"]}
 
     def logprobs(self, gen: Generation, index: int, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
         k = gen.params.logprobs or 0
@@ -85,9 +147,6 @@ async def completions(serving: OpenAIServing, request: Request, arrival: float) 
     serving.check_ready()
     if req.suffix:
         raise RequestError("'suffix' is not supported", 400, param="suffix")
-    if req.echo and req.logprobs is not None:
-        raise RequestError("'echo' together with 'logprobs' is not supported (no prompt logprobs)", 400,
-                           param="echo")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     params = serving.params(req, max_tokens, req.logprobs)
     prompts = await _prompts(serving, req, max_tokens)

@@ -99,6 +99,8 @@ class OpenAIServing:
         assert self.outputs is not None  # check_ready() passed: the tokenizer is set
         gen = Generation(self.config, self.client, self.outputs, req.request_id or f"{prefix}-{uuid.uuid4().hex}",
                          prompts, params, self.model_name)
-        gen.submit(arrival)
         so = req.stream_options
+        gen.return_token_ids = bool(req.return_token_ids)
+        gen.continuous_usage = bool(req.stream and so and so.continuous_usage_stats)
+        gen.submit(arrival)
         return await respond(request, gen, endpoint, bool(req.stream), bool(req.stream and so and so.include_usage))

@@ -69,12 +69,14 @@ class ChoiceResult:
     prompt_index: int
     text: list[str] = attrs.field(factory=list)
     logprobs: list[TokenLogprob] = attrs.field(factory=list)
+    token_ids: list[int] = attrs.field(factory=list)
     finish_reason: str | None = None
 
     def add(self, ev: OutputEvent) -> None:
         if ev.text:
             self.text.append(ev.text)
         self.logprobs.extend(ev.logprobs)
+        self.token_ids.extend(ev.token_ids)
         if ev.finish_reason is not None:
             self.finish_reason = ev.finish_reason
 
@@ -93,6 +95,11 @@ class Endpoint(Protocol):
 
     def full(self, gen: Generation, res: ChoiceResult) -> dict[str, Any]:
         """One choice of the non-streaming body."""
+
+    def top_fields(self, gen: Generation, first_chunk: bool) -> dict[str, Any]:
+        """Response-level fields beyond the standard ones (chat's
+        ``prompt_token_ids`` / ``prompt_logprobs``): of the body, or
+        (``first_chunk``) of the first SSE chunk."""
 
 
 class Generation:
@@ -119,6 +126,10 @@ class Generation:
         self.sink: asyncio.Queue[tuple[Any, Any]] = asyncio.Queue()
         self.states: list[ChoiceState] = []
         self.handles: list[RequestHandle] = []
+        #: vLLM's return_token_ids: prompt and completion token ids in the reply
+        self.return_token_ids = False
+        #: stream_options.continuous_usage_stats: usage so far on every chunk
+        self.continuous_usage = False
 
     @property
     def want_logprobs(self) -> bool:
@@ -199,6 +210,28 @@ class Generation:
     def token_text(self, token_id: int) -> str:
         return self.outputs.token_text(token_id)
 
+    def prompt_logprobs(self, prompt_index: int) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs`` of one prompt (``None`` unless asked):
+        ``None`` for the first token, then per token
+        ``{token_id: {logprob, rank, decoded_token}}`` for the prompt token
+        and the top alternatives."""
+        k = self.params.prompt_logprobs
+        if k is None:
+            return None
+        lps = next((s.prompt_logprobs for s in self.states
+                    if s.prompt_index == prompt_index and s.prompt_logprobs is not None), None)
+        if lps is None:
+            return None
+        tok = self.token_text
+        out: list[dict[str, Any] | None] = [None]
+        for lp in lps:
+            d = {str(lp.token_id): {"logprob": json_logprob(lp.logprob), "rank": lp.rank,
+                                    "decoded_token": tok(lp.token_id)}}
+            for rank, (tid, v) in enumerate(lp.top[:k], 1):
+                d.setdefault(str(tid), {"logprob": json_logprob(v), "rank": rank, "decoded_token": tok(tid)})
+            out.append(d)
+        return out
+
     def echo_text(self, prompt_index: int) -> str:
         p = self.prompts[prompt_index]
         if p.text is None:
@@ -220,13 +253,15 @@ async def watch(request: Request, sink: asyncio.Queue[tuple[Any, Any]], timeout:
         sink.put_nowait((None, TimedOut()))
 
 
-def usage_body(u: Usage) -> dict[str, Any]:
-    return {
+def usage_body(u: Usage, details: bool = True) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
+    if details:
+        body["prompt_tokens_details"] = {"cached_tokens": u.cached_tokens}
+    return body
 
 
 async def respond(request: Request, gen: Generation, endpoint: Endpoint, stream: bool,
@@ -253,6 +288,7 @@ async def respond(request: Request, gen: Generation, endpoint: Endpoint, stream:
             "choices": [endpoint.full(gen, r) for r in results],
             "usage": usage_body(gen.usage()),
             "system_fingerprint": None,
+            **endpoint.top_fields(gen, False),
         })
     try:
         first = await agen.__anext__()  # an error before any output -> a plain HTTP error
@@ -263,7 +299,8 @@ async def respond(request: Request, gen: Generation, endpoint: Endpoint, stream:
                                lambda: gen.abort("client disconnected"))
 
 
-def _chunk(gen: Generation, endpoint: Endpoint, choices: list[dict[str, Any]], include_usage: bool) -> bytes:
+def _chunk(gen: Generation, endpoint: Endpoint, choices: list[dict[str, Any]], include_usage: bool,
+           top: dict[str, Any] | None = None) -> bytes:
     body = {
         "id": gen.id,
         "object": endpoint.object_chunk,
@@ -271,7 +308,11 @@ def _chunk(gen: Generation, endpoint: Endpoint, choices: list[dict[str, Any]], i
         "model": gen.model,
         "choices": choices,
     }
-    if include_usage:
+    if top:
+        body.update(top)
+    if gen.continuous_usage:  # vLLM: the usage so far on every chunk
+        body["usage"] = usage_body(gen.usage(), details=False)
+    elif include_usage:
         body["usage"] = None
     return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
 
@@ -280,14 +321,20 @@ async def _sse(gen: Generation, endpoint: Endpoint, agen: AsyncIterator[list[Out
                first: list[OutputEvent], include_usage: bool) -> AsyncIterator[bytes]:
     try:
         head = endpoint.head(gen)
+        top: dict[str, Any] | None = endpoint.top_fields(gen, True)
         if head:
-            yield _chunk(gen, endpoint, head, include_usage)
+            yield _chunk(gen, endpoint, head, include_usage, top)
+            top = None
         batch: Sequence[OutputEvent] | None = first
         try:
             while batch is not None:
                 # one chunk per choice event keeps clients that read choices[0] correct
-                out = [_chunk(gen, endpoint, [c], include_usage) for ev in batch
-                       if (c := endpoint.delta(gen, ev)) is not None]
+                out = []
+                for ev in batch:
+                    c = endpoint.delta(gen, ev)
+                    if c is not None:
+                        out.append(_chunk(gen, endpoint, [c], include_usage, top))
+                        top = None
                 if out:
                     yield b"".join(out)
                 try:

@@ -74,11 +74,14 @@ class PromptTokenizer:
         off the loop when the texts together are long."""
         return await self._run(sum(len(t) for t in texts), self._encode, texts, add_special_tokens, limit)
 
-    async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          limit: int) -> Tokenized:
-        """Render the chat template, then encode it (no BOS added)."""
+    async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, limit: int,
+                          continue_final_message: bool = False,
+                          template_vars: dict[str, Any] | None = None) -> Tokenized:
+        """Render the chat template (see :func:`render_chat`), then encode
+        it (no BOS added)."""
         size = sum(len(m.get("content") or "") for m in messages)
-        return await self._run(size, self._encode_chat, messages, add_generation_prompt, limit)
+        return await self._run(size, self._encode_chat, messages, add_generation_prompt, limit,
+                               continue_final_message, template_vars or {})
 
     async def _run(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
         if size <= INLINE_CHARS:
@@ -104,9 +107,34 @@ class PromptTokenizer:
             del ids
         return out
 
-    def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                     limit: int) -> Tokenized:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, limit: int,
+                     continue_final_message: bool, template_vars: dict[str, Any]) -> Tokenized:
+        text = render_chat(self.tokenizer, messages, add_generation_prompt, continue_final_message, template_vars)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         n = len(ids)
         return Tokenized(ids if n <= limit else None, n)
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                continue_final_message: bool = False, template_vars: dict[str, Any] | None = None) -> str:
+    """The chat template rendered over ``messages`` (vLLM's semantics).
+
+    ``continue_final_message``: the prompt ends inside the last message
+    (rendered without a generation prompt, cut right after that message's
+    content), so the model continues it, e.g. a prefilled assistant answer.
+    Raises :class:`ValueError` when the template does not show the last
+    message's content.
+    """
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt and
+                                         not continue_final_message, **(template_vars or {}))
+    if not continue_final_message:
+        return text
+    final = messages[-1].get("content") or ""
+    core = final.strip()
+    if not core or core not in text:
+        raise ValueError("continue_final_message is set, but the last message's content does not appear in the "
+                         "rendered chat (an empty last message cannot be continued)")
+    at = text.rindex(core)
+    keep = final.lstrip()  # the template kept the message's trailing spaces: keep them too
+    end = at + len(keep) if text[at:at + len(keep)] == keep else at + len(core)
+    return text[:end]
