@@ -64,6 +64,18 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                         "with its own batch policy, KV cache and --num-threads threads (default 1)")
     k.add_argument("--dp-local-scheduler",
                    help="with --scheduler dp: the batch policy every replica runs, v1 (default) or v0")
+    k.add_argument("--dp-backend", choices=("local", "redis"),
+                   help="with --scheduler dp: local (this node's replicas, default) or redis (a global queue "
+                        "shared by every node on --redis-url)")
+    k.add_argument("--redis-url", help="with --dp-backend redis: the Redis of the global queue, redis://HOST:PORT")
+    k.add_argument("--dp-cluster", help="with --dp-backend redis: the cluster's name; keys are fdx:<name>:... "
+                                        "(default 'default')")
+    k.add_argument("--dp-instance-name", help="with --dp-backend redis: this node's name (default HOST:PORT)")
+    k.add_argument("--dp-request-ttl", type=float,
+                   help="with --dp-backend redis: seconds a request may wait in the queue for an instance (default 900)")
+    k.add_argument("--dp-capacity", type=int,
+                   help="with --dp-backend redis: requests this node takes from the queue at once (default "
+                        "--max-num-seqs x --data-parallel-size; 0: a front end that runs none)")
     k.add_argument("--token-processor", help="token processor plugin (default 'default')")
     k.add_argument("--cache-backend", help="cache backend plugin for the KV storage tier (default: none)")
     k.add_argument("--cache-backend-config", help="JSON object passed to the cache backend")

@@ -94,6 +94,19 @@ class EngineConfig:
     dp_local_scheduler: str = "v1"
     #: this engine's replica (set by the launcher for each dp engine)
     dp_rank: int = attrs.field(default=0, validator=_non_negative)
+    #: ``--scheduler dp``: ``local`` (this node's replicas) or ``redis`` (a
+    #: global queue across nodes, fdx/server/dp_global_queue.py)
+    dp_backend: str = "local"
+    redis_url: str | None = None
+    #: Redis keys are ``fdx:<dp_cluster>:...``
+    dp_cluster: str = "default"
+    #: the node's name in the cluster (default ``HOST:PORT``)
+    dp_instance_name: str | None = None
+    #: seconds a queued request may wait for an instance to pick it up
+    dp_request_ttl: float = attrs.field(default=900.0, validator=_positive)
+    #: requests this node takes from the queue at once (default
+    #: ``max_num_seqs * data_parallel_size``; 0: a front end only)
+    dp_capacity: int | None = attrs.field(default=None, validator=attrs.validators.optional(_non_negative))
     token_processor: str = "default"
     cache_backend: str | None = None
     cache_backend_config: dict[str, Any] = attrs.field(factory=dict)
@@ -163,6 +176,10 @@ def make_config(**kwargs: Any) -> EngineConfig:
         raise ConfigError(str(exc)) from None
     if cfg.data_parallel_size > 1 and cfg.scheduler != "dp":
         raise ConfigError(f"--data-parallel-size {cfg.data_parallel_size} needs --scheduler dp")
+    if cfg.dp_backend not in ("local", "redis"):
+        raise ConfigError(f"--dp-backend must be local or redis, got {cfg.dp_backend!r}")
+    if cfg.dp_backend == "redis" and (cfg.scheduler != "dp" or not cfg.redis_url):
+        raise ConfigError("--dp-backend redis needs --scheduler dp and --redis-url redis://HOST:PORT")
     if cfg.dp_local_scheduler == "dp":
         raise ConfigError("--dp-local-scheduler must name a batch policy (v1, v0, ...), not dp")
     if cfg.max_num_batched_tokens < cfg.block_size:

@@ -104,8 +104,17 @@ def main() -> None:
         from fdx.server.dp_client import ReplicaSet
         from fdx.server.metrics import Metrics
 
-        client = ReplicaSet(config, [sd.paths for sd in sides], hook=plugins.hook, sides=sides)
-        client.metrics = Metrics(config.model_name, lambda: client.stats, client.replica_stats)
+        replicas = ReplicaSet(config, [sd.paths for sd in sides], hook=plugins.hook, sides=sides)
+        replicas.metrics = Metrics(config.model_name, lambda: replicas.stats, replicas.replica_stats)
+        client = replicas
+        if config.dp_backend == "redis":  # the node joins the Redis global queue (fdx/server/dp_global_queue.py)
+            try:
+                from fdx.server.dp_global_queue import GlobalQueueClient
+
+                client = GlobalQueueClient(config, replicas)
+            except ImportError as exc:
+                board.failed(f"--dp-backend redis needs the redis package (pip install 'fdx[redis]'): {exc}")
+                sys.exit(1)
     else:
         client = EngineClient(config, paths, hook=plugins.hook, side=side)
 

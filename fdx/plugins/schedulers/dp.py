@@ -45,7 +45,7 @@ def replica_config(config: EngineConfig, rank: int) -> EngineConfig:
     one replica, its rank."""
     if not is_dp(config):
         return config
-    return config.replace(scheduler=config.dp_local_scheduler, data_parallel_size=1, dp_rank=rank)
+    return config.replace(scheduler=config.dp_local_scheduler, data_parallel_size=1, dp_rank=rank, dp_backend="local")
 
 
 def replica_paths(paths: IpcPaths, config: EngineConfig) -> list[IpcPaths]:

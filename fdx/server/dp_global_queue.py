@@ -1,0 +1,787 @@
+"""The dp global queue across machines: ``--dp-backend redis`` (FastDeploy's global scheduler).
+
+Every node runs ``fdx serve --scheduler dp --dp-backend redis --redis-url
+redis://HOST:PORT`` (N local replicas allowed).  In each API process a
+:class:`GlobalQueueClient` wraps the node's :class:`~fdx.server.dp_client.ReplicaSet`
+and offers the same surface to the app, playing two parts:
+
+* **origin** (the API holding the client connection): every accepted
+  engine request goes into Redis (:data:`ENQUEUE`, which puts it on the
+  least-loaded instance's queue) and waits there; its outputs come back on
+  this origin's output list, one ``RPUSH`` per step batch, and go to the
+  request's sink;
+* **instance** (the node's replicas as one worker): it registers itself,
+  heartbeats (a key with a TTL) and publishes its load in a ZSET; while it
+  holds fewer than ``--dp-capacity`` requests it pulls from its own queue,
+  and steals from the busiest queue when its own is empty (:data:`PICK`,
+  one atomic Lua script: a request is taken by exactly one instance); it
+  runs them on its replicas and pushes their outputs to each origin's list
+  (outputs of its own requests go straight to the sink, no Redis).
+
+Invariants:
+
+* each handle gets exactly one terminal item: outputs carry the request's
+  key, which names one attempt; outputs of an older attempt are dropped;
+* a request whose instance dies (its heartbeat key expired) or whose
+  replica failed is queued again (a new attempt) when none of its tokens
+  reached the sink, else it ends with a 503 error event;
+* a request nobody picks up within ``--dp-request-ttl`` seconds ends with
+  a 503 saying so (the origin's timer; the pick script also drops expired
+  entries), so nothing stays queued forever;
+* Redis unreachable: new requests get a 503 naming Redis; requests running
+  on this node finish (their outputs need no Redis); outputs of requests of
+  other nodes are kept and pushed when Redis answers again (for at most
+  :data:`OUTAGE_S`); requests queued in a Redis that lost its data are
+  queued again; everything resumes without a restart.
+
+Redis keys (``P`` = ``fdx:<--dp-cluster>``): see docs/DP.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any, Callable, Iterable
+
+import attrs
+
+from fdx.config import EngineConfig
+from fdx.core.errors import RequestError
+from fdx.core.messages import AbortRequest, AddRequest, OutputBatch, RequestOutput, SamplingParams, decode, encode
+from fdx.server.client import EngineUnavailable, RequestHandle, Sink, wire_error
+
+log = logging.getLogger("fdx.server")
+
+#: the queue of requests no live instance was there to take (any instance steals from it)
+ANY = "_any"
+#: how long a remote request's outputs are kept (worker) or waited for (origin) while Redis is away
+OUTAGE_S = 30.0
+PICK_BATCH = 8
+WAKE_WAIT_S = 0.25
+#: a picked request's hash lives at most this long (the origin deletes it when the request ends)
+PICKED_TTL_MS = 3_600_000
+
+_NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+
+#: ARGV: prefix, key, origin, AddRequest bytes, ttl_ms.  Puts the request on
+#: the queue of the least-loaded live instance ((held + queued) / capacity;
+#: ties: the origin itself), or on ``_any`` when none serves.  Returns the
+#: target, or false when the key exists (duplicate request id).
+ENQUEUE = _NOW + """
+local P, key, origin, blob, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local hk = P .. ':req:' .. key
+if redis.call('EXISTS', hk) == 1 then return false end
+local best, bestload = nil, nil
+local m = redis.call('ZRANGE', P .. ':instances', 0, -1, 'WITHSCORES')
+for i = 1, #m, 2 do
+  local id = m[i]
+  local cap = tonumber(redis.call('HGET', P .. ':capacity', id) or '0')
+  if cap > 0 and redis.call('EXISTS', P .. ':instance:' .. id) == 1 then
+    local load = (tonumber(m[i + 1]) + redis.call('LLEN', P .. ':queue:' .. id)) / cap
+    if best == nil or load < bestload or (load == bestload and id == origin) then best, bestload = id, load end
+  end
+end
+local target = best or '""" + ANY + """'
+redis.call('HSET', hk, 'add', blob, 'origin', origin, 'deadline', now + ttl)
+redis.call('PEXPIRE', hk, ttl + 60000)
+redis.call('RPUSH', P .. ':queue:' .. target, key)
+if best then
+  local wk = P .. ':wake:' .. target
+  redis.call('RPUSH', wk, '1'); redis.call('LTRIM', wk, -4, -1); redis.call('PEXPIRE', wk, 60000)
+end
+return target
+"""
+
+#: ARGV: prefix, me, n, picked_ttl_ms.  Takes up to n requests from my queue;
+#: when it is empty, steals from the longest other queue (``_any``
+#: included; at most half of another instance's queue).  Entries whose hash
+#: is gone (aborted, lost) are skipped, expired ones dropped.  Marks each
+#: taken request's hash ``owner = me`` and adds it to my processing set.
+#: Returns a flat list: key, origin, AddRequest bytes, ...
+PICK = _NOW + """
+local P, me, n, keep = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local out = {}
+local function take(q, limit)
+  local got = 0
+  while got < limit do
+    local key = redis.call('LPOP', q)
+    if not key then return end
+    local hk = P .. ':req:' .. key
+    local f = redis.call('HMGET', hk, 'add', 'origin', 'deadline')
+    if f[1] then
+      if tonumber(f[3]) < now then
+        redis.call('DEL', hk)
+      else
+        redis.call('HSET', hk, 'owner', me)
+        redis.call('PEXPIRE', hk, keep)
+        redis.call('SADD', P .. ':processing:' .. me, key)
+        table.insert(out, key); table.insert(out, f[2]); table.insert(out, f[1])
+        got = got + 1
+      end
+    end
+  end
+end
+take(P .. ':queue:' .. me, n)
+if #out == 0 then
+  local best, bestlen = nil, 0
+  local cands = redis.call('ZRANGE', P .. ':instances', 0, -1)
+  table.insert(cands, '""" + ANY + """')
+  for _, id in ipairs(cands) do
+    if id ~= me then
+      local l = redis.call('LLEN', P .. ':queue:' .. id)
+      if l > bestlen then best, bestlen = id, l end
+    end
+  end
+  if best then
+    local limit = n
+    if best ~= '""" + ANY + """' then limit = math.min(n, math.max(1, math.floor(bestlen / 2))) end
+    take(P .. ':queue:' .. best, limit)
+  end
+end
+return out
+"""
+
+#: ARGV: prefix, id, force.  Takes instance ``id`` out of the load ZSET and
+#: moves its queue to ``_any``: when forced (it pauses or stops) or when
+#: its heartbeat key has expired (it died).  Without an id: every dead
+#: instance in the ZSET.  Returns how many queued requests moved.
+RELEASE = """
+local P, only, force = ARGV[1], ARGV[2], ARGV[3] == '1'
+local ids = {}
+if only ~= '' then ids = {only} else ids = redis.call('ZRANGE', P .. ':instances', 0, -1) end
+local moved = 0
+for _, id in ipairs(ids) do
+  if force or redis.call('EXISTS', P .. ':instance:' .. id) == 0 then
+    redis.call('ZREM', P .. ':instances', id)
+    redis.call('HDEL', P .. ':capacity', id)
+    while redis.call('LMOVE', P .. ':queue:' .. id, P .. ':queue:""" + ANY + """', 'LEFT', 'RIGHT') do
+      moved = moved + 1
+    end
+    if not force then redis.call('DEL', P .. ':processing:' .. id) end
+  end
+end
+return moved
+"""
+
+#: ARGV: prefix, key, AbortRequest bytes, known owner ('' if none).  Deletes
+#: the request (a queued entry is then skipped by PICK) and, when an
+#: instance holds it, sends it the abort.  Returns the owner or false.
+ABORT = """
+local P, key, blob, known = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local hk = P .. ':req:' .. key
+local owner = redis.call('HGET', hk, 'owner') or known
+redis.call('DEL', hk)
+if owner and owner ~= '' then
+  redis.call('RPUSH', P .. ':ctl:' .. owner, blob); redis.call('PEXPIRE', P .. ':ctl:' .. owner, 60000)
+  redis.call('RPUSH', P .. ':wake:' .. owner, '1'); redis.call('LTRIM', P .. ':wake:' .. owner, -4, -1)
+  return owner
+end
+return false
+"""
+
+#: ARGV: prefix, key.  The TTL ran out at the origin: delete the request if
+#: no instance took it.  Returns the owner (then it runs) or false (deleted).
+EXPIRE = """
+local hk = ARGV[1] .. ':req:' .. ARGV[2]
+local owner = redis.call('HGET', hk, 'owner')
+if owner then return owner end
+redis.call('DEL', hk)
+return false
+"""
+
+
+@attrs.define(eq=False)
+class Remote:
+    """One engine request of this origin, somewhere in the cluster."""
+
+    handle: RequestHandle
+    add: AddRequest  # with request_id = the current attempt's key
+    deadline: float  # time.monotonic() by which an instance must have taken it
+    attempt: int = 0
+    owner: str | None = None  # the instance that took the current attempt
+    enqueued: bool = False  # the current attempt is in Redis
+    delivered: bool = False  # a token of it reached the sink
+    owner_missing_since: float | None = None
+    done: bool = False
+
+    @property
+    def key(self) -> str:
+        return self.add.request_id
+
+
+@attrs.define(eq=False)
+class Work:
+    """One request this instance took from the queue."""
+
+    key: str
+    origin: str
+    handle: RequestHandle | None = None
+
+
+def request_key(request_id: str, attempt: int) -> str:
+    """The Redis key of an attempt (the id the running engine sees)."""
+    return request_id if attempt == 0 else f"{request_id}#retry{attempt}"
+
+
+def instance_id(config: EngineConfig) -> str:
+    """This API process's instance id: ``--dp-instance-name`` (default
+    ``HOST:PORT``) plus an incarnation suffix, so that a restarted node is
+    a new instance (the old one's requests are not believed held)."""
+    name = config.dp_instance_name or f"{socket.gethostname()}:{config.port}"
+    return f"{name}~{uuid.uuid4().hex[:8]}"
+
+
+class GlobalQueueClient:
+    """``EngineClient``'s surface over the Redis global queue and this
+    node's replicas (see the module doc)."""
+
+    def __init__(self, config: EngineConfig, replicas: Any, redis_factory: Callable[..., Any] | None = None) -> None:
+        import redis.asyncio as aioredis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self.config = config
+        self.replicas = replicas
+        self.id = instance_id(config)
+        self.prefix = f"fdx:{config.dp_cluster}"
+        self.capacity = (config.dp_capacity if config.dp_capacity is not None
+                         else config.max_num_seqs * config.data_parallel_size)
+        self.ttl = config.dp_request_ttl
+        factory = redis_factory or aioredis.Redis.from_url
+        common = dict(socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 1), health_check_interval=5)
+        self.r = factory(config.redis_url, socket_timeout=2.0, **common)
+        # blocking reads each on their own connection
+        self.r_out = factory(config.redis_url, socket_timeout=WAKE_WAIT_S + 3.0, **common)
+        self.r_wake = factory(config.redis_url, socket_timeout=WAKE_WAIT_S + 3.0, **common)
+        self._enqueue = self.r.register_script(ENQUEUE)
+        self._pick = self.r.register_script(PICK)
+        self._release = self.r.register_script(RELEASE)
+        self._abort = self.r.register_script(ABORT)
+        self._expire = self.r.register_script(EXPIRE)
+        self.redis_error: str | None = "not connected yet"
+        self._down_since: float | None = time.monotonic()
+        self.registered = False
+        self.pending: dict[str, Remote] = {}  # by the API's request id
+        self.by_key: dict[str, Remote] = {}
+        self.work: dict[str, Work] = {}
+        self._wsink: Sink = asyncio.Queue()
+        self._unsent: dict[str, list[tuple[float, bytes]]] = {}  # origin -> outputs waiting for Redis
+        self._ended: list[str] = []  # origin: keys of ended requests, their hashes to delete
+        self._finished: list[str] = []  # instance: keys of picked requests that ended, to drop from processing
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        self.on_failure = replicas.on_failure
+        self.on_ready = replicas.on_ready
+
+    # -- the EngineClient surface (the rest is the replicas') ----------------
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.replicas, name)
+
+    @property
+    def metrics(self) -> Any:
+        return self.replicas.metrics
+
+    @metrics.setter
+    def metrics(self, m: Any) -> None:
+        self.replicas.metrics = m
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.replicas.alive)
+
+    async def start(self) -> None:
+        await self.replicas.start()
+        loop = asyncio.get_running_loop()
+        for coro in (self._heartbeat_loop(), self._output_loop(), self._worker_loop(), self._forward_loop(),
+                     self._reconcile_loop()):
+            t = loop.create_task(coro)
+            self._tasks.add(t)
+
+    async def close(self, shutdown_engine: bool = True, reason: str = "server shutting down") -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._fail_remote(f"request aborted: {reason}")
+        try:  # leave the cluster at once: our queue to the others, our key gone
+            await asyncio.wait_for(self._leave(), 2.0)
+        except Exception:  # noqa: BLE001 - Redis away: the key expires by itself
+            pass
+        await self.replicas.close(shutdown_engine, reason)
+        for c in (self.r, self.r_out, self.r_wake):
+            try:
+                await c.aclose()
+            except Exception:  # noqa: BLE001
+                pass
+
+    async def _leave(self) -> None:
+        await self._release(args=[self.prefix, self.id, "1"])
+        await self.r.delete(self._k("instance", self.id))
+
+    def unavailable_reason(self) -> str | None:
+        reason = self.replicas.unavailable_reason()
+        if reason is not None:
+            return reason
+        if self.redis_error is not None:
+            return (f"the dp global queue is unavailable: Redis at {self.config.redis_url} does not answer "
+                    f"({self.redis_error}); new requests are refused until it is back")
+        return None
+
+    def check_available(self) -> None:
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise EngineUnavailable(reason)
+
+    @property
+    def num_live(self) -> int:
+        return len(self.pending)
+
+    def live_requests(self) -> dict[str, RequestHandle]:
+        return {rid: r.handle for rid, r in self.pending.items()}
+
+    @property
+    def _live(self) -> dict[str, RequestHandle]:  # read by fdx.server.control's id mapping
+        return self.live_requests()
+
+    def num_waiting(self) -> int:
+        return sum(1 for r in self.pending.values() if r.handle.first_token_time is None)
+
+    def submit(self, request_id: str, prompt_token_ids: Iterable[int], params: SamplingParams, arrival: float,
+               sink: Sink | None = None, tag: Any = None) -> RequestHandle:
+        self.check_available()
+        if self._closed:
+            raise EngineUnavailable("server shutting down")
+        if request_id in self.pending:
+            raise RequestError(f"duplicate request id {request_id!r}", 400, param="request_id")
+        ids = tuple(prompt_token_ids)
+        add = AddRequest(request_id, ids, params, arrival)
+        try:
+            encode(add)
+        except Exception:  # noqa: BLE001 - a value msgpack cannot carry
+            raise wire_error(add) from None
+        h = RequestHandle(request_id, len(ids), params, arrival, sink if sink is not None else asyncio.Queue(), tag,
+                          prompt=ids)
+        r = Remote(h, add, time.monotonic() + self.ttl)
+        self.pending[request_id] = r
+        self.by_key[r.key] = r
+        self._spawn(self._send(r))
+        return h
+
+    def finish(self, handle: RequestHandle, reason: str = "stop") -> None:
+        self._drop([handle], "stop string")
+
+    def abort(self, handles: Iterable[RequestHandle], reason: str = "client disconnected") -> None:
+        self._drop(handles, reason)
+
+    def fail_pending(self, message: str) -> None:
+        self._fail_remote(message)
+        self.replicas.fail_pending(message)
+
+    async def call(self, method: str, args: dict[str, Any] | None = None, timeout: float = 30.0) -> Any:
+        """Control methods act on this node's replicas; a paused node takes
+        no work from the queue (it leaves the load ZSET)."""
+        result = await self.replicas.call(method, args, timeout)
+        if method == "pause":
+            try:
+                await self._release(args=[self.prefix, self.id, "1"])
+            except Exception as exc:  # noqa: BLE001
+                self._redis_failed(exc)
+        return result
+
+    @property
+    def paused(self) -> bool:
+        return bool(getattr(self.replicas, "_paused", False))
+
+    # -- origin ----------------------------------------------------------------
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    async def _send(self, r: Remote) -> None:
+        """Put the current attempt of ``r`` into Redis."""
+        if r.done:
+            return
+        try:
+            target = await self._enqueue(args=[self.prefix, r.key, self.id, encode(r.add), int(self.ttl * 1000)])
+        except Exception as exc:  # noqa: BLE001
+            self._redis_failed(exc)
+            self._end(r, EngineUnavailable(self.unavailable_reason() or f"cannot queue the request: {exc}"))
+            return
+        if r.done:  # ended meanwhile (client gone): take it out again
+            await self._abort_remote(r.key, None, "client disconnected")
+            return
+        if target is None:
+            self._end(r, RequestError(f"duplicate request id {r.handle.request_id!r} (in the dp global queue)", 400,
+                                      param="request_id"))
+            return
+        r.enqueued = True
+
+    def _drop(self, handles: Iterable[RequestHandle], reason: str) -> None:
+        for h in handles:
+            r = self.pending.get(h.request_id)
+            if r is None or r.handle is not h or r.done:
+                continue
+            self._forget(r)
+            self._spawn(self._abort_remote(r.key, r.owner, reason))
+
+    async def _abort_remote(self, key: str, owner: str | None, reason: str) -> None:
+        if owner == self.id or (owner is None and key in self.work):
+            self._abort_local([key], reason)
+        try:
+            await self._abort(args=[self.prefix, key, encode(AbortRequest((key,), reason)), owner or ""])
+        except Exception as exc:  # noqa: BLE001
+            self._redis_failed(exc)
+
+    def _forget(self, r: Remote) -> None:
+        r.done = True
+        r.handle.done = True
+        self.pending.pop(r.handle.request_id, None)
+        self.by_key.pop(r.key, None)
+
+    def _end(self, r: Remote, item: Any) -> None:
+        if r.done:
+            return
+        self._forget(r)
+        self._ended.append(r.key)
+        r.handle.sink.put_nowait((r.handle, item))
+
+    def _retry_or_fail(self, r: Remote, why: str) -> None:
+        """The attempt's instance or replica failed: queue it again when no
+        token reached the sink, else end it with a 503 error event."""
+        if r.done:
+            return
+        old = r.key
+        self._ended.append(old)
+        if r.delivered:
+            self._end(r, EngineUnavailable(f"engine unavailable: {why}"))
+            return
+        if time.monotonic() > r.deadline:
+            self._end(r, EngineUnavailable(self._ttl_message()))
+            return
+        self.by_key.pop(old, None)
+        r.attempt += 1
+        r.add = attrs.evolve(r.add, request_id=request_key(r.handle.request_id, r.attempt))
+        r.owner, r.enqueued, r.owner_missing_since = None, False, None
+        self.by_key[r.key] = r
+        log.warning("request %s queued again (attempt %d) before any token: %s", r.handle.request_id, r.attempt, why)
+        self._spawn(self._send(r))
+
+    def _ttl_message(self) -> str:
+        return (f"no dp instance picked the request up within --dp-request-ttl {self.ttl:g}s "
+                "(all instances busy, paused or gone)")
+
+    def _deliver(self, owner: str | None, outputs: Iterable[RequestOutput]) -> None:
+        now = time.time()
+        for out in outputs:
+            r = self.by_key.get(out.request_id)
+            if r is None or r.done:
+                continue  # an older attempt, or a request already ended here
+            if owner is not None:
+                r.owner = owner
+            h = r.handle
+            if out.finish_reason is not None and out.finish_reason not in ("stop", "length") and out.error_code == 503:
+                self._retry_or_fail(r, out.error or "the dp instance failed")
+                continue
+            if out.new_token_ids:
+                r.delivered = True
+                if h.first_token_time is None:
+                    h.first_token_time = now
+                h.last_token_time = now
+            h.num_output_tokens = max(h.num_output_tokens, out.num_output_tokens)
+            h.num_cached_tokens = max(h.num_cached_tokens, out.num_cached_tokens)
+            if out.finish_reason is not None:
+                self._end(r, out)
+            else:
+                h.sink.put_nowait((h, out))
+
+    async def _output_loop(self) -> None:
+        """This origin's output list -> the sinks (one BLPOP, then the rest)."""
+        key = self._k("out", self.id)
+        while True:
+            try:
+                got = await self.r_out.blpop([key], timeout=1)
+                if got is None:
+                    continue
+                blobs = [got[1]]
+                more = await self.r_out.lpop(key, 256)
+                blobs.extend(more or ())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                self._redis_failed(exc)
+                await asyncio.sleep(0.2)
+                continue
+            for blob in blobs:
+                try:
+                    owner, _, data = blob.partition(b"\n")
+                    msg = decode(data)
+                    if isinstance(msg, OutputBatch):
+                        self._deliver(owner.decode(), msg.outputs)
+                except Exception:  # noqa: BLE001 - a garbled entry must not stop the loop
+                    log.exception("cannot decode an entry of the dp output list")
+
+    async def _reconcile_loop(self) -> None:
+        """Each heartbeat: learn who holds each pending request, queue again
+        what was lost or whose instance died, end what outlived the TTL."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval)
+            try:
+                await self._reconcile()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                self._redis_failed(exc)
+
+    async def _reconcile(self) -> None:
+        now = time.monotonic()
+        if self._down_since is not None and now - self._down_since > OUTAGE_S:
+            for r in list(self.pending.values()):
+                if r.owner != self.id:
+                    self._end(r, EngineUnavailable(f"engine unavailable: Redis at {self.config.redis_url} has been "
+                                                   f"unreachable for over {OUTAGE_S:g}s"))
+        if self._ended:
+            keys, self._ended = self._ended, []
+            try:
+                await self.r.delete(*(self._k("req", k) for k in keys))
+            except Exception:
+                self._ended.extend(keys)
+                raise
+        rs = [r for r in self.pending.values() if r.enqueued and not r.done]
+        if not rs:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for r in rs:
+            pipe.hmget(self._k("req", r.key), "add", "owner")
+        rows = await pipe.execute()
+        for r, (add, owner) in zip(rs, rows):
+            if owner is not None:
+                r.owner = owner.decode()
+        owners = sorted({r.owner for r in rs if r.owner is not None})
+        alive: dict[str, bool] = {}
+        if owners:
+            pipe = self.r.pipeline(transaction=False)
+            for o in owners:
+                pipe.exists(self._k("instance", o))
+            alive = dict(zip(owners, (bool(x) for x in await pipe.execute())))
+        grace = 2 * self.config.heartbeat_interval
+        for r, (add, _owner) in zip(rs, rows):
+            if r.done or not r.enqueued:
+                continue
+            if r.owner is not None:
+                if alive.get(r.owner, True) or r.owner == self.id:
+                    r.owner_missing_since = None
+                elif r.owner_missing_since is None:
+                    r.owner_missing_since = now
+                elif now - r.owner_missing_since > grace:
+                    self._retry_or_fail(r, f"dp instance {r.owner} died")
+                continue
+            if add is None:  # not taken and gone: lost with a Redis restart, or dropped as expired
+                self._retry_or_fail(r, "the queued request was lost by Redis")
+            elif now > r.deadline:
+                owner = await self._expire(args=[self.prefix, r.key])
+                if owner is None:
+                    self._end(r, EngineUnavailable(self._ttl_message()))
+                else:
+                    r.owner = owner.decode() if isinstance(owner, bytes) else str(owner)
+
+    def _fail_remote(self, message: str) -> None:
+        for r in list(self.pending.values()):
+            self._end(r, EngineUnavailable(message))
+
+    # -- instance ----------------------------------------------------------------
+
+    def _serving_locally(self) -> bool:
+        return self.capacity > 0 and not self.paused and self.replicas.unavailable_reason() is None
+
+    async def _heartbeat_loop(self) -> None:
+        info = json.dumps({"url": f"http://{self.config.host}:{self.config.port}", "pid": os.getpid(),
+                           "capacity": self.capacity, "replicas": self.config.data_parallel_size,
+                           "started": time.time()})
+        ttl_ms = int(self.config.heartbeat_timeout * 1000)
+        while True:
+            try:
+                pipe = self.r.pipeline(transaction=False)
+                pipe.set(self._k("instance", self.id), info, px=ttl_ms)
+                pipe.pexpire(self._k("out", self.id), 120_000)
+                serving = self._serving_locally()
+                if serving:
+                    pipe.hset(self._k("capacity"), self.id, self.capacity)
+                    pipe.zadd(self._k("instances"), {self.id: len(self.work)})
+                await pipe.execute()
+                if not serving:
+                    await self._release(args=[self.prefix, self.id, "1"])
+                await self._release(args=[self.prefix, "", "0"])  # reap the dead
+                self._redis_ok()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                self._redis_failed(exc)
+            await asyncio.sleep(self.config.heartbeat_interval)
+
+    def _redis_ok(self) -> None:
+        if self.redis_error is not None:
+            log.info("Redis at %s answers: the dp global queue serves", self.config.redis_url)
+        self.redis_error = None
+        self._down_since = None
+        self.registered = True
+
+    def _redis_failed(self, exc: BaseException) -> None:
+        import redis.exceptions
+
+        if not isinstance(exc, (redis.exceptions.RedisError, OSError, asyncio.TimeoutError)):
+            log.error("dp global queue error: %r", exc)
+            return
+        if self.redis_error is None:
+            log.error("Redis at %s is unavailable: %s", self.config.redis_url, exc)
+            self._down_since = time.monotonic()
+        self.redis_error = str(exc) or type(exc).__name__
+
+    async def _worker_loop(self) -> None:
+        """Pull while holding fewer than --dp-capacity requests; run the
+        aborts sent to this instance; wait for a wake-up or a short time."""
+        wake = self._k("wake", self.id)
+        ctl = self._k("ctl", self.id)
+        while True:
+            try:
+                picked = 0
+                free = self.capacity - len(self.work)
+                if free > 0 and self.redis_error is None and self._serving_locally():
+                    rows = await self._pick(args=[self.prefix, self.id, min(free, PICK_BATCH), PICKED_TTL_MS])
+                    for i in range(0, len(rows), 3):
+                        self._run(rows[i].decode(), rows[i + 1].decode(), rows[i + 2])
+                        picked += 1
+                aborts = await self.r.lpop(ctl, 64) if self.redis_error is None else None
+                for blob in aborts or ():
+                    msg = decode(blob)
+                    if isinstance(msg, AbortRequest):
+                        self._abort_local(msg.request_ids, msg.reason)
+                if not picked:
+                    if self.redis_error is None:
+                        await self.r_wake.blpop([wake], timeout=WAKE_WAIT_S)
+                    else:
+                        await asyncio.sleep(WAKE_WAIT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                self._redis_failed(exc)
+                await asyncio.sleep(WAKE_WAIT_S)
+
+    def _run(self, key: str, origin: str, blob: bytes) -> None:
+        """Run a picked request on this node's replicas."""
+        w = Work(key, origin)
+        self.work[key] = w
+        try:
+            add = decode(blob)
+            assert isinstance(add, AddRequest)
+            w.handle = self.replicas.submit(key, add.prompt_token_ids, add.params, add.arrival_time, self._wsink,
+                                            tag=w)
+        except RequestError as exc:  # replicas down just now (503: queued again), or the request is bad
+            self._forward(w, [RequestOutput(key, (), finish_reason="abort", error=str(exc), error_code=exc.code)])
+        except Exception as exc:  # noqa: BLE001
+            log.exception("cannot run request %s from the dp queue", key)
+            self._forward(w, [RequestOutput(key, (), finish_reason="abort", error=f"internal error: {exc}",
+                                            error_code=500)])
+
+    def _abort_local(self, keys: Iterable[str], reason: str) -> None:
+        hs = []
+        for k in keys:
+            w = self.work.pop(k, None)
+            if w is not None:
+                self._finished.append(k)
+                if w.handle is not None:
+                    hs.append(w.handle)
+        if hs:
+            self.replicas.abort(hs, reason)
+
+    async def _forward_loop(self) -> None:
+        """The replicas' outputs of picked requests -> their origins: one
+        RPUSH per origin per batch (this origin's own: straight to the sink)."""
+        while True:
+            items = [await self._wsink.get()]
+            while not self._wsink.empty():
+                items.append(self._wsink.get_nowait())
+            per: dict[str, list[RequestOutput]] = {}
+            for h, x in items:
+                w = h.tag
+                if not isinstance(w, Work) or self.work.get(w.key) is not w:
+                    continue
+                if isinstance(x, RequestOutput):
+                    out = x
+                else:
+                    code = x.code if isinstance(x, RequestError) else 500
+                    out = RequestOutput(w.key, (), finish_reason="abort", error=str(x) or "engine failed",
+                                        error_code=code)
+                per.setdefault(w.origin, []).append(out)
+                if out.finish_reason is not None:
+                    self.work.pop(w.key, None)
+            for origin, outs in per.items():
+                self._forward_to(origin, outs)
+            try:
+                await self._flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                self._redis_failed(exc)
+
+    def _forward(self, w: Work, outs: list[RequestOutput]) -> None:
+        if any(o.finish_reason is not None for o in outs):
+            self.work.pop(w.key, None)
+        self._forward_to(w.origin, outs)
+        self._spawn(self._flush_safe())
+
+    def _forward_to(self, origin: str, outs: list[RequestOutput]) -> None:
+        for o in outs:
+            if o.finish_reason is not None:
+                self._finished.append(o.request_id)
+        if origin == self.id:
+            self._deliver(self.id, outs)
+        else:
+            self._unsent.setdefault(origin, []).append((time.monotonic(), encode(OutputBatch(tuple(outs)))))
+
+    async def _flush_safe(self) -> None:
+        try:
+            await self._flush()
+        except Exception as exc:  # noqa: BLE001
+            self._redis_failed(exc)
+
+    async def _flush(self) -> None:
+        """Push the outputs waiting for Redis (kept for :data:`OUTAGE_S`),
+        and drop finished requests from this instance's processing set."""
+        if not self._unsent and not self._finished:
+            return
+        now = time.monotonic()
+        unsent, self._unsent = self._unsent, {}
+        finished, self._finished = self._finished, []
+        pipe = self.r.pipeline(transaction=False)
+        prefix = self.id.encode() + b"\n"
+        for origin, entries in unsent.items():
+            entries = [e for e in entries if now - e[0] < OUTAGE_S]
+            if entries:
+                pipe.rpush(self._k("out", origin), *(prefix + blob for _, blob in entries))
+                pipe.pexpire(self._k("out", origin), 120_000)
+        if finished:
+            pipe.srem(self._k("processing", self.id), *finished)
+        try:
+            await pipe.execute()
+        except BaseException:
+            for origin, entries in unsent.items():  # keep them, in order, ahead of newer ones
+                self._unsent[origin] = entries + self._unsent.get(origin, [])
+            self._finished.extend(finished)
+            raise
+
+    def _spawn(self, coro: Any) -> None:
+        try:
+            t = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:
+            coro.close()
+            return
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
