@@ -46,6 +46,8 @@ class RequestResult:
     prompt_token_ids: list[int]
     outputs: list[Completion]
     num_cached_tokens: int = 0
+    #: with ``SamplingParams(prompt_logprobs=k)``: ``None`` for the first prompt token, then each one's logprob
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:
@@ -188,6 +190,8 @@ class LLM:
                     comp.logprobs.extend(ev.logprobs)
                 comp.text += ev.text
                 res.num_cached_tokens = max(res.num_cached_tokens, state.num_cached_tokens)
+                if state.prompt_logprobs is not None and res.prompt_logprobs is None:
+                    res.prompt_logprobs = [None, *state.prompt_logprobs]
                 if ev.finish_reason is not None:
                     comp.finish_reason = ev.finish_reason
                     pending -= 1

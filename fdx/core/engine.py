@@ -214,7 +214,8 @@ class Engine:
                 qt = max(0.0, req.first_scheduled_time - req.arrival_time)
                 req.queue_time_sent = True
             outs.append(RequestOutput(req.request_id, toks, req.finish_reason, req.num_prompt_tokens,
-                                      req.num_cached_tokens, req.num_output_tokens, lps, queue_time=qt))
+                                      req.num_cached_tokens, req.num_output_tokens, lps, queue_time=qt,
+                                      prompt_logprobs=req.take_prompt_logprobs()))
         if self.storage is not None and batch:
             self.storage.flush()  # copy this step's newly full blocks out for the storage tier
         return outs

@@ -267,8 +267,9 @@ class KVCacheManager:
         """Longest run of cached blocks matching the request's tokens (never
         the whole token list).  No references are taken: pass the result to
         :meth:`allocate` in the same scheduling pass.  Asks the storage tier
-        to extend the match when one is attached."""
-        if not self.enable_prefix_caching:
+        to extend the match when one is attached.  A request asking for
+        prompt logprobs computes its whole prompt (none from a cache)."""
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         if max_blocks <= 0:

@@ -59,6 +59,9 @@ class Request:
     sampler_state: Any = None
     #: the KV storage tier was already asked for this admission's prefix
     storage_probed: bool = False
+    #: logprobs of prompt tokens 1.. (``params.prompt_logprobs``), filled by the model runner, sent once
+    prompt_logprobs: list[TokenLogprob] = attrs.field(factory=list)
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -105,6 +108,14 @@ class Request:
         self.finish_reason = "error"
         self.error = error
         self.error_code = code
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """The prompt logprobs once they are complete, the first time asked."""
+        if (self.params.prompt_logprobs is None or self.prompt_logprobs_sent
+                or len(self.prompt_logprobs) < self.num_prompt_tokens - 1):
+            return None
+        self.prompt_logprobs_sent = True
+        return tuple(self.prompt_logprobs)
 
     def take_pending(self) -> tuple[tuple[int, ...], tuple[TokenLogprob, ...] | None]:
         toks = tuple(self.pending_token_ids)

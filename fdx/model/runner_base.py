@@ -21,6 +21,7 @@ import numpy as np
 
 from fdx.core.errors import FdxError, ModelLoadError
 from fdx.core.interfaces import KVCacheSpec, ModelOutput, ModelRunner, ScheduledBatch
+from fdx.core.messages import TokenLogprob
 
 if TYPE_CHECKING:
     from fdx.config import EngineConfig
@@ -44,14 +45,20 @@ class StepLayout:
     ``q_lens``, ``starts`` (tokens already computed), ``q_starts`` (first
     row), ``samples`` (whether its last row is sampled) and ``tables``
     (``[S, max blocks]`` block ids, zero-padded); per row ``seq_of`` and
-    ``positions``; ``rows`` the sampled rows.
+    ``positions``; ``rows`` the rows whose logits the forward computes: the
+    sampled rows, then (``prompt``: ``(seq, first position, count)`` per
+    sequence asking for prompt logprobs) those rows' prompt rows.
     """
 
-    __slots__ = ("ids", "q_lens", "starts", "samples", "tables", "q_starts", "seq_of", "positions", "rows")
+    __slots__ = ("ids", "q_lens", "starts", "samples", "tables", "q_starts", "seq_of", "positions", "rows",
+                 "prompt", "pick")
 
     def __init__(self, ids: list[int], q_lens: np.ndarray, starts: np.ndarray, samples: np.ndarray,
                  tables: np.ndarray, q_starts: np.ndarray, seq_of: np.ndarray, positions: np.ndarray,
-                 rows: np.ndarray) -> None:
+                 rows: np.ndarray, prompt: list[tuple[int, int, int]] | None = None) -> None:
+        self.prompt = prompt
+        #: with ``prompt``: which of the (sorted) ``rows`` are the sampled ones, which the prompt ones
+        self.pick: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         self.ids = ids
         self.q_lens = q_lens
         self.starts = starts
@@ -135,7 +142,15 @@ class PagedRunnerBase(ModelRunner):
         if self.caches is None or not self.model.loaded:
             raise FdxError("model runner is sleeping (call wakeup first)")
         layout = self._layout(seqs)
-        return self._sample(self._forward(layout), seqs, layout.samples)
+        logits = self._forward(layout)
+        if layout.prompt:  # prompt logprobs: only requests asking for them pay
+            import paddle
+
+            pick_s, pick_p = layout.pick
+            take = lambda sel: paddle.index_select(logits, paddle.to_tensor(sel, place=logits.place))  # noqa: E731
+            self._prompt_logprobs(take(pick_p), seqs, layout.prompt)
+            logits = take(pick_s) if len(pick_s) else None
+        return self._sample(logits, seqs, layout.samples)
 
     def _forward(self, layout: StepLayout) -> Any:
         """The step's forward: logits of ``layout.rows`` (``None`` when no row samples)."""
@@ -152,10 +167,15 @@ class PagedRunnerBase(ModelRunner):
         starts = np.empty(S, dtype=np.int64)
         nblocks = np.empty(S, dtype=np.int64)
         samples = np.zeros(S, dtype=bool)
+        prompt: list[tuple[int, int, int]] = []
         for i, seq in enumerate(seqs):
             r = seq.request
             c, n = r.num_computed_tokens, seq.num_new_tokens
             np_, end = len(r.prompt_token_ids), c + n
+            if r.params.prompt_logprobs is not None:  # positions whose next prompt token has no logprob yet
+                lo, hi = max(c, len(r.prompt_logprobs)), min(end, np_ - 1)
+                if hi > lo:
+                    prompt.append((i, lo, hi - lo))
             if n <= 0 or end > np_ + len(r.output_token_ids):
                 raise FdxError(f"request {r.request_id}: bad chunk ({c}+{n} of {r.num_tokens} tokens)")
             if end > self.max_model_len:
@@ -182,7 +202,53 @@ class PagedRunnerBase(ModelRunner):
         seq_of = np.repeat(np.arange(S, dtype=np.int64), q_lens)
         positions = np.arange(len(ids), dtype=np.int64) - np.repeat(q_starts - starts, q_lens)
         rows = (q_starts + q_lens - 1)[samples]
-        return StepLayout(ids, q_lens, starts, samples, tables, q_starts, seq_of, positions, rows)
+        if not prompt:
+            return StepLayout(ids, q_lens, starts, samples, tables, q_starts, seq_of, positions, rows)
+        # sampled rows, then prompt rows, sorted (a forward may read rows == all rows as "in order")
+        both = np.concatenate([rows, *[q_starts[i] + (lo - starts[i]) + np.arange(k) for i, lo, k in prompt]])
+        order = np.argsort(both, kind="stable")
+        where = np.empty_like(order)
+        where[order] = np.arange(len(order))
+        layout = StepLayout(ids, q_lens, starts, samples, tables, q_starts, seq_of, positions, both[order], prompt)
+        layout.pick = (where[: len(rows)], where[len(rows) :])
+        return layout
+
+    def _prompt_logprobs(self, logits: Any, seqs: Sequence[ScheduledSeq], prompt: list[tuple[int, int, int]]) -> None:
+        """Append to each request's ``prompt_logprobs`` the logprob, rank and
+        top alternatives of the prompt tokens its rows predict (``logits``:
+        one row per prompt position of ``prompt``, in order; on the device,
+        only the asked-for numbers reach the host).  A position already
+        recorded (a re-run step, a recompute) is not recorded twice."""
+        import paddle
+
+        x = logits if not isinstance(logits, np.ndarray) else paddle.to_tensor(logits)
+        if int(x.shape[1]) > self.vocab_size:
+            x = x[:, : self.vocab_size]
+        if x.dtype != paddle.float32:
+            x = x.astype("float32")
+        targets = np.concatenate([np.asarray(seqs[i].request.prompt_token_ids[lo + 1 : lo + 1 + k], dtype=np.int64)
+                                  for i, lo, k in prompt])
+        tgt = paddle.to_tensor(targets, place=x.place).unsqueeze(1)
+        lse = paddle.logsumexp(x, axis=1, keepdim=True)
+        chosen = paddle.take_along_axis(x, tgt, axis=1)
+        ranks = ((x > chosen).astype("int64").sum(axis=1) + 1).numpy()
+        chosen_lp = (chosen - lse)[:, 0].numpy().astype(np.float64)
+        kmax = min(max(seqs[i].request.params.prompt_logprobs or 0 for i, _, _ in prompt), self.config.max_logprobs,
+                   int(x.shape[1]))
+        top_ids = top_lp = None
+        if kmax > 0:
+            vals, idx = paddle.topk(x, kmax, axis=1)
+            top_lp, top_ids = (vals - lse).numpy().astype(np.float64).tolist(), idx.numpy().tolist()
+        row = 0
+        for i, lo, k in prompt:
+            r = seqs[i].request
+            want = min(r.params.prompt_logprobs or 0, kmax)
+            if len(r.prompt_logprobs) == lo:
+                for j in range(row, row + k):
+                    top = tuple(zip(top_ids[j][:want], top_lp[j][:want])) if want and top_ids is not None \
+                        and top_lp is not None else ()
+                    r.prompt_logprobs.append(TokenLogprob(int(targets[j]), float(chosen_lp[j]), top, int(ranks[j])))
+            row += k
 
     def _sample(self, logits: Any, seqs: Sequence[ScheduledSeq], samples: np.ndarray) -> ModelOutput:
         """One token per sampling sequence (``-1`` for the others)."""
