@@ -1,0 +1,291 @@
+"""The prefill (P) and decode (D) instances behind ``fdx router``, and which one takes a request.
+
+* Each :class:`Instance` is one ``fdx serve`` base URL with the role it was
+  given on the command line.  Its ``/v1/splitwise/info`` is read when it
+  comes up (at start and on every recovery): a splitwise instance must
+  report the role it was given (else it stays out of rotation, the reason
+  in ``/health``); an instance without that route (404: an ordinary, mixed
+  ``fdx serve``) serves whole requests: a mixed D gets the client's body
+  unchanged, a mixed P only the ``max_tokens == 1`` requests.
+* **Up/down**: :meth:`InstancePool.probe_loop` GETs every instance's
+  ``/health`` each ``probe_interval`` seconds.  A refused connection, or a
+  non-200 answer, marks it down at once; a probe timing out
+  ``probe_failures`` times in a row does too.  The proxy marks an instance
+  down as soon as it cannot connect to it.  Marking down cuts the
+  :class:`Flight` s that depend on it (its own requests, and the handoffs
+  still waiting on a P), so nothing waits on a dead instance; a 200 again
+  brings it back (its info re-read; a P whose engine pid changed has an
+  empty prefix cache, so its affinity entries are dropped).
+* **Load**: the router counts what it has in flight on each instance.  P:
+  the estimated prompt tokens of the handoffs it has not finished yet
+  (until D's response headers arrive, which D sends with the first token);
+  D: its requests in flight.  P is picked by
+  :class:`fdx.server.dp_router.PrefixAffinityRouter` (prefix affinity unless
+  much busier; the prompt's UTF-8 bytes stand in for tokens, 4 per token),
+  D by least requests in flight (ties: the one given fewest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, Sequence
+
+import aiohttp
+import anyio
+import attrs
+
+from fdx.server.dp_router import Choice, PrefixAffinityRouter
+
+log = logging.getLogger("fdx.router")
+
+ROLES = ("prefill", "decode")
+#: prompt bytes per estimated token (affinity blocks and P's load)
+BYTES_PER_TOKEN = 4
+
+
+@attrs.define(eq=False)
+class Instance:
+    """One ``fdx serve`` behind the router."""
+
+    url: str
+    role: str
+    rank: int
+    up: bool = False
+    reason: str = "not probed yet"
+    #: its ``/v1/splitwise/info`` (``None``: not read yet, or not a splitwise instance)
+    info: dict[str, Any] | None = None
+    splitwise: bool = False
+    engine_pid: int | None = None
+    misconfigured: str | None = None
+    probe_failures: int = 0
+    given: int = 0
+    flights: set[Flight] = attrs.field(factory=set)
+
+    @property
+    def kv_addr(self) -> str | None:
+        return (self.info or {}).get("kv_addr")
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.flights)
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"url": self.url, "role": self.role, "up": self.up,
+                               "splitwise": self.splitwise, "in_flight": self.in_flight}
+        if self.info:
+            out["kv_connector"] = self.info.get("kv_connector")
+            out["kv_addr"] = self.info.get("kv_addr")
+        if self.engine_pid is not None:
+            out["engine_pid"] = self.engine_pid
+        if not self.up:
+            out["reason"] = self.misconfigured or self.reason
+        return out
+
+
+@attrs.define(eq=False)
+class Flight:
+    """One request in flight through the router: the instance its HTTP
+    request goes to (``target``), the P doing its prefill for D (``prefill``,
+    ``None`` for a request served whole), and the estimated prompt tokens."""
+
+    target: Instance
+    prefill: Instance | None
+    tokens: int
+    #: D's response headers arrived (D has the KV and the first token): P's part is over
+    handed_off: bool = False
+    #: why the router cut it (an instance it depends on went down)
+    failure: str | None = None
+    failed: Instance | None = None
+    scope: anyio.CancelScope | None = None
+
+    def cut(self, inst: Instance, reason: str) -> None:
+        if self.failure is None:
+            self.failure, self.failed = reason, inst
+        if self.scope is not None:
+            self.scope.cancel()
+
+
+class InstancePool:
+    """The instances, their health, their load, and the picks."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, probe_interval: float = 1.0,
+                 probe_timeout: float = 3.0, probe_failures: int = 2, affinity_block_tokens: int = 16,
+                 headers: dict[str, str] | None = None) -> None:
+        if not prefill or not decode:
+            raise ValueError("the router needs at least one --prefill and one --decode instance")
+        self.prefill = [Instance(u.rstrip("/"), "prefill", r) for r, u in enumerate(prefill)]
+        self.decode = [Instance(u.rstrip("/"), "decode", r) for r, u in enumerate(decode)]
+        self.probe_interval = probe_interval
+        self.probe_timeout = probe_timeout
+        self.max_probe_failures = probe_failures
+        self.headers = headers or {}
+        self.affinity = PrefixAffinityRouter(len(self.prefill), affinity_block_tokens * BYTES_PER_TOKEN,
+                                             slack_tokens=2048)
+        self.session: aiohttp.ClientSession | None = None
+        self.on_change: list[Any] = []  # callbacks (inst) on up/down
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def instances(self) -> list[Instance]:
+        return self.prefill + self.decode
+
+    # -- health ------------------------------------------------------------
+
+    async def probe(self, inst: Instance) -> None:
+        """One ``/health`` look at ``inst`` (and its info when it comes up)."""
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=self.probe_timeout)
+        try:
+            async with self.session.get(inst.url + "/health", timeout=timeout, headers=self.headers) as r:
+                status = r.status
+                body = await r.read()
+        except (aiohttp.ClientConnectorError, ConnectionError) as exc:
+            self.mark_down(inst, f"unreachable: {_one_line(exc)}")
+            return
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            inst.probe_failures += 1
+            if inst.probe_failures >= self.max_probe_failures:
+                self.mark_down(inst, f"no /health answer ({inst.probe_failures} probes): {_one_line(exc) or 'timeout'}")
+            return
+        inst.probe_failures = 0
+        data = _json(body)
+        if status != 200:
+            msg = ((data.get("error") or {}).get("message") if isinstance(data.get("error"), dict) else None)
+            self.mark_down(inst, f"/health answered {status}" + (f": {msg}" if msg else ""))
+            return
+        pid = data.get("engine_pid")
+        if not inst.up or inst.info is None and inst.splitwise:
+            if not await self._read_info(inst):
+                return
+            if inst.role == "prefill" and inst.engine_pid is not None and pid != inst.engine_pid:
+                self.affinity.replica_restarted(inst.rank)
+            inst.engine_pid = pid
+            self._mark_up(inst)
+        elif pid != inst.engine_pid:
+            if inst.role == "prefill":
+                self.affinity.replica_restarted(inst.rank)
+            inst.engine_pid = pid
+
+    async def _read_info(self, inst: Instance) -> bool:
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=self.probe_timeout)
+        try:
+            async with self.session.get(inst.url + "/v1/splitwise/info", timeout=timeout,
+                                        headers=self.headers) as r:
+                status, body = r.status, await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            self.mark_down(inst, f"cannot read /v1/splitwise/info: {_one_line(exc) or 'timeout'}")
+            return False
+        if status == 404:
+            if inst.splitwise or inst.info is None:
+                log.warning("%s instance %s has no /v1/splitwise/info (not a splitwise instance): it serves "
+                            "requests whole", inst.role, inst.url)
+            inst.splitwise, inst.info, inst.misconfigured = False, None, None
+            return True
+        info = _json(body)
+        if status != 200 or not isinstance(info.get("role"), str):
+            self.mark_down(inst, f"/v1/splitwise/info answered {status}")
+            return False
+        if info["role"] != inst.role:
+            inst.misconfigured = (f"it is a {info['role']} instance (its /v1/splitwise/info), given as "
+                                  f"--{inst.role}")
+            if inst.up or inst.reason != inst.misconfigured:
+                log.error("%s: %s; not routing to it", inst.url, inst.misconfigured)
+            self.mark_down(inst, inst.misconfigured)
+            return False
+        inst.splitwise, inst.info, inst.misconfigured = True, info, None
+        return True
+
+    def _mark_up(self, inst: Instance) -> None:
+        inst.up, inst.reason, inst.probe_failures = True, "", 0
+        log.info("%s instance %s is up (%s)", inst.role, inst.url,
+                 f"kv_connector {inst.info.get('kv_connector')}, kv_addr {inst.kv_addr}" if inst.info
+                 else "not splitwise: serves requests whole")
+        for cb in self.on_change:
+            cb(inst)
+
+    def mark_down(self, inst: Instance, reason: str) -> None:
+        """``inst`` is down: stop routing to it and cut the flights that
+        depend on it (its own requests; for a P, the handoffs not done)."""
+        was_up = inst.up
+        inst.up, inst.reason = False, reason
+        if was_up:
+            log.error("%s instance %s is down: %s", inst.role, inst.url, reason)
+            for cb in self.on_change:
+                cb(inst)
+        for f in list(inst.flights):
+            if f.target is inst or not f.handed_off:
+                f.cut(inst, f"the {inst.role} instance {inst.url} is down: {reason}")
+
+    def suspect(self, inst: Instance) -> None:
+        """Probe ``inst`` now (a stream from it broke)."""
+        task = asyncio.get_running_loop().create_task(self.probe(inst))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(i) for i in self.instances), return_exceptions=True)
+
+    async def probe_loop(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            await self.probe_all()
+            await asyncio.sleep(max(0.05, self.probe_interval - (time.monotonic() - t0)))
+
+    # -- picks ---------------------------------------------------------------
+
+    def up(self, role: str) -> list[Instance]:
+        return [i for i in (self.prefill if role == "prefill" else self.decode) if i.up]
+
+    def pick_decode(self, exclude: set[Instance] = frozenset()) -> Instance | None:  # type: ignore[assignment]
+        live = [i for i in self.decode if i.up and i not in exclude]
+        if not live:
+            return None
+        return min(live, key=lambda i: (i.in_flight, i.given, i.rank))
+
+    def pick_prefill(self, key: Sequence[int], *, splitwise: bool,
+                     exclude: set[Instance] = frozenset()) -> tuple[Instance, Choice] | None:  # type: ignore[assignment]
+        """The P for a prompt (``key``: its bytes or token ids); with
+        ``splitwise``, only instances that take handoffs (a kv_addr)."""
+        loads = {i.rank: self.prefill_load(i) for i in self.prefill
+                 if i.up and i not in exclude and (not splitwise or (i.splitwise and i.kv_addr))}
+        if not loads:
+            return None
+        choice = self.affinity.choose(key, loads)
+        return self.prefill[choice.rank], choice
+
+    @staticmethod
+    def prefill_load(inst: Instance) -> int:
+        return sum(f.tokens for f in inst.flights if not f.handed_off or f.target is inst)
+
+    def begin(self, flight: Flight) -> None:
+        flight.target.flights.add(flight)
+        flight.target.given += 1
+        if flight.prefill is not None:
+            flight.prefill.flights.add(flight)
+
+    def handed_off(self, flight: Flight) -> None:
+        flight.handed_off = True
+        if flight.prefill is not None:
+            flight.prefill.flights.discard(flight)
+
+    def end(self, flight: Flight) -> None:
+        flight.target.flights.discard(flight)
+        if flight.prefill is not None:
+            flight.prefill.flights.discard(flight)
+        flight.scope = None
+
+
+def _json(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

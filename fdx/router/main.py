@@ -1,0 +1,177 @@
+"""``fdx router --prefill URL [URL...] --decode URL [URL...] [--port 8000]``: the command and its config.
+
+:class:`RouterConfig` is frozen and validated (a bad flag is one line on
+stderr, exit 2).  :func:`run` serves the app of :mod:`fdx.router.app`
+under uvicorn until SIGINT/SIGTERM (exit 0); flights still open then end
+with a 503 error event.  The managed topology
+(:mod:`fdx.router.topology`) starts it as ``python -m fdx.router
+--config-fd FD [PARENT_PID]``: the config JSON (API key included) comes on
+an inherited pipe, never in argv, and the router exits when its parent
+does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Sequence
+from urllib.parse import urlsplit
+
+import attrs
+
+from fdx.core.errors import ConfigError
+
+
+def _urls(inst: Any, att: attrs.Attribute, value: tuple[str, ...]) -> None:
+    if not value:
+        raise ConfigError(f"--{att.name} needs at least one URL")
+    for u in value:
+        parts = urlsplit(u)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"--{att.name} {u!r}: expected a base URL like http://127.0.0.1:8001")
+
+
+def _positive(inst: Any, att: attrs.Attribute, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"--{att.name.replace('_', '-')} must be > 0, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class RouterConfig:
+    """Everything ``fdx router`` needs."""
+
+    prefill: tuple[str, ...] = attrs.field(converter=tuple, validator=_urls)
+    decode: tuple[str, ...] = attrs.field(converter=tuple, validator=_urls)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    #: seconds between two /health probes of every instance
+    probe_interval: float = attrs.field(default=1.0, validator=_positive)
+    #: seconds a probe (or an info / metrics read) may take
+    probe_timeout: float = attrs.field(default=3.0, validator=_positive)
+    #: seconds to connect to an instance before it counts as unreachable
+    connect_timeout: float = attrs.field(default=3.0, validator=_positive)
+    max_request_bytes: int = attrs.field(default=4 << 20, validator=_positive)
+    log_level: str = "info"
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be a TCP port (0-65535), got {self.port}")
+        urls = [u.rstrip("/") for u in (*self.prefill, *self.decode)]
+        if len(set(urls)) != len(urls):
+            raise ConfigError("an instance URL is given twice")
+
+
+def build_parser(prog: str = "fdx router") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible front end over splitwise prefill (P) "
+                                "and decode (D) instances (docs/SPLITWISE.md)")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="base URLs of the prefill instances")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="base URLs of the decode instances")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("FDX_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* and send it to the instances "
+                        "(default $FDX_API_KEY)")
+    p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes (default 1)")
+    p.add_argument("--probe-timeout", type=float, default=3.0, help="seconds a health probe may take (default 3)")
+    p.add_argument("--connect-timeout", type=float, default=3.0,
+                   help="seconds to connect to an instance before it counts as unreachable (default 3)")
+    p.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    return p
+
+
+def config_from_argv(argv: Sequence[str]) -> RouterConfig:
+    args = build_parser().parse_args(list(argv))
+    return RouterConfig(prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
+                        api_key=args.api_key or None, probe_interval=args.probe_interval,
+                        probe_timeout=args.probe_timeout, connect_timeout=args.connect_timeout,
+                        log_level=args.log_level)
+
+
+def config_json(config: RouterConfig) -> str:
+    return json.dumps(attrs.asdict(config))
+
+
+def run(config: RouterConfig, parent_pid: int | None = None) -> int:
+    """Serve until a signal (0), or 1 when the port cannot be bound."""
+    import uvicorn
+
+    from fdx.logs import setup_logging
+    from fdx.router.app import create_router_app
+
+    setup_logging(config.log_level, process="router")
+    import prometheus_client
+
+    prometheus_client.disable_created_metrics()  # no *_created series (as the instances)
+    app = create_router_app(config)
+    pool = app.state.pool
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            for inst in pool.instances:
+                for f in list(inst.flights):
+                    f.cut(inst, "request aborted: the router is shutting down")
+            await super().shutdown(sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # uvicorn would re-raise the signal after shutting down; a stop by signal is exit 0 here
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+    level = config.log_level.lower()
+    server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                    log_level="warning" if level in ("info", "warning") else level,
+                                    access_log=level == "debug", timeout_graceful_shutdown=3, lifespan="on",
+                                    timeout_keep_alive=30))
+    if parent_pid is not None:
+        threading.Thread(target=_watch_parent, args=(parent_pid, server), daemon=True).start()
+    import logging
+
+    logging.getLogger("fdx.router").info("fdx router on http://%s:%d: prefill %s, decode %s", config.host,
+                                         config.port, " ".join(config.prefill), " ".join(config.decode))
+    try:
+        server.run()
+    except SystemExit as exc:
+        if exc.code:
+            print(f"fdx router: error: cannot serve on {config.host}:{config.port} (port in use?)", file=sys.stderr)
+            return 1
+    if not server.started:
+        print(f"fdx router: error: cannot serve on {config.host}:{config.port} (port in use?)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _watch_parent(parent_pid: int, server: Any) -> None:
+    from fdx.core.ipc import pid_alive
+
+    while not server.should_exit:
+        if not pid_alive(parent_pid):
+            server.should_exit = True
+            return
+        time.sleep(1.0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``fdx router ...`` (argv without the program name), or
+    ``python -m fdx.router --config-fd FD [PARENT_PID]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["--config-fd"]:
+            from fdx.core.ipc import read_config
+
+            config = RouterConfig(**read_config(int(argv[1])))
+            return run(config, int(argv[2]) if len(argv) > 2 else None)
+        config = config_from_argv(argv)
+    except ConfigError as exc:
+        print(f"fdx router: error: {exc}", file=sys.stderr)
+        return 2
+    return run(config)
+
+
+__all__ = ["RouterConfig", "build_parser", "config_json", "main", "run"]
