@@ -76,6 +76,16 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     k.add_argument("--dp-capacity", type=int,
                    help="with --dp-backend redis: requests this node takes from the queue at once (default "
                         "--max-num-seqs x --data-parallel-size; 0: a front end that runs none)")
+    k.add_argument("--splitwise-role", choices=("prefill", "decode"),
+                   help="with --scheduler splitwise: this instance computes prompts (prefill) or decodes "
+                        "requests whose prompt a prefill instance computed (decode); see docs/SPLITWISE.md")
+    k.add_argument("--splitwise-local-scheduler",
+                   help="with --scheduler splitwise: the batch policy for the instance's own work (default v1)")
+    k.add_argument("--splitwise-handoff-timeout", type=float,
+                   help="seconds a decode instance waits for the prompt's KV before the request fails (default 60)")
+    k.add_argument("--kv-connector", help="KV connector plugin moving prompt KV from prefill to decode (default zmq)")
+    k.add_argument("--kv-connector-port", type=int, help="TCP port the KV connector listens on (default: any free)")
+    k.add_argument("--kv-connector-config", help="JSON object passed to the KV connector")
     k.add_argument("--token-processor", help="token processor plugin (default 'default')")
     k.add_argument("--cache-backend", help="cache backend plugin for the KV storage tier (default: none)")
     k.add_argument("--cache-backend-config", help="JSON object passed to the cache backend")
@@ -138,6 +148,10 @@ def check_component_names(cfg: Any, plugins: Any) -> None:
         plugins.registry("model_runner").get(cfg.model_runner)
     if cfg.cache_backend:
         plugins.registry("cache_backend").get(cfg.cache_backend)
+    if cfg.kv_connector:
+        plugins.registry("kv_connector").get(cfg.kv_connector)
+    if cfg.scheduler == "splitwise":
+        plugins.registry("scheduler").get(cfg.splitwise_local_scheduler)
 
 
 def cmd_plugins(plugins: Any) -> int:

@@ -107,6 +107,17 @@ class EngineConfig:
     #: requests this node takes from the queue at once (default
     #: ``max_num_seqs * data_parallel_size``; 0: a front end only)
     dp_capacity: int | None = attrs.field(default=None, validator=attrs.validators.optional(_non_negative))
+    #: ``--scheduler splitwise``: this instance's role, ``prefill`` or ``decode``
+    splitwise_role: str | None = None
+    #: ``--scheduler splitwise``: the batch policy the instance runs for its own work
+    splitwise_local_scheduler: str = "v1"
+    #: seconds a decode instance waits for a prefill instance's KV before the request fails (503)
+    splitwise_handoff_timeout: float = attrs.field(default=60.0, validator=_positive)
+    #: KV connector plugin of a splitwise instance (default ``zmq`` with a role)
+    kv_connector: str | None = None
+    #: TCP port the KV connector listens on (0: any free port; /v1/splitwise/info tells it)
+    kv_connector_port: int = attrs.field(default=0, validator=_non_negative)
+    kv_connector_config: dict[str, Any] = attrs.field(factory=dict)
     token_processor: str = "default"
     cache_backend: str | None = None
     cache_backend_config: dict[str, Any] = attrs.field(factory=dict)
@@ -157,6 +168,15 @@ def make_config(**kwargs: Any) -> EngineConfig:
             raise ConfigError(f"--cache-backend-config is not valid JSON: {exc}") from None
         if not isinstance(kwargs["cache_backend_config"], dict):
             raise ConfigError("--cache-backend-config must be a JSON object")
+    if isinstance(kwargs.get("kv_connector_config"), str):
+        try:
+            kwargs["kv_connector_config"] = json.loads(kwargs["kv_connector_config"] or "{}")
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--kv-connector-config is not valid JSON: {exc}") from None
+        if not isinstance(kwargs["kv_connector_config"], dict):
+            raise ConfigError("--kv-connector-config must be a JSON object")
+    if kwargs.get("splitwise_role") and not kwargs.get("kv_connector"):
+        kwargs["kv_connector"] = "zmq"
     if isinstance(kwargs.get("disable_plugins"), list):
         kwargs["disable_plugins"] = tuple(kwargs["disable_plugins"])
     if isinstance(kwargs.get("allowed_weights_dirs"), str):  # FDX_ALLOWED_WEIGHTS_DIRS=dir1:dir2
@@ -180,6 +200,12 @@ def make_config(**kwargs: Any) -> EngineConfig:
         raise ConfigError(f"--dp-backend must be local or redis, got {cfg.dp_backend!r}")
     if cfg.dp_backend == "redis" and (cfg.scheduler != "dp" or not cfg.redis_url):
         raise ConfigError("--dp-backend redis needs --scheduler dp and --redis-url redis://HOST:PORT")
+    if cfg.splitwise_role not in (None, "prefill", "decode"):
+        raise ConfigError(f"--splitwise-role must be prefill or decode, got {cfg.splitwise_role!r}")
+    if (cfg.splitwise_role or cfg.kv_connector) and cfg.scheduler != "splitwise":
+        raise ConfigError("--splitwise-role and --kv-connector need --scheduler splitwise")
+    if cfg.splitwise_local_scheduler in ("splitwise", "dp"):
+        raise ConfigError("--splitwise-local-scheduler must name a batch policy (v1, v0, ...)")
     if cfg.dp_local_scheduler == "dp":
         raise ConfigError("--dp-local-scheduler must name a batch policy (v1, v0, ...), not dp")
     if cfg.max_num_batched_tokens < cfg.block_size:

@@ -70,7 +70,13 @@ class Engine:
         self.runner = runner or build_runner(config, self.plugins)
         self.device: Device | None = getattr(self.runner, "device", None)  # None: a runner built without one
         self.kv = KVCacheManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler: Scheduler = self.plugins.create("scheduler", config.scheduler, config=config, kv=self.kv)
+        extra: dict[str, Any] = {}  # splitwise: the KV connector the scheduler drives
+        if config.kv_connector:
+            extra["connector"] = self.plugins.create("kv_connector", config.kv_connector, config=config,
+                                                     runner=self.runner)
+        self.scheduler: Scheduler = self.plugins.create("scheduler", config.scheduler, config=config, kv=self.kv,
+                                                        **extra)
+        self.connector = extra.get("connector")
         self.storage = None
         if config.cache_backend:
             from fdx.plugins.cache_backends.kv_storage import KVStorage
@@ -100,7 +106,7 @@ class Engine:
                                                     error=error, error_code=code))
             return
         req = Request(msg.request_id, list(msg.prompt_token_ids), msg.params, self.runner.eos_token_ids,
-                      self.max_model_len, msg.arrival_time)
+                      self.max_model_len, msg.arrival_time, kv_transfer=msg.kv_transfer_params)
         try:
             self.scheduler.add_request(req)
         except Exception as exc:  # noqa: BLE001 - a plugin failing on one request ends that request
@@ -204,8 +210,7 @@ class Engine:
             outs.append(RequestOutput(req.request_id, tuple(req.pending_token_ids), "error", req.num_prompt_tokens,
                                       req.num_cached_tokens, req.num_output_tokens,
                                       error=req.error or "request failed", error_code=req.error_code or 500))
-        for seq in batch.seqs:
-            req = seq.request
+        for req in [s.request for s in batch.seqs] + batch.emitted:
             if not req.pending_token_ids and req.finish_reason is None:
                 continue
             toks, lps = req.take_pending()
@@ -250,11 +255,15 @@ class Engine:
             num_batched_tokens=int(s.get("num_scheduled_tokens", 0)),
             num_generated_tokens=int(s.get("num_generated_tokens", 0)),
             storage_puts=int(st.get("puts", 0)),
+            splitwise=getattr(self.scheduler, "splitwise_stats", lambda: None)(),
         )
 
     def close(self) -> None:
         """Release external resources at shutdown: the KV storage tier
-        writes what it has queued (bounded wait) and disconnects."""
+        writes what it has queued (bounded wait) and disconnects; the KV
+        connector stops listening."""
+        if self.connector is not None:
+            self.connector.close()
         if self.storage is not None:
             try:
                 self.storage.close()

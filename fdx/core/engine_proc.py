@@ -103,6 +103,8 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
         side.close()
         return 1
 
+    for sock in engine.scheduler.pollables():  # e.g. a splitwise KV connector: its messages wake the loop
+        side.poller.register(sock, zmq.POLLIN)
     stats_cache = [engine.stats()]
     progress = Progress()
     beat = HeartbeatThread(paths, config.heartbeat_interval, lambda: stats_cache[0], progress)

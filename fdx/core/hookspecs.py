@@ -71,6 +71,8 @@ def fdx_register_schedulers(register: Register) -> None:
         :class:`fdx.core.interfaces.Scheduler`; ``config`` is the frozen
         :class:`fdx.config.EngineConfig` and ``kv`` the
         :class:`fdx.core.kv_cache.KVCacheManager` that owns the block pool.
+        With ``--kv-connector`` set the factory also gets ``connector=``,
+        the :class:`fdx.core.interfaces.KVConnector` the engine built.
 
     Return nothing.  Registering a name twice (from any two plugins) is an
     error that names both plugins.
@@ -150,6 +152,29 @@ def fdx_register_model_runners(register: Register) -> None:
         :class:`fdx.config.EngineConfig` and ``device`` the
         :class:`fdx.core.interfaces.Device` chosen by ``--device``, already
         created, checked available and configured (``configure_env``).
+
+    Return nothing.  Registering a name twice (from any two plugins) is an
+    error that names both plugins.
+    """
+
+
+@hookspec
+def fdx_register_kv_connectors(register: Register) -> None:
+    """Contribute KV connectors, selected with ``--kv-connector NAME``.
+
+    A KV connector moves a request's prompt KV blocks (and the splitwise
+    messages that go with them) from a prefill to a decode instance
+    (``--scheduler splitwise``).  Called once at start-up, in the engine
+    process (and in ``fdx plugins``).  Must not import heavy libraries:
+    that belongs in the factory.
+
+    :param register: call ``register(name, factory)`` for each connector.
+        ``factory(config=..., runner=...)`` must return a started (listening)
+        :class:`fdx.core.interfaces.KVConnector`; ``config`` is the frozen
+        :class:`fdx.config.EngineConfig` (``kv_connector_port``,
+        ``kv_connector_config``) and ``runner`` the
+        :class:`fdx.core.interfaces.ModelRunner` whose KV blocks it reads
+        (``read_kv_blocks``) and writes (``write_kv_blocks``).
 
     Return nothing.  Registering a name twice (from any two plugins) is an
     error that names both plugins.

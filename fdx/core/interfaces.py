@@ -51,12 +51,17 @@ class ScheduledBatch:
     scheduler without running (through :meth:`Request.fail
     <fdx.core.request.Request.fail>`: ``finish_reason == "error"``,
     ``error`` and ``error_code`` set, blocks already freed, removed from the
-    scheduler), e.g. v0 running out of blocks.
+    scheduler), e.g. v0 running out of blocks.  ``emitted`` got new tokens
+    (or finished: then already out of the scheduler, blocks freed) without
+    running this step -- a splitwise decode instance's first tokens,
+    sampled by the prefill instance: their pending tokens and finish
+    reason are sent like those of ``seqs``.
     """
 
     seqs: list[ScheduledSeq] = attrs.field(factory=list)
     preempted: list[Request] = attrs.field(factory=list)
     failed: list[Request] = attrs.field(factory=list)
+    emitted: list[Request] = attrs.field(factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -160,6 +165,12 @@ class Scheduler(abc.ABC):
     def stats(self) -> dict[str, int]:
         """Counters for /metrics: at least ``num_preemptions``."""
         return {}
+
+    def pollables(self) -> list[Any]:
+        """ZMQ sockets (or file descriptors) the engine process polls along
+        with its input channel: readable means :meth:`has_work` may have
+        turned true (a splitwise scheduler's KV connector).  Default none."""
+        return []
 
 
 # --------------------------------------------------------------------------
@@ -399,3 +410,74 @@ class CacheBackend(abc.ABC):
 
     def close(self) -> None:
         """Release connections and files."""
+
+
+# --------------------------------------------------------------------------
+# KV connector (splitwise: moves prompt KV from a prefill to a decode instance)
+# --------------------------------------------------------------------------
+
+
+class KVConnector(abc.ABC):
+    """Moves small typed messages, and the KV blocks that go with them,
+    between engine instances (``--kv-connector NAME``; built by the engine
+    with ``factory(config=..., runner=...)``, driven by the splitwise
+    scheduler).
+
+    Every instance listens at :attr:`address` (what ``/v1/splitwise/info``
+    announces as ``kv_addr``); a peer is named by its address.
+
+    Invariants:
+
+    * messages from one peer arrive in the order sent, each at most once;
+      the KV sent with a message is complete when :meth:`recv` returns the
+      message (never a partial block set);
+    * the KV is read from the sender's blocks inside :meth:`send` (the
+      blocks may be reused as soon as it returns) and written into the
+      receiver's blocks only by :meth:`load`, into the blocks the receiver
+      names then -- so a receiver that dropped the request in between
+      never has blocks overwritten; ``load(kv, ())`` releases a KV without
+      writing it (e.g. removes its objects from a store);
+    * a peer that went away (process gone, connection lost) is reported
+      once by :meth:`lost_peers`; what was in flight to or from it is
+      lost, and the caller ends those requests;
+    * :meth:`send` never waits long on the peer: it raises
+      ``ConnectionError`` when the peer cannot be reached.
+
+    Threading contract: every method is called from the engine thread only
+    (KV is read and written through the model runner, which is
+    engine-thread only); a connector may run I/O threads of its own.
+    """
+
+    address: str = ""
+    runner: ModelRunner | None = None  # the model runner whose KV blocks it moves
+
+    @abc.abstractmethod
+    def send(self, peer: str, msg: Any, block_ids: Sequence[int] = ()) -> int:
+        """Send ``msg`` (a splitwise wire message) to ``peer``, with the KV
+        of local ``block_ids`` (in order).  Returns the KV bytes sent."""
+
+    @abc.abstractmethod
+    def recv(self) -> list[tuple[str, Any, Any]]:
+        """Messages that arrived, without waiting: ``(peer, msg, kv)``;
+        ``kv`` is ``None`` or an opaque handle for :meth:`load` / :meth:`drop`."""
+
+    @abc.abstractmethod
+    def load(self, kv: Any, block_ids: Sequence[int]) -> int:
+        """Write a received KV into local ``block_ids`` (as many as were
+        sent; none: just release it) and release it; returns the bytes
+        written."""
+
+    @abc.abstractmethod
+    def lost_peers(self) -> list[str]:
+        """Peers lost since the last call."""
+
+    def pollables(self) -> list[Any]:
+        """Sockets or fds readable when :meth:`recv` may return something."""
+        return []
+
+    def stats(self) -> dict[str, float]:
+        """Counters: at least ``bytes_sent``, ``bytes_received``."""
+        return {}
+
+    def close(self) -> None:
+        """Stop listening and release connections."""

@@ -59,13 +59,39 @@ class SamplingParams:
 
 
 @attrs.frozen
+class KVTransferParams:
+    """Splitwise handoff of one request (FastDeploy's ``disaggregate_info``).
+
+    On the AddRequest a decode instance's front end sends its engine:
+    ``prefill_addr`` (the prefill instance's ``kv_addr``, its KV connector)
+    and ``prefill_url`` (its HTTP base URL, for logs).  On the AddRequest
+    the decode engine then sends the prefill engine over the connector (the
+    prefill job): also ``decode_addr`` (where to reply), ``block_ids`` (the
+    decode instance's preallocated destination blocks for prompt blocks
+    ``num_cached_blocks`` onwards; the leading ones it already holds from
+    its prefix cache are not sent).  The prefill engine answers with a
+    :class:`RequestOutput`: the first token (and its logprob) with the KV
+    of those blocks, or an error and no KV.
+    """
+
+    prefill_addr: str = ""
+    prefill_url: str = ""
+    decode_addr: str = ""
+    block_ids: tuple[int, ...] = ()
+    num_cached_blocks: int = 0
+
+
+@attrs.frozen
 class AddRequest:
-    """Submit one sequence (one choice: ``n`` is expanded by the front end)."""
+    """Submit one sequence (one choice: ``n`` is expanded by the front end).
+    With ``kv_transfer_params`` a decode instance has the prompt computed
+    by that prefill instance and decodes only."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     arrival_time: float
+    kv_transfer_params: KVTransferParams | None = None
 
 
 @attrs.frozen
@@ -134,6 +160,25 @@ class RequestOutput:
 
 
 @attrs.frozen
+class SplitwiseStats:
+    """A splitwise instance's role, connector address (``kv_addr``) and
+    cumulative handoff counters.  ``handoff_buckets[i]`` counts handoffs
+    that took at most ``fdx.plugins.schedulers.splitwise.HANDOFF_BUCKETS[i]``
+    seconds (on D: preallocation to KV inserted; on P: job received to KV
+    sent).  ``recomputed_prompt_tokens``: prompt tokens of handed-off
+    requests that D computed itself (0 unless D preempted one)."""
+
+    role: str
+    address: str = ""
+    handoffs: int = 0
+    failed: int = 0
+    kv_bytes: int = 0
+    handoff_seconds: float = 0.0
+    handoff_buckets: tuple[int, ...] = ()
+    recomputed_prompt_tokens: int = 0
+
+
+@attrs.frozen
 class EngineStats:
     """A snapshot of the engine for /metrics and /health."""
 
@@ -152,6 +197,7 @@ class EngineStats:
     num_batched_tokens: int = 0  # cumulative tokens run (prefill + decode)
     num_generated_tokens: int = 0  # cumulative tokens sampled
     storage_puts: int = 0  # cumulative KV blocks written to the storage backend (put completed)
+    splitwise: SplitwiseStats | None = None  # only on a --splitwise-role instance
 
     @property
     def kv_usage(self) -> float:

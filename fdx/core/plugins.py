@@ -29,6 +29,7 @@ KINDS: dict[str, str] = {
     "cache_backend": "fdx_register_cache_backends",
     "device": "fdx_register_devices",
     "model_runner": "fdx_register_model_runners",
+    "kv_connector": "fdx_register_kv_connectors",
 }
 
 

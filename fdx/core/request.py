@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from fdx.core.messages import AddRequest, SamplingParams, TokenLogprob
+from fdx.core.messages import AddRequest, KVTransferParams, SamplingParams, TokenLogprob
 
 INT64_MAX = 2**63 - 1
 
@@ -59,6 +59,8 @@ class Request:
     sampler_state: Any = None
     #: the KV storage tier was already asked for this admission's prefix
     storage_probed: bool = False
+    #: splitwise decode instance: the prefill instance computes the prompt
+    kv_transfer: KVTransferParams | None = None
     #: logprobs of prompt tokens 1.. (``params.prompt_logprobs``), filled by the model runner, sent once
     prompt_logprobs: list[TokenLogprob] = attrs.field(factory=list)
     prompt_logprobs_sent: bool = False

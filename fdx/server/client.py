@@ -50,6 +50,7 @@ from fdx.core.messages import (
     EngineReady,
     EngineStats,
     Heartbeat,
+    KVTransferParams,
     Message,
     OutputBatch,
     RequestOutput,
@@ -225,6 +226,7 @@ class EngineClient:
         arrival: float,
         sink: Sink | None = None,
         tag: Any = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> RequestHandle:
         """Send one AddRequest; outputs arrive on ``handle.sink``."""
         self.check_available()
@@ -233,7 +235,7 @@ class EngineClient:
         if request_id in self._live:
             raise RequestError(f"duplicate request id {request_id!r}", 400, param="request_id")
         ids = tuple(prompt_token_ids)
-        msg = AddRequest(request_id, ids, params, arrival)
+        msg = AddRequest(request_id, ids, params, arrival, kv_transfer_params)
         try:
             data = encode(msg)
         except Exception:  # noqa: BLE001 - a value msgpack cannot carry (int >= 2**64, lone surrogate)

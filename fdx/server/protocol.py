@@ -248,6 +248,15 @@ class StreamOptions(_Strict):
         False, description="usage (so far) on every chunk, as vLLM")
 
 
+class KVTransferParamsBody(_Strict):
+    """``kv_transfer_params`` (splitwise, set by ``fdx router``)."""
+
+    prefill_addr: Annotated[str, Strict(), Field(min_length=1, max_length=512)] = Field(
+        description="the prefill instance's kv_addr (from its /v1/splitwise/info)")
+    prefill_url: Annotated[str, Strict(), Field(max_length=512)] | None = Field(
+        None, description="the prefill instance's base URL (for logs)")
+
+
 class _Common(_Strict):
     """Fields shared by completions and chat completions.  A field not
     declared here (or by an endpoint's model) is refused with a 400; the
@@ -288,6 +297,9 @@ class _Common(_Strict):
     prompt_cache_retention: StrictStr | None = None
     request_id: Annotated[str, Strict(), Field(max_length=256)] | None = Field(
         None, description="your id for the request (used by /v1/abort_requests); default: generated")
+    kv_transfer_params: KVTransferParamsBody | None = Field(
+        None, description="splitwise: the prefill instance that computes the prompt (accepted only by a "
+                          "--splitwise-role decode instance; the router sets it)")
 
 
 class CompletionRequest(_Common):

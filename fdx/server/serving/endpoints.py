@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from fdx.config import EngineConfig
 from fdx.core.errors import RequestError
-from fdx.core.messages import SamplingParams
+from fdx.core.messages import KVTransferParams, SamplingParams
 from fdx.output_processor import OutputProcessor
 from fdx.server.client import EngineClient, EngineUnavailable
 from fdx.server.protocol import sampling_params
@@ -99,6 +99,12 @@ class OpenAIServing:
         assert self.outputs is not None  # check_ready() passed: the tokenizer is set
         gen = Generation(self.config, self.client, self.outputs, req.request_id or f"{prefix}-{uuid.uuid4().hex}",
                          prompts, params, self.model_name)
+        if req.kv_transfer_params is not None:  # splitwise (docs/SPLITWISE.md): the router chose the prefill instance
+            if self.config.splitwise_role != "decode":
+                raise RequestError("kv_transfer_params is accepted only by a --splitwise-role decode instance", 400,
+                                   param="kv_transfer_params")
+            kp = req.kv_transfer_params
+            gen.kv_transfer = KVTransferParams(kp.prefill_addr, kp.prefill_url or "")
         so = req.stream_options
         gen.return_token_ids = bool(req.return_token_ids)
         gen.continuous_usage = bool(req.stream and so and so.continuous_usage_stats)

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fdx.core.errors import RequestError
-from fdx.core.messages import RequestOutput, SamplingParams, TokenLogprob
+from fdx.core.messages import KVTransferParams, RequestOutput, SamplingParams, TokenLogprob
 from fdx.output_processor import ChoiceState, OutputEvent, OutputProcessor, Usage, choice_params
 from fdx.server.protocol import error_body
 from fdx.server.sse import EventStreamResponse
@@ -126,6 +126,8 @@ class Generation:
         self.sink: asyncio.Queue[tuple[Any, Any]] = asyncio.Queue()
         self.states: list[ChoiceState] = []
         self.handles: list[RequestHandle] = []
+        #: splitwise decode instance: the prefill instance computing the prompt (AddRequest.kv_transfer_params)
+        self.kv_transfer: KVTransferParams | None = None
         #: vLLM's return_token_ids: prompt and completion token ids in the reply
         self.return_token_ids = False
         #: stream_options.continuous_usage_stats: usage so far on every chunk
@@ -147,7 +149,8 @@ class Generation:
                     sp = choice_params(self.params, j)
                     rid = self.id if total == 1 else f"{self.id}-{idx}"
                     state = self.outputs.open(rid, idx, p_idx, prompt.ids, sp)
-                    self.handles.append(self.client.submit(rid, prompt.ids, sp, arrival, self.sink, tag=state))
+                    kv = {"kv_transfer_params": self.kv_transfer} if self.kv_transfer is not None else {}
+                    self.handles.append(self.client.submit(rid, prompt.ids, sp, arrival, self.sink, tag=state, **kv))
                     self.states.append(state)
         except BaseException:
             self.abort("request rejected")
