@@ -1,4 +1,4 @@
-"""The ``fdx`` command line: ``serve``, ``plugins``, ``bench serve``.
+"""The ``fdx`` command line: ``serve``, ``plugins``, ``bench serve``, ``router``.
 
 Importing this module (and running ``--help`` or ``plugins``) never imports
 Paddle; plugin modules register factories and keep heavy imports inside them.
@@ -86,6 +86,10 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     k.add_argument("--kv-connector", help="KV connector plugin moving prompt KV from prefill to decode (default zmq)")
     k.add_argument("--kv-connector-port", type=int, help="TCP port the KV connector listens on (default: any free)")
     k.add_argument("--kv-connector-config", help="JSON object passed to the KV connector")
+    k.add_argument("--num-prefill", type=int,
+                   help="with --scheduler splitwise and no --splitwise-role: run this many prefill instances, "
+                        "--num-decode decode instances and the router (on --port) as managed children")
+    k.add_argument("--num-decode", type=int, help="with --num-prefill: decode instances to run")
     k.add_argument("--token-processor", help="token processor plugin (default 'default')")
     k.add_argument("--cache-backend", help="cache backend plugin for the KV storage tier (default: none)")
     k.add_argument("--cache-backend-config", help="JSON object passed to the cache backend")
@@ -118,6 +122,8 @@ def build_parser(plugins: Any | None = None) -> argparse.ArgumentParser:
     plist = sub.add_parser("plugins", help="list installed plugins and the components they register")
     plist.add_argument("--disable-plugin", dest="disable_plugins", action="append", metavar="NAME",
                        help="do not load this plugin; repeatable")
+    sub.add_parser("router", help="OpenAI front end over splitwise prefill/decode instances (fdx router --help)",
+                   add_help=False)
     bench = sub.add_parser("bench", help="benchmarks", add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     return parser
@@ -172,6 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv[:1] == ["bench"]:
             return _bench(argv[1:])
+        if argv[:1] == ["router"]:  # splitwise front end (docs/SPLITWISE.md); no plugins, no Paddle
+            from fdx.router.main import main as router_main
+
+            return router_main(argv[1:])
         from fdx.core.plugins import get_plugins
 
         plugins = get_plugins(_early_disabled(argv))

@@ -118,6 +118,10 @@ class EngineConfig:
     #: TCP port the KV connector listens on (0: any free port; /v1/splitwise/info tells it)
     kv_connector_port: int = attrs.field(default=0, validator=_non_negative)
     kv_connector_config: dict[str, Any] = attrs.field(factory=dict)
+    #: ``--scheduler splitwise`` without a role: the managed one-machine topology, this many
+    #: prefill and decode instances and the router as children of ``fdx serve`` (fdx/router/topology.py)
+    num_prefill: int = attrs.field(default=0, validator=_non_negative)
+    num_decode: int = attrs.field(default=0, validator=_non_negative)
     token_processor: str = "default"
     cache_backend: str | None = None
     cache_backend_config: dict[str, Any] = attrs.field(factory=dict)
@@ -206,6 +210,11 @@ def make_config(**kwargs: Any) -> EngineConfig:
         raise ConfigError("--splitwise-role and --kv-connector need --scheduler splitwise")
     if cfg.splitwise_local_scheduler in ("splitwise", "dp"):
         raise ConfigError("--splitwise-local-scheduler must name a batch policy (v1, v0, ...)")
+    if cfg.num_prefill or cfg.num_decode:
+        if cfg.scheduler != "splitwise" or cfg.splitwise_role is not None:
+            raise ConfigError("--num-prefill/--num-decode need --scheduler splitwise and no --splitwise-role")
+        if not (cfg.num_prefill and cfg.num_decode):
+            raise ConfigError("--num-prefill and --num-decode must both be >= 1")
     if cfg.dp_local_scheduler == "dp":
         raise ConfigError("--dp-local-scheduler must name a batch policy (v1, v0, ...), not dp")
     if cfg.max_num_batched_tokens < cfg.block_size:

@@ -25,6 +25,9 @@ Invariants:
   everything stops, exit 1, so an outside supervisor (systemd, Kubernetes)
   sees it.
 * The API process dying -> everything stops, exit 1.
+* ``--scheduler splitwise --num-prefill N --num-decode M`` -> the managed
+  splitwise topology of :mod:`fdx.router.topology` instead (N + M
+  ``fdx serve`` instances and the router as children).
 * ``--scheduler dp --data-parallel-size N`` -> N engine processes, one
   :class:`EngineSlot` each (replica ``rank``, its channel pair in
   ``RUN_DIR/dp<rank>/``, its config from
@@ -229,6 +232,10 @@ def engine_slots(config: EngineConfig, paths: IpcPaths) -> list[EngineSlot]:
 
 def serve(config: EngineConfig) -> int:
     """Run the server until a signal; returns the process exit code."""
+    from fdx.router.topology import is_managed, run_topology
+
+    if is_managed(config):  # --scheduler splitwise --num-prefill N --num-decode M: P, D and the router
+        return run_topology(config)
     setup_logging(config.log_level, process="serve")
     hide_secrets_in_argv([getattr(config, f.name) for f in attrs.fields(EngineConfig)
                           if is_secret(f.name) and isinstance(getattr(config, f.name), str)])
