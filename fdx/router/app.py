@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -91,7 +92,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        body = {"prefill": [i.describe() for i in pool.prefill], "decode": [i.describe() for i in pool.decode]}
+        body = {"router_pid": os.getpid(), "launcher_pid": os.getppid(),
+                "prefill": [i.describe() for i in pool.prefill], "decode": [i.describe() for i in pool.decode]}
         p, d = pool.up("prefill"), pool.up("decode")
         if p and d:
             return JSONResponse({"status": "ok", **body})

@@ -5,7 +5,7 @@ stderr, exit 2).  :func:`run` serves the app of :mod:`fdx.router.app`
 under uvicorn until SIGINT/SIGTERM (exit 0); flights still open then end
 with a 503 error event.  The managed topology
 (:mod:`fdx.router.topology`) starts it as ``python -m fdx.router
---config-fd FD [PARENT_PID]``: the config JSON (API key included) comes on
+--config-fd FD NAME PARENT_PID``: the config JSON (API key included) comes on
 an inherited pipe, never in argv, and the router exits when its parent
 does.
 """
@@ -159,14 +159,14 @@ def _watch_parent(parent_pid: int, server: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``fdx router ...`` (argv without the program name), or
-    ``python -m fdx.router --config-fd FD [PARENT_PID]``."""
+    ``python -m fdx.router --config-fd FD NAME [PARENT_PID]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["--config-fd"]:
-            from fdx.core.ipc import read_config
+            from fdx.core.ipc import child_args
 
-            config = RouterConfig(**read_config(int(argv[1])))
-            return run(config, int(argv[2]) if len(argv) > 2 else None)
+            values, _name, parent_pid = child_args(argv)
+            return run(RouterConfig(**values), parent_pid)
         config = config_from_argv(argv)
     except ConfigError as exc:
         print(f"fdx router: error: {exc}", file=sys.stderr)
