@@ -90,6 +90,7 @@ local target = best or '""" + ANY + """'
 redis.call('HSET', hk, 'add', blob, 'origin', origin, 'deadline', now + ttl)
 redis.call('PEXPIRE', hk, ttl + 60000)
 redis.call('RPUSH', P .. ':queue:' .. target, key)
+redis.call('PEXPIRE', P .. ':queue:' .. target, ttl + 60000)
 if best then
   local wk = P .. ':wake:' .. target
   redis.call('RPUSH', wk, '1'); redis.call('LTRIM', wk, -4, -1); redis.call('PEXPIRE', wk, 60000)
@@ -207,6 +208,7 @@ class Remote:
     enqueued: bool = False  # the current attempt is in Redis
     delivered: bool = False  # a token of it reached the sink
     owner_missing_since: float | None = None
+    sending: bool = False  # an ENQUEUE of the current attempt is under way
     done: bool = False
 
     @property
@@ -221,6 +223,12 @@ class Work:
     key: str
     origin: str
     handle: RequestHandle | None = None
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    import redis.exceptions
+
+    return isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError))
 
 
 def request_key(request_id: str, attempt: int) -> str:
@@ -406,15 +414,28 @@ class GlobalQueueClient:
         return ":".join((self.prefix, *parts))
 
     async def _send(self, r: Remote) -> None:
-        """Put the current attempt of ``r`` into Redis."""
+        """Put the current attempt of ``r`` into Redis (a connection that
+        Redis closed since its last use is retried once on a new one).  A new
+        request that cannot go gets a 503; one queued again is retried by
+        :meth:`_reconcile` until its TTL or the outage limit."""
         if r.done:
             return
-        try:
-            target = await self._enqueue(args=[self.prefix, r.key, self.id, encode(r.add), int(self.ttl * 1000)])
-        except Exception as exc:  # noqa: BLE001
-            self._redis_failed(exc)
-            self._end(r, EngineUnavailable(self.unavailable_reason() or f"cannot queue the request: {exc}"))
-            return
+        r.sending = True
+        target: Any = None
+        for attempt in (0, 1):
+            try:
+                target = await self._enqueue(args=[self.prefix, r.key, self.id, encode(r.add), int(self.ttl * 1000)])
+                break
+            except Exception as exc:  # noqa: BLE001
+                if attempt == 0 and _is_connection_error(exc):
+                    await self._reset_connections()
+                    continue
+                self._redis_failed(exc)
+                r.sending = False
+                if r.attempt == 0:
+                    self._end(r, EngineUnavailable(self.unavailable_reason() or f"cannot queue the request: {exc}"))
+                return
+        r.sending = False
         if r.done:  # ended meanwhile (client gone): take it out again
             await self._abort_remote(r.key, None, "client disconnected")
             return
@@ -554,6 +575,11 @@ class GlobalQueueClient:
             except Exception:
                 self._ended.extend(keys)
                 raise
+        for r in [r for r in self.pending.values() if not r.enqueued and not r.sending and r.attempt > 0]:
+            if now > r.deadline:
+                self._end(r, EngineUnavailable(self._ttl_message()))
+            else:
+                self._spawn(self._send(r))
         rs = [r for r in self.pending.values() if r.enqueued and not r.done]
         if not rs:
             return
@@ -571,7 +597,7 @@ class GlobalQueueClient:
             for o in owners:
                 pipe.exists(self._k("instance", o))
             alive = dict(zip(owners, (bool(x) for x in await pipe.execute())))
-        grace = 2 * self.config.heartbeat_interval
+        grace = self.config.heartbeat_timeout  # a Redis that restarted has lost the keys until the next beats
         for r, (add, _owner) in zip(rs, rows):
             if r.done or not r.enqueued:
                 continue
@@ -605,26 +631,35 @@ class GlobalQueueClient:
         info = json.dumps({"url": f"http://{self.config.host}:{self.config.port}", "pid": os.getpid(),
                            "capacity": self.capacity, "replicas": self.config.data_parallel_size,
                            "started": time.time()})
-        ttl_ms = int(self.config.heartbeat_timeout * 1000)
         while True:
-            try:
-                pipe = self.r.pipeline(transaction=False)
-                pipe.set(self._k("instance", self.id), info, px=ttl_ms)
-                pipe.pexpire(self._k("out", self.id), 120_000)
-                serving = self._serving_locally()
-                if serving:
-                    pipe.hset(self._k("capacity"), self.id, self.capacity)
-                    pipe.zadd(self._k("instances"), {self.id: len(self.work)})
-                await pipe.execute()
-                if not serving:
-                    await self._release(args=[self.prefix, self.id, "1"])
-                await self._release(args=[self.prefix, "", "0"])  # reap the dead
-                self._redis_ok()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                self._redis_failed(exc)
+            for attempt in (0, 1):
+                try:
+                    await self._beat(info)
+                    self._redis_ok()
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    if attempt == 0 and self.redis_error is None and _is_connection_error(exc):
+                        await self._reset_connections()  # Redis restarted since the last beat: new connections
+                        continue
+                    self._redis_failed(exc)
             await asyncio.sleep(self.config.heartbeat_interval)
+
+    async def _beat(self, info: str) -> None:
+        """Register (the key's TTL is --heartbeat-timeout), publish the load,
+        leave the ZSET while not taking work, reap dead instances."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(self._k("instance", self.id), info, px=int(self.config.heartbeat_timeout * 1000))
+        pipe.pexpire(self._k("out", self.id), 120_000)
+        serving = self._serving_locally()
+        if serving:
+            pipe.hset(self._k("capacity"), self.id, self.capacity)
+            pipe.zadd(self._k("instances"), {self.id: len(self.work)})
+        await pipe.execute()
+        if not serving:
+            await self._release(args=[self.prefix, self.id, "1"])
+        await self._release(args=[self.prefix, "", "0"])  # reap the dead
 
     def _redis_ok(self) -> None:
         if self.redis_error is not None:
@@ -642,7 +677,15 @@ class GlobalQueueClient:
         if self.redis_error is None:
             log.error("Redis at %s is unavailable: %s", self.config.redis_url, exc)
             self._down_since = time.monotonic()
+            self._spawn(self._reset_connections())  # none of the pooled ones is used again
         self.redis_error = str(exc) or type(exc).__name__
+
+    async def _reset_connections(self) -> None:
+        for c in (self.r, self.r_out, self.r_wake):
+            try:
+                await c.connection_pool.disconnect(inuse_connections=False)
+            except Exception:  # noqa: BLE001
+                pass
 
     async def _worker_loop(self) -> None:
         """Pull while holding fewer than --dp-capacity requests; run the

@@ -1,0 +1,153 @@
+"""The dp global queue's Lua scripts (fdx/server/dp_global_queue.py) on a real
+``redis-server``: placement on the least-loaded instance, the atomic pick
+(own queue first, then stealing from the busiest), skipping aborted and
+expired entries, reaping a dead instance, aborts routed to the owner, and
+the TTL expiry at the origin.  No fdx server: the scripts alone."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import pytest
+from kvservices import RedisServer, have_redis
+
+redis = pytest.importorskip("redis")
+
+from fdx.server.dp_global_queue import ABORT, ANY, ENQUEUE, EXPIRE, PICK, RELEASE  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not have_redis(), reason="redis-server not installed (apt-get install redis-server)")
+P = "fdx:t"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture()
+def r(server: RedisServer) -> Iterator[Any]:
+    c = redis.Redis.from_url(server.url)
+    c.flushall()
+    yield c
+    c.close()
+
+
+class Scripts:
+    def __init__(self, c: Any) -> None:
+        self.c = c
+        self.enqueue_ = c.register_script(ENQUEUE)
+        self.pick_ = c.register_script(PICK)
+        self.release_ = c.register_script(RELEASE)
+        self.abort_ = c.register_script(ABORT)
+        self.expire_ = c.register_script(EXPIRE)
+
+    def join(self, inst: str, load: int = 0, capacity: int = 4) -> None:
+        self.c.set(f"{P}:instance:{inst}", "{}", px=60_000)
+        self.c.hset(f"{P}:capacity", inst, capacity)
+        self.c.zadd(f"{P}:instances", {inst: load})
+
+    def enqueue(self, key: str, origin: str = "a", ttl_ms: int = 60_000) -> Any:
+        out = self.enqueue_(args=[P, key, origin, b"blob-" + key.encode(), ttl_ms])
+        return out.decode() if isinstance(out, bytes) else out
+
+    def pick(self, me: str, n: int = 8) -> list[tuple[str, str, bytes]]:
+        rows = self.pick_(args=[P, me, n, 3_600_000])
+        return [(rows[i].decode(), rows[i + 1].decode(), rows[i + 2]) for i in range(0, len(rows), 3)]
+
+    def queue(self, inst: str) -> list[str]:
+        return [k.decode() for k in self.c.lrange(f"{P}:queue:{inst}", 0, -1)]
+
+
+def test_enqueue_goes_to_the_least_loaded_instance_and_ties_to_the_origin(r: Any) -> None:
+    s = Scripts(r)
+    s.join("a", load=2)
+    s.join("b", load=0)
+    s.join("c", load=0, capacity=0)  # a front end: never a target
+    assert s.enqueue("r1", origin="a") == "b"  # b: 0/4 < a: 2/4
+    assert s.enqueue("r2", origin="a") == "b"  # b: (0+1)/4 < a: 2/4
+    assert s.enqueue("r3", origin="a") == "a"  # tie 2/4: the origin
+    assert s.enqueue("r3", origin="a") is None  # the key exists: a duplicate id
+    assert s.queue("b") == ["r1", "r2"] and s.queue("a") == ["r3"] and s.queue("c") == []
+    h = r.hgetall(f"{P}:req:r1")
+    assert h[b"origin"] == b"a" and h[b"add"] == b"blob-r1" and b"owner" not in h
+    assert 0 < r.pttl(f"{P}:req:r1") <= 120_000
+    assert r.llen(f"{P}:wake:b") >= 1  # the target is woken
+
+
+def test_enqueue_with_no_instance_goes_to_any(r: Any) -> None:
+    s = Scripts(r)
+    s.join("a", capacity=0)
+    assert s.enqueue("r1") == ANY and s.queue(ANY) == ["r1"]
+
+
+def test_pick_takes_own_queue_first_then_steals_from_the_busiest(r: Any) -> None:
+    s = Scripts(r)
+    for inst in ("a", "b", "c"):
+        s.join(inst)
+    for k in ("a1", "a2"):
+        r.hset(f"{P}:req:{k}", mapping={"add": k, "origin": "a", "deadline": 1 << 50})
+        r.rpush(f"{P}:queue:a", k)
+    for k in ("b1", "b2", "b3", "b4"):
+        r.hset(f"{P}:req:{k}", mapping={"add": k, "origin": "x", "deadline": 1 << 50})
+        r.rpush(f"{P}:queue:b", k)
+    assert [k for k, _, _ in s.pick("a", 1)] == ["a1"]
+    assert [k for k, _, _ in s.pick("a")] == ["a2"]  # own queue only, while it has some
+    # c has none: steals from b (the longest), at most half of it, oldest first
+    got = s.pick("c")
+    assert [(k, o, b) for k, o, b in got] == [("b1", "x", b"b1"), ("b2", "x", b"b2")]
+    assert s.queue("b") == ["b3", "b4"]
+    for k in ("a1", "a2", "b1", "b2"):  # each taken once, owner recorded, in the taker's processing set
+        owner = r.hget(f"{P}:req:{k}", "owner").decode()
+        assert r.sismember(f"{P}:processing:{owner}", k)
+    assert r.hget(f"{P}:req:b1", "owner") == b"c" and r.hget(f"{P}:req:a1", "owner") == b"a"
+    assert [k for k, _, _ in s.pick("a")] == ["b3"]  # a's own queue is empty now: it steals too
+
+
+def test_pick_skips_aborted_and_drops_expired_entries(r: Any) -> None:
+    s = Scripts(r)
+    s.join("a")
+    s.enqueue("gone")
+    s.enqueue("old", ttl_ms=1)
+    s.enqueue("ok")
+    r.delete(f"{P}:req:gone")  # aborted by its origin
+    time.sleep(0.01)
+    assert [k for k, _, _ in s.pick("a")] == ["ok"]
+    assert not r.exists(f"{P}:req:old") and s.queue("a") == []
+
+
+def test_release_reaps_a_dead_instance_and_its_queue_is_stolen(r: Any) -> None:
+    s = Scripts(r)
+    s.join("a")
+    s.join("dead")
+    r.hset(f"{P}:req:q1", mapping={"add": "q1", "origin": "a", "deadline": 1 << 50})
+    r.rpush(f"{P}:queue:dead", "q1")
+    r.sadd(f"{P}:processing:dead", "p1")
+    assert s.release_(args=[P, "", "0"]) == 0  # its key is still there: alive
+    r.delete(f"{P}:instance:dead")  # heartbeat key expired
+    assert s.release_(args=[P, "", "0"]) == 1
+    assert r.zscore(f"{P}:instances", "dead") is None and not r.exists(f"{P}:processing:dead")
+    assert s.queue(ANY) == ["q1"]
+    assert [k for k, _, _ in s.pick("a")] == ["q1"]
+    # forced (a paused instance): out of the ZSET, its queue to _any, its processing set kept
+    r.rpush(f"{P}:queue:a", "zz")
+    r.sadd(f"{P}:processing:a", "q1")
+    assert s.release_(args=[P, "a", "1"]) == 1
+    assert r.zscore(f"{P}:instances", "a") is None and s.queue(ANY) == ["zz"]
+    assert r.sismember(f"{P}:processing:a", "q1")
+
+
+def test_abort_reaches_the_owner_and_expire_keeps_a_taken_request(r: Any) -> None:
+    s = Scripts(r)
+    s.join("a")
+    s.enqueue("q")
+    assert s.abort_(args=[P, "q", b"abort-q", ""]) is None  # not taken: just deleted
+    assert not r.exists(f"{P}:req:q") and s.pick("a") == []
+    s.enqueue("t")
+    assert s.pick("a")[0][0] == "t"
+    assert s.expire_(args=[P, "t"]) == b"a"  # taken meanwhile: it runs, not expired
+    assert s.abort_(args=[P, "t", b"abort-t", ""]) == b"a"
+    assert r.lrange(f"{P}:ctl:a", 0, -1) == [b"abort-t"] and not r.exists(f"{P}:req:t")
+    s.enqueue("u")
+    assert s.expire_(args=[P, "u"]) is None and not r.exists(f"{P}:req:u")

@@ -1,0 +1,251 @@
+"""``fdx serve --scheduler dp --dp-backend redis``: two instances (two real
+``fdx serve`` processes, one replica and one thread each) on one real
+``redis-server``, plus a front-end-only node (``--dp-capacity 0``) on a
+cluster of its own for the TTL path.
+
+* requests sent to either API all complete, each executed exactly once
+  somewhere in the cluster, with the same greedy tokens whichever API took
+  them and whichever instance ran them;
+* Redis stopped mid-run: new requests get a 503 naming Redis, the streams
+  already running finish, and service resumes when Redis is back (no
+  restart of fdx);
+* a request no instance picks up ends after ``--dp-request-ttl`` with a
+  503 saying so, and leaves nothing in Redis;
+* killing one instance (SIGKILL of its whole process tree) mid-load with
+  32 streams loses and duplicates nothing: each stream ends exactly once,
+  with the full greedy text, or with one 503 error event after a prefix of
+  it.
+
+The instance kill is the last test (it ends instance B)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from typing import Any, Iterator
+
+import httpx
+import pytest
+from kvservices import RedisServer, have_redis
+from serverutil import children_of, metric_value, read_log, start_server
+
+redis = pytest.importorskip("redis")
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not have_redis(), reason="redis-server not installed (apt-get install redis-server)")]
+
+CLUSTER = f"t{uuid.uuid4().hex[:6]}"
+TTL_CLUSTER = CLUSTER + "-ttl"
+NODE = ("--scheduler", "dp", "--dp-backend", "redis", "--num-threads", "1", "--max-num-seqs", "4",
+        "--dp-capacity", "6")
+
+
+def _body(prompt: str, max_tokens: int, **kw: Any) -> dict[str, Any]:
+    return {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            **kw}
+
+
+def _complete(base: str, prompt: str, max_tokens: int = 16) -> httpx.Response:
+    return httpx.post(base + "/v1/completions", json=_body(prompt, max_tokens), timeout=120)
+
+
+def _text(base: str, prompt: str, max_tokens: int = 16) -> str:
+    r = _complete(base, prompt, max_tokens)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _executed(base: str) -> float:
+    """Requests this node's engines ran to the end (whoever's client they were)."""
+    return metric_value(base, "fdx:request_success_total", finished_reason="length")
+
+
+def _stream(base: str, body: dict[str, Any], out: dict[str, Any], started: threading.Event) -> None:
+    """A stream's every event: its text, finish reasons, error events, [DONE]s."""
+    out.update(text="", finish=[], errors=[], done=0)
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=180) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    out["done"] += 1
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    out["errors"].append(ev["error"])
+                    continue
+                for ch in ev.get("choices") or ():
+                    if ch.get("text"):
+                        started.set()
+                    out["text"] += ch.get("text") or ""
+                    if ch.get("finish_reason"):
+                        out["finish"].append(ch["finish_reason"])
+    except httpx.HTTPError as exc:
+        out["exc"] = repr(exc)
+    finally:
+        started.set()
+
+
+def _start_streams(base: str, bodies: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[threading.Thread],
+                                                                       list[threading.Event]]:
+    outs: list[dict[str, Any]] = [{} for _ in bodies]
+    started = [threading.Event() for _ in bodies]
+    threads = [threading.Thread(target=_stream, args=(base, b, o, s), daemon=True)
+               for b, o, s in zip(bodies, outs, started)]
+    for t in threads:
+        t.start()
+    return outs, threads, started
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[dict[str, Any]]:
+    with RedisServer() as rs, ExitStack() as stack:
+        url = rs.url
+        specs = {
+            "a": (*NODE, "--redis-url", url, "--dp-cluster", CLUSTER, "--dp-instance-name", "node-a"),
+            "b": (*NODE, "--redis-url", url, "--dp-cluster", CLUSTER, "--dp-instance-name", "node-b"),
+            # a front end only, alone in its cluster: nobody ever picks its requests up
+            "front": (*NODE[:-2], "--dp-capacity", "0", "--dp-request-ttl", "2", "--redis-url", url,
+                      "--dp-cluster", TTL_CLUSTER),
+        }
+        with ThreadPoolExecutor(3) as pool:  # the three start side by side
+            futs = {k: pool.submit(lambda a: stack.enter_context(start_server(*a)), a) for k, a in specs.items()}
+            nodes = {k: f.result() for k, f in futs.items()}
+        yield {"redis": rs, "r": redis.Redis.from_url(url), **nodes}
+
+
+def test_requests_to_either_api_complete_with_the_same_greedy_tokens(cluster: dict[str, Any]) -> None:
+    (a, _), (b, _) = cluster["a"], cluster["b"]
+    prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(12)]
+    before = _executed(a) + _executed(b)
+    with ThreadPoolExecutor(12) as pool:
+        via_a = list(pool.map(lambda p: _text(a, p), prompts))  # all accepted by A's API
+    ran_on_b = _executed(b)
+    assert ran_on_b > 0, "instance B never pulled work from the queue"
+    with ThreadPoolExecutor(12) as pool:
+        via_b = list(pool.map(lambda p: _text(b, p), prompts))
+    assert via_a == via_b
+    # each request ran exactly once in the cluster
+    assert _executed(a) + _executed(b) - before == 2 * len(prompts)
+    assert _text(a, prompts[0]) == via_a[0]  # sequential, alone: the same greedy text
+
+
+def test_redis_restart_gives_503s_then_recovery(cluster: dict[str, Any]) -> None:
+    (a, _), (b, _), rs = cluster["a"], cluster["b"], cluster["redis"]
+    prompts = [f"Tell a story about the number {i}." for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        expected = dict(zip(prompts, pool.map(lambda p: _text(b, p, 48), prompts)))
+    outs, threads, started = _start_streams(a, [_body(p, 48) for p in prompts])
+    for s in started[:4]:
+        assert s.wait(120), "a stream never started"
+    rs.stop()  # Redis goes away (its data with it: --save '')
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            r = _complete(a, "While Redis is away,", 2)
+            if r.status_code == 503:
+                break
+            assert time.monotonic() < deadline, f"no 503 while Redis is away: {r.status_code} {r.text}"
+            time.sleep(0.1)
+        err = r.json()["error"]
+        assert "Redis" in err["message"] and "redis://" in err["message"], err
+        assert _complete(b, "Also here,", 2).status_code == 503
+        assert httpx.get(a + "/health", timeout=10).status_code == 503
+    finally:
+        time.sleep(1.0)
+        rs.start()  # the same port, empty
+    deadline = time.monotonic() + 30
+    while (r := _complete(a, "Redis is back,", 2)).status_code != 200:
+        assert r.status_code == 503, r.text
+        assert time.monotonic() < deadline, f"no recovery after Redis came back: {r.text}"
+        time.sleep(0.2)
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+    for p, o in zip(prompts, outs):  # each finished, once, with its whole greedy text
+        assert o["status"] == 200 and not o["errors"] and o["finish"] == ["length"] and o["done"] == 1, o
+        assert o["text"] == expected[p], (p, o)
+    assert _complete(b, "And B serves again,", 2).status_code == 200
+
+
+def test_a_request_nobody_picks_up_ends_at_its_ttl(cluster: dict[str, Any]) -> None:
+    front, rc = cluster["front"][0], cluster["r"]
+    rid = f"ttl-{uuid.uuid4().hex[:8]}"
+    t0 = time.monotonic()
+    r = httpx.post(front + "/v1/completions", json=_body("Nobody will run this", 4, request_id=rid), timeout=60)
+    took = time.monotonic() - t0
+    assert r.status_code == 503, r.text
+    msg = r.json()["error"]["message"]
+    assert "--dp-request-ttl 2s" in msg and "no dp instance picked the request up" in msg, msg
+    assert 2.0 <= took < 20, took
+    # nothing of it is left in Redis (the queue's dangling entry is skipped and the list expires)
+    deadline = time.monotonic() + 5
+    while rc.exists(f"fdx:{TTL_CLUSTER}:req:{rid}"):
+        assert time.monotonic() < deadline, "the expired request is still in Redis"
+        time.sleep(0.1)
+    assert rc.pttl(f"fdx:{TTL_CLUSTER}:queue:_any") > 0  # the list itself expires too
+    # a streaming request: the same 503, before any event
+    with httpx.stream("POST", front + "/v1/completions", json=_body("Nor this", 4, stream=True), timeout=60) as s:
+        assert s.status_code == 503
+        assert "--dp-request-ttl" in s.read().decode()
+
+
+def _tree(pid: int) -> list[int]:
+    out = [pid]
+    for k in children_of(pid):
+        out.extend(_tree(k))
+    return out
+
+
+def test_killing_an_instance_mid_load_loses_and_duplicates_nothing(cluster: dict[str, Any]) -> None:
+    (a, proc_a), (b, proc_b), rc = cluster["a"], cluster["b"], cluster["r"]
+    prompts = [f"Write about colour number {i}:" for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        expected = dict(zip(prompts, pool.map(lambda p: _text(a, p, 48), prompts)))
+    bodies = [_body(prompts[i % 4], 48) for i in range(32)]
+    outs, threads, started = _start_streams(a, bodies)
+    deadline = time.monotonic() + 120
+    # kill B while it runs some of A's streams and holds more
+    while metric_value(b, "fdx:num_requests_running") < 3:
+        assert time.monotonic() < deadline, "instance B never ran A's requests"
+        time.sleep(0.1)
+    time.sleep(1.0)
+    for pid in _tree(proc_b.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for t in threads:
+        t.join(240)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+    ok = failed = 0
+    for body, o in zip(bodies, outs):
+        want = expected[body["prompt"]]
+        assert o["status"] == 200 and "exc" not in o and o["done"] == 1, o
+        if o["errors"]:  # it had streamed from B: one error event, after a prefix of the text
+            assert len(o["errors"]) == 1 and not o["finish"], o
+            assert o["errors"][0]["code"] == 503 and "node-b" in o["errors"][0]["message"], o
+            assert want.startswith(o["text"]) and o["text"], o
+            failed += 1
+        else:  # finished once, with the whole text: nothing lost, nothing twice
+            assert o["finish"] == ["length"] and o["text"] == want, o
+            ok += 1
+    assert failed >= 1 and ok + failed == 32, (ok, failed)
+    assert ok >= 32 - 6, (ok, failed)  # B held at most --dp-capacity 6 of them
+    # B leaves the cluster's load table; A serves on, and the queues drain
+    prefix = f"fdx:{CLUSTER}"
+    deadline = time.monotonic() + 15
+    while any(m.decode().startswith("node-b") for m in rc.zrange(f"{prefix}:instances", 0, -1)):
+        assert time.monotonic() < deadline, "dead instance B is still in the load ZSET"
+        time.sleep(0.2)
+    assert _text(a, prompts[0], 48) == expected[prompts[0]]
+    assert sum(rc.llen(k) for k in rc.scan_iter(f"{prefix}:queue:*")) == 0
+    assert proc_a.poll() is None, read_log(proc_a)
