@@ -2,7 +2,7 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXTRAS ?= cpu,test,redis,mooncake,plot
+EXTRAS ?= cpu,test,redis,mooncake,plot,grammar
 
 .PHONY: install deps serve test test-fast clean
 

@@ -91,6 +91,8 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                         "--num-decode decode instances and the router (on --port) as managed children")
     k.add_argument("--num-decode", type=int, help="with --num-prefill: decode instances to run")
     k.add_argument("--token-processor", help="token processor plugin (default 'default')")
+    k.add_argument("--grammar-backend", help="grammar backend of structured outputs (default 'llguidance')")
+    k.add_argument("--tool-call-parser", help="tool-call parser of chat completions with tools (default 'hermes')")
     k.add_argument("--cache-backend", help="cache backend plugin for the KV storage tier (default: none)")
     k.add_argument("--cache-backend-config", help="JSON object passed to the cache backend")
     k.add_argument("--device", help="device plugin, NAME or NAME:INDEX (default cpu; e.g. cuda:1 for the second GPU)")
@@ -147,6 +149,8 @@ def check_component_names(cfg: Any, plugins: Any) -> None:
     if cfg.scheduler == "dp":
         plugins.registry("scheduler").get(cfg.dp_local_scheduler)
     plugins.registry("token_processor").get(cfg.token_processor)
+    plugins.registry("grammar_backend").get(cfg.grammar_backend)
+    plugins.registry("tool_parser").get(cfg.tool_call_parser)
     from fdx.config import split_device
 
     plugins.registry("device").get(split_device(cfg.device)[0])

@@ -123,6 +123,10 @@ class EngineConfig:
     num_prefill: int = attrs.field(default=0, validator=_non_negative)
     num_decode: int = attrs.field(default=0, validator=_non_negative)
     token_processor: str = "default"
+    #: grammar backend of structured outputs (``--grammar-backend``)
+    grammar_backend: str = "llguidance"
+    #: tool-call parser of chat completions with ``tools`` (``--tool-call-parser``)
+    tool_call_parser: str = "hermes"
     cache_backend: str | None = None
     cache_backend_config: dict[str, Any] = attrs.field(factory=dict)
     device: str = attrs.field(default="cpu", validator=_device)  # NAME or NAME:INDEX

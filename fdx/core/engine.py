@@ -77,6 +77,7 @@ class Engine:
         self.scheduler: Scheduler = self.plugins.create("scheduler", config.scheduler, config=config, kv=self.kv,
                                                         **extra)
         self.connector = extra.get("connector")
+        self.grammar: Any = None  # the GrammarBackend (--grammar-backend), built for the first structured request
         self.storage = None
         if config.cache_backend:
             from fdx.plugins.cache_backends.kv_storage import KVStorage
@@ -100,6 +101,14 @@ class Engine:
                                                                         self.config.max_logprobs)
         if error is None and self.scheduler.get(msg.request_id) is not None:
             error = f"duplicate request id {msg.request_id!r}"
+        grammar, spec = None, msg.params.structured
+        if error is None and spec is not None:
+            try:  # compiled once per spec; the API process checked it first (400 naming the field)
+                kw = {"config": self.config, "vocab_size": self.runner.vocab_size}
+                self.grammar = self.grammar or self.plugins.create("grammar_backend", self.config.grammar_backend, **kw)
+                grammar = self.grammar.matcher(spec)
+            except Exception as exc:  # noqa: BLE001 - a bad spec (or backend) fails this request only
+                error = f"structured output ({spec.kind}): {exc}"
         if error is not None:
             code = 503 if self.is_paused else 400
             self._side_outputs.append(RequestOutput(msg.request_id, (), "error", len(msg.prompt_token_ids),
@@ -107,6 +116,7 @@ class Engine:
             return
         req = Request(msg.request_id, list(msg.prompt_token_ids), msg.params, self.runner.eos_token_ids,
                       self.max_model_len, msg.arrival_time, kv_transfer=msg.kv_transfer_params)
+        req.grammar = grammar
         try:
             self.scheduler.add_request(req)
         except Exception as exc:  # noqa: BLE001 - a plugin failing on one request ends that request

@@ -181,6 +181,44 @@ def fdx_register_kv_connectors(register: Register) -> None:
     """
 
 
+@hookspec
+def fdx_register_grammar_backends(register: Register) -> None:
+    """Contribute grammar backends (structured outputs), selected with
+    ``--grammar-backend NAME``.
+
+    A grammar backend compiles the structured-output spec of a request
+    (JSON schema, regex, choice, grammar) and keeps one matcher per request,
+    whose token mask the sampler applies each step.  Called once at
+    start-up, in the engine process, the API-server process, ``fdx.LLM`` and
+    ``fdx plugins``.  Must not import the grammar engine: that belongs in
+    the factory (or in the backend's first compile).
+
+    :param register: call ``register(name, factory)``.
+        ``factory(config=..., vocab_size=...)`` returns a
+        :class:`fdx.core.interfaces.GrammarBackend`; ``config`` is the
+        :class:`fdx.config.EngineConfig` (``config.model`` names the
+        tokenizer) and ``vocab_size`` the width of the model's logits.
+
+    Return nothing.  Registering a name twice is an error naming both plugins.
+    """
+
+
+@hookspec
+def fdx_register_tool_parsers(register: Register) -> None:
+    """Contribute tool-call parsers, selected with ``--tool-call-parser NAME``.
+
+    A tool parser finds the tool calls in a chat completion's output text
+    (``tool_choice`` ``auto``), streaming or not.  Called once at start-up,
+    in the API-server process and in ``fdx plugins``.
+
+    :param register: call ``register(name, factory)``.  ``factory(config=...)``
+        returns a :class:`fdx.core.interfaces.ToolParser`; ``config`` is the
+        :class:`fdx.config.EngineConfig`.
+
+    Return nothing.  Registering a name twice is an error naming both plugins.
+    """
+
+
 # --------------------------------------------------------------------------
 # Extension hooks
 # --------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
 import attrs
 import numpy as np
 
-from fdx.core.messages import SamplingParams, TokenLogprob
+from fdx.core.messages import SamplingParams, StructuredOutput, TokenLogprob
 
 if TYPE_CHECKING:
     from fdx.config import EngineConfig
@@ -354,6 +354,76 @@ class TokenProcessor(abc.ABC):
     def token_text(self, token_id: int) -> str:
         """Text of a single token (for logprobs)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+# --------------------------------------------------------------------------
+# Grammar backend (structured outputs) and tool parser (tool calling)
+# --------------------------------------------------------------------------
+
+
+class GrammarMatcher(abc.ABC):
+    """One request's position in its grammar (``Request.grammar``).
+
+    The sampler brings it up to date before each of the request's samples:
+    it feeds :meth:`accept` the output tokens it has not seen yet (those the
+    scheduler appended; the sampler counts them, so a re-run step, a
+    preemption or a moved request never advances it twice), then calls
+    :meth:`fill_bitmask`.  Once the grammar is complete (or broken) only the
+    eos ids are allowed.  Threading contract: the engine thread only.
+    """
+
+    @abc.abstractmethod
+    def accept(self, token_ids: Sequence[int]) -> None:
+        """Advance over tokens the request produced (a refused token breaks the matcher)."""
+
+    @abc.abstractmethod
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Write row ``row`` of an ``int32[n, ceil(V / 32)]`` bitmask: bit
+        ``t % 32`` of word ``t // 32`` set when token ``t`` may come next."""
+
+
+class GrammarBackend(abc.ABC):
+    """Compiles :class:`~fdx.core.messages.StructuredOutput` specs and makes
+    matchers (``fdx_register_grammar_backends``, ``--grammar-backend``).
+    Invariant: a spec is compiled once, then cached (by its value), so a
+    matcher for a known spec costs a copy.  The API process calls
+    :meth:`matcher` to refuse a bad spec (400) from worker threads, the
+    engine from its thread: it must be thread-safe."""
+
+    @abc.abstractmethod
+    def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
+        """A fresh matcher at the start of the grammar (compiled once per
+        spec); raises ``ValueError`` saying what is wrong with the spec."""
+
+
+@attrs.frozen
+class ToolCallDelta:
+    """A piece of tool call ``index`` of one choice: ``name`` on its first
+    piece only; ``arguments`` the next characters of its JSON arguments."""
+
+    index: int
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCallStream(abc.ABC):
+    """One choice's output split into content and tool calls, incrementally."""
+
+    @abc.abstractmethod
+    def feed(self, text: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
+        """Consume new output text; return the content text that became final
+        and the tool-call pieces found.  ``finished``: flush everything."""
+
+
+class ToolParser(abc.ABC):
+    """Finds tool calls in model output (``fdx_register_tool_parsers``,
+    ``--tool-call-parser``).  One instance serves every request of the API
+    process (its event loop thread); per-choice state lives in the streams.
+    A non-streaming reply feeds the whole text once, ``finished=True``."""
+
+    @abc.abstractmethod
+    def open_stream(self) -> ToolCallStream:
+        """Start parsing one choice."""
 
 
 # --------------------------------------------------------------------------

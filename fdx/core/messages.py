@@ -21,6 +21,18 @@ from cattrs.strategies import configure_tagged_union
 
 
 @attrs.frozen
+class StructuredOutput:
+    """A grammar the output must match (structured outputs).  ``kind`` is
+    ``json`` (``spec``: a JSON schema, as JSON text), ``json_object`` (any
+    JSON object; no spec), ``regex``, ``choice`` (``spec``: a JSON list of
+    strings) or ``grammar`` (a Lark or GBNF grammar).  The grammar backend
+    (``--grammar-backend``) compiles it once per distinct value."""
+
+    kind: str
+    spec: str = ""
+
+
+@attrs.frozen
 class SamplingParams:
     """How one request samples and when it stops.
 
@@ -45,6 +57,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    #: the output must match this grammar (``None``: free text)
+    structured: StructuredOutput | None = None
+    #: ``(token id, bias)`` pairs added to the logits before sampling (OpenAI ``logit_bias``)
+    logit_bias: tuple[tuple[int, float], ...] = ()
     #: top alternatives of each prompt token's logprob (``None``: none computed; such a request skips the prefix cache)
     prompt_logprobs: int | None = None
 

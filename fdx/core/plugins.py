@@ -29,6 +29,8 @@ KINDS: dict[str, str] = {
     "cache_backend": "fdx_register_cache_backends",
     "device": "fdx_register_devices",
     "model_runner": "fdx_register_model_runners",
+    "grammar_backend": "fdx_register_grammar_backends",
+    "tool_parser": "fdx_register_tool_parsers",
     "kv_connector": "fdx_register_kv_connectors",
 }
 

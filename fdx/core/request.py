@@ -5,11 +5,14 @@ from __future__ import annotations
 import enum
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from fdx.core.messages import AddRequest, KVTransferParams, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from fdx.core.interfaces import GrammarMatcher
 
 INT64_MAX = 2**63 - 1
 
@@ -57,6 +60,8 @@ class Request:
     pending_logprobs: list[TokenLogprob] = attrs.field(factory=list)
     # per-request sampler state (seeded generator), owned by the model runner
     sampler_state: Any = None
+    #: where the output is in its grammar (``params.structured``), set by the engine
+    grammar: GrammarMatcher | None = None
     #: the KV storage tier was already asked for this admission's prefix
     storage_probed: bool = False
     #: splitwise decode instance: the prefill instance computes the prompt
@@ -162,6 +167,7 @@ def check_request(msg: AddRequest, max_model_len: int, vocab_size: int, max_logp
         ("seed", p.seed is None or 0 <= p.seed < 2**64, "an integer in [0, 2**64)"),
         ("logprobs", p.logprobs is None or 0 <= p.logprobs <= max_logprobs, f"in [0, {max_logprobs}]"),
         ("stop_token_ids", all(0 <= t < vocab_size for t in p.stop_token_ids), f"token ids in [0, {vocab_size})"),
+        ("logit_bias", all(0 <= t < vocab_size and abs(b) <= 100 for t, b in p.logit_bias), "ids < vocab, |bias|<=100"),
     )
     for name, ok, what in checks:
         if not ok:

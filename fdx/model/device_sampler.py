@@ -4,10 +4,12 @@ Same parameters and order as :mod:`fdx.model.sampler` (the NumPy sampler of
 the CPU runner), computed with Paddle ops where the logits live:
 
 1. logprobs (if asked) from the log-softmax of the raw logits;
-2. repetition / frequency / presence penalties and ``min_tokens`` masks, as
-   a sparse patch scattered into a copy of the logits (the token ids and
-   counts come from the request's incremental
-   :class:`~fdx.model.sampler.SamplerState`, on the host);
+2. repetition / frequency / presence penalties, ``logit_bias`` and
+   ``min_tokens`` masks, as a sparse patch scattered into a copy of the
+   logits (the token ids and counts come from the request's incremental
+   :class:`~fdx.model.sampler.SamplerState`, on the host); then the grammar
+   rows' token masks (:func:`~fdx.model.sampler.grammar_masks`, filled on
+   the host for those rows only);
 3. greedy rows: ``argmax``;
 4. random rows: temperature, min_p, top_k, then top_p on the renormalised
    survivors, over the row sorted by probability; then inverse-CDF sampling
@@ -29,6 +31,7 @@ import numpy as np
 from fdx.core.messages import TokenLogprob
 from fdx.model.sampler import (
     GREEDY_EPS,
+    grammar_masks,
     has_penalty,
     min_tokens_active,
     min_tokens_blocked_ids,
@@ -66,12 +69,20 @@ class DeviceSampler:
         pen = [i for i, r in enumerate(requests) if has_penalty(r.params)]
         mt = [i for i, r in enumerate(requests) if min_tokens_active(r)]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if greedy.all() and not pen and not mt and not lp_rows:
+        lb = [i for i, p in enumerate(params) if p.logit_bias]
+        gr = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if greedy.all() and not pen and not mt and not lp_rows and not lb and not gr:
             return paddle.argmax(logits, axis=-1).numpy().astype(np.int64), None
 
         x = logits
-        if pen or mt:
-            x = self._patched(logits, requests, pen, mt)
+        if pen or mt or lb:
+            x = self._patched(logits, requests, pen, mt, lb)
+        if gr:
+            gi = paddle.to_tensor(np.array(gr, dtype=np.int64))
+            allowed = paddle.to_tensor(grammar_masks([requests[i] for i in gr], int(x.shape[1])))
+            sub = paddle.index_select(x, gi)
+            sub = paddle.where(allowed, sub, paddle.full_like(sub, -np.inf))
+            x = paddle.scatter(x, gi, sub, overwrite=True)
         tokens = paddle.zeros([n], dtype="int64")
         if greedy.any():
             g = np.flatnonzero(greedy)
@@ -90,8 +101,9 @@ class DeviceSampler:
 
     # ------------------------------------------------------------ internals
 
-    def _patched(self, logits: Any, requests: Sequence[Request], pen: list[int], mt: list[int]) -> Any:
-        """A copy of ``logits`` with penalties and min_tokens masks applied."""
+    def _patched(self, logits: Any, requests: Sequence[Request], pen: list[int], mt: list[int],
+                 lb: Sequence[int] = ()) -> Any:
+        """A copy of ``logits`` with penalties, logit_bias and min_tokens masks applied."""
         import paddle
 
         n, width = int(logits.shape[0]), int(logits.shape[1])
@@ -117,6 +129,11 @@ class DeviceSampler:
                 c = t(np.concatenate(cnt).astype(np.float32))
                 vals = vals - (t(np.concatenate(fr)) * c + t(np.concatenate(pr)) * (c > 0).astype("float32"))
                 flat = paddle.scatter(flat, ti, vals, overwrite=True)
+        bias = [(i * width + t, b) for i in lb for t, b in requests[i].params.logit_bias if 0 <= t < width]
+        if bias:
+            ti = paddle.to_tensor(np.array([k for k, _ in bias], dtype=np.int64))
+            add = paddle.to_tensor(np.array([b for _, b in bias], dtype=np.float32))
+            flat = paddle.scatter(flat, ti, paddle.gather(flat, ti) + add, overwrite=True)
         if mt:
             cols: list[int] = []
             for i in mt:

@@ -8,10 +8,15 @@ in vLLM's order:
 2. repetition penalty (prompt + output tokens, HF/vLLM: positive logits are
    divided, negative ones multiplied), then frequency/presence penalties
    (output tokens, OpenAI: ``logit -= f * count + p * (count > 0)``);
-3. ``min_tokens``: eos ids and ``stop_token_ids`` get ``-inf`` while fewer
+3. ``logit_bias`` (OpenAI): the bias is added to the (penalised) logit;
+4. ``min_tokens``: eos ids and ``stop_token_ids`` get ``-inf`` while fewer
    than ``min_tokens`` tokens were generated;
-4. greedy rows (``temperature < 1e-5``): argmax;
-5. random rows: temperature, min_p (relative to the top probability),
+5. structured outputs: the rows whose request has a grammar
+   (``request.grammar``) keep only the tokens their matcher allows -- the
+   matchers fill one ``int32`` bitmask for those rows only, unpacked and
+   applied in one vectorized step (a complete grammar allows only eos);
+6. greedy rows (``temperature < 1e-5``): argmax;
+7. random rows: temperature, min_p (relative to the top probability),
    top_k, top_p (on the renormalised survivors), then inverse-CDF sampling
    over the survivors in vocabulary order with ONE uniform draw per token.
    The survivors are found among the row's top 1024 (then 8192) logits
@@ -27,8 +32,9 @@ Invariants:
   ``request.sampler_state`` and consumes exactly one uniform per sampled
   token, so the same seed gives the same tokens alone or in any batch;
   unseeded requests draw from the sampler's process-level generator;
-* the all-greedy batch without penalties, logprobs or active min_tokens is a
-  single argmax.
+* the all-greedy batch without penalties, logprobs, logit_bias, grammars or
+  active min_tokens is a single argmax (a request without a grammar or a
+  bias costs two attribute reads per step).
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ class SamplerState:
     and counted output (the only logits penalties touch).
     """
 
-    __slots__ = ("gen", "counts", "in_prompt", "ids", "n_counted")
+    __slots__ = ("gen", "counts", "in_prompt", "ids", "n_counted", "n_grammar")
 
     def __init__(self, seed: int | None) -> None:
         self.gen: np.random.Generator | None = (
@@ -74,6 +80,7 @@ class SamplerState:
         self.in_prompt: np.ndarray | None = None
         self.ids: np.ndarray = np.zeros(0, dtype=np.int64)
         self.n_counted = 0
+        self.n_grammar = 0  # output tokens the request's grammar matcher has accepted
 
     def penalty_tokens(
         self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int], width: int
@@ -196,6 +203,8 @@ class Sampler:
                 and p.logprobs is None
                 and not has_penalty(p)
                 and not min_tokens_active(r)
+                and r.grammar is None
+                and not p.logit_bias
             ):
                 fast = False
                 break
@@ -217,19 +226,25 @@ class Sampler:
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         pen_rows = [i for i, p in enumerate(params) if has_penalty(p)]
         mt_rows = [i for i, r in enumerate(requests) if min_tokens_active(r)]
+        lb_rows = [i for i, p in enumerate(params) if p.logit_bias]
+        gr_rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         temps = np.array([p.temperature for p in params], dtype=np.float32)
         greedy = temps < GREEDY_EPS
 
         x = _Patched(raw)
         if pen_rows:
             x.add(*self._penalty_patch(raw, requests, pen_rows))
+        if lb_rows:
+            x.add(*_bias_patch(x, requests, lb_rows))
         if mt_rows:
             x.add(*self._stop_token_patch(raw, requests, mt_rows))
+        if gr_rows:
+            x.mask(np.array(gr_rows, dtype=np.int64), grammar_masks([requests[i] for i in gr_rows], width))
 
         tokens = np.empty(n, dtype=np.int64)
         if greedy.any():
             g = np.flatnonzero(greedy)
-            tokens[g] = raw.argmax(axis=1) if len(g) == n and not x.patches else x.take(g).argmax(axis=1)
+            tokens[g] = raw.argmax(axis=1) if len(g) == n and x.clean else x.take(g).argmax(axis=1)
         if not greedy.all():
             rnd = np.flatnonzero(~greedy)
             tokens[rnd] = self._sample_random(x, rnd, temps[rnd], requests)
@@ -371,28 +386,94 @@ class Sampler:
 
 
 class _Patched:
-    """Raw logits plus sparse overrides (penalties, min_tokens masks), applied
-    in order to the private copies that :meth:`take` hands out -- the raw
-    array is never written."""
+    """Raw logits plus sparse overrides (penalties, logit_bias, min_tokens
+    masks), applied in order, then dense row masks (grammars), to the
+    private copies that :meth:`take` hands out -- the raw array is never
+    written."""
 
     def __init__(self, raw: np.ndarray) -> None:
         self.raw = raw
         self.patches: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.masks: list[tuple[np.ndarray, np.ndarray]] = []  # (rows, allowed bool [len(rows), V])
+
+    @property
+    def clean(self) -> bool:
+        return not self.patches and not self.masks
 
     def add(self, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray) -> None:
         if len(rows):
             self.patches.append((rows, cols, vals))
 
+    def mask(self, rows: np.ndarray, allowed: np.ndarray) -> None:
+        """Rows ``rows`` keep only the tokens where ``allowed`` is true (-inf elsewhere)."""
+        self.masks.append((rows, allowed))
+
+    def values(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """The patched values at ``(rows, cols)`` (a copy)."""
+        width = self.raw.shape[1]
+        v = self.raw[rows, cols].copy()
+        key = rows * width + cols
+        for r, c, pv in self.patches:
+            pk = r * width + c
+            order = np.argsort(pk, kind="stable")
+            sk = pk[order]
+            pos = np.minimum(np.searchsorted(sk, key), len(sk) - 1)
+            hit = sk[pos] == key
+            v[hit] = pv[order[pos[hit]]]
+        return v
+
     def take(self, rows: np.ndarray) -> np.ndarray:
         sub = self.raw[rows]
-        if self.patches:
+        if self.patches or self.masks:
             local = np.full(self.raw.shape[0], -1, dtype=np.int64)
             local[rows] = np.arange(len(rows))
             for r, c, v in self.patches:
                 lr = local[r]
                 sel = lr >= 0
                 sub[lr[sel], c[sel]] = v[sel]
+            for r, allowed in self.masks:
+                lr = local[r]
+                sel = lr >= 0
+                if sel.any():
+                    part = sub[lr[sel]]
+                    part[~allowed[sel]] = -np.inf
+                    sub[lr[sel]] = part
         return sub
+
+
+def _bias_patch(x: _Patched, requests: Sequence[Request], rows: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``logit_bias`` added to the rows' (already penalised) logits, as a sparse patch."""
+    width = x.raw.shape[1]
+    ri: list[int] = []
+    ci: list[int] = []
+    bias: list[float] = []
+    for i in rows:
+        for t, b in requests[i].params.logit_bias:
+            if 0 <= t < width:
+                ri.append(i)
+                ci.append(t)
+                bias.append(b)
+    r, c = np.array(ri, np.int64), np.array(ci, np.int64)
+    return r, c, (x.values(r, c) + np.array(bias, np.float32)).astype(np.float32)
+
+
+def grammar_masks(requests: Sequence[Request], width: int) -> np.ndarray:
+    """``allowed[k, t]``: request ``k``'s grammar lets token ``t`` come next.
+    Each matcher first accepts the output tokens it has not seen (those the
+    scheduler appended since), then fills its row of one ``int32`` bitmask;
+    the bitmask is unpacked for all rows at once."""
+    words = -(-width // 32)
+    bitmask = np.zeros((len(requests), words), dtype=np.int32)
+    for k, r in enumerate(requests):
+        g = r.grammar
+        assert g is not None
+        st, out = sampler_state(r), r.output_token_ids
+        if st.n_grammar < len(out):
+            g.accept(out[st.n_grammar :])
+            st.n_grammar = len(out)
+        g.fill_bitmask(bitmask, k)
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=width, bitorder="little")
+    return bits.view(bool)
 
 
 def _scaled_exp(z: np.ndarray, inv_t: np.ndarray) -> np.ndarray:

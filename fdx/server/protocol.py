@@ -257,6 +257,53 @@ class KVTransferParamsBody(_Strict):
         None, description="the prefill instance's base URL (for logs)")
 
 
+class JsonSchemaSpec(_Strict):
+    """``response_format.json_schema``."""
+
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: Union[dict[str, Any], StrictBool, None] = Field(None, alias="schema", description="a JSON schema")
+    strict: StrictBool | None = Field(None, description="accepted; fdx always enforces the schema")
+
+
+class ResponseFormat(_Strict):
+    """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputsParams(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of the constraints."""
+
+    json_: Union[dict[str, Any], StrictStr, None] = Field(None, alias="json", description="a JSON schema")
+    regex: StrictStr | None = None
+    choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    grammar: StrictStr | None = Field(None, description="a Lark or GBNF grammar")
+    json_object: StrictBool | None = None
+
+
+class FunctionSpec(_Strict):
+    name: Annotated[str, Strict(), Field(min_length=1, max_length=256)]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+    strict: StrictBool | None = None
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class _Common(_Strict):
     """Fields shared by completions and chat completions.  A field not
     declared here (or by an endpoint's model) is refused with a 400; the
@@ -287,6 +334,16 @@ class _Common(_Strict):
                           "null for the first token, then {token_id: {logprob, rank, decoded_token}}")
     return_token_ids: StrictBool | None = Field(
         False, description="add prompt_token_ids and each choice's token_ids to the response (vLLM)")
+    # structured outputs (fdx/server/serving/structured.py): at most one of these
+    response_format: ResponseFormat | None = None
+    guided_json: Union[dict[str, Any], StrictStr, None] = Field(None, description="a JSON schema (vLLM)")
+    guided_regex: StrictStr | None = Field(None, description="a regular expression (vLLM)")
+    guided_choice: Annotated[list[StrictStr], Field(min_length=1)] | None = Field(
+        None, description="the output is one of these strings (vLLM)")
+    guided_grammar: StrictStr | None = Field(None, description="a Lark or GBNF grammar (vLLM)")
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[StrictStr, Finite] | None = Field(
+        None, description="token id (a string) -> bias in [-100, 100] added to its logit")
     # no effect (NO_EFFECT_FIELDS)
     user: StrictStr | None = None
     metadata: dict[str, StrictStr] | None = None
@@ -341,6 +398,11 @@ class ChatCompletionRequest(_Common):
                            "excludes add_generation_prompt")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="extra variables for the chat template (e.g. enable_thinking)")
+    # tool calling (fdx/server/serving/tool_calls.py)
+    tools: Annotated[list[ToolSpec], Field(max_length=128)] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        None, description="none, auto (the default with tools), required, or a named function")
+    parallel_tool_calls: StrictBool | None = Field(None, description="allow several calls in one reply (default true)")
 
 
 def unknown_field(data: dict[str, Any], model: type[BaseModel]) -> RequestError | None:
@@ -532,7 +594,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 # --------------------------------------------------------------------------
@@ -584,6 +646,8 @@ class CompletionResponse(_Doc):
 class ChatResponseMessage(_Doc):
     role: Literal["assistant"]
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="[{id, type: function, function: {name, arguments (JSON text)}}]")
 
 
 class ChatChoice(_Doc):

@@ -10,20 +10,49 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from fdx.core.errors import RequestError
+from fdx.core.interfaces import ToolCallStream
 from fdx.core.messages import TokenLogprob
 from fdx.output_processor import OutputEvent
 from fdx.server.protocol import ChatCompletionRequest, chat_messages, parse_body
+from fdx.server.serving import structured, tool_calls
 from fdx.server.serving.generation import ChoiceResult, Generation, Prompt, json_logprob
+from fdx.server.serving.tool_calls import ToolCalling, merge, new_call_id
 
 if TYPE_CHECKING:
     from fdx.server.serving.endpoints import OpenAIServing
 
 
 class ChatEndpoint:
-    """Renders chat choices."""
+    """Renders chat choices; with tools, each choice's text goes through its
+    tool-call stream (content and ``tool_calls``, see ``tool_calls.py``)."""
 
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
+
+    def __init__(self, calling: ToolCalling | None = None) -> None:
+        self.calling = calling
+        self.streams: dict[int, ToolCallStream] = {}
+        self.called: set[int] = set()  # choices that produced a tool call
+
+    def _tool_delta(self, ev: OutputEvent) -> tuple[dict[str, Any], str | None]:
+        """A streamed choice's delta and finish reason with tools."""
+        assert self.calling is not None
+        stream = self.streams.get(ev.index)
+        if stream is None:
+            stream = self.streams[ev.index] = self.calling.open_stream()
+        text, deltas = stream.feed(ev.text, ev.finish_reason is not None)
+        d: dict[str, Any] = {}
+        if text and not (ev.index in self.called and not text.strip()):
+            d["content"] = text
+        deltas = self.calling.keep(deltas)
+        if deltas:
+            self.called.add(ev.index)
+            d["tool_calls"] = [
+                {"index": x.index, "id": new_call_id(), "type": "function",
+                 "function": {"name": x.name, "arguments": x.arguments}} if x.name is not None
+                else {"index": x.index, "function": {"arguments": x.arguments}} for x in deltas]
+        reason = ev.finish_reason
+        return d, ("tool_calls" if reason == "stop" and ev.index in self.called else reason)
 
     def head(self, gen: Generation) -> list[dict[str, Any]]:
         return [{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -31,24 +60,37 @@ class ChatEndpoint:
 
     def delta(self, gen: Generation, ev: OutputEvent) -> dict[str, Any] | None:
         ids = gen.return_token_ids and ev.token_ids
-        if not ev.text and not ev.logprobs and ev.finish_reason is None and not ids:
+        delta, reason = ({"content": ev.text} if ev.text else {}), ev.finish_reason
+        if self.calling is not None:
+            delta, reason = self._tool_delta(ev)
+        if not delta and not ev.logprobs and reason is None and not ids:
             return None
         c = {
             "index": ev.index,
-            "delta": {"content": ev.text} if ev.text else {},
+            "delta": delta,
             "logprobs": self.logprobs(gen, ev.logprobs) if gen.want_logprobs and ev.logprobs else None,
-            "finish_reason": ev.finish_reason,
+            "finish_reason": reason,
         }
         if gen.return_token_ids:
             c["token_ids"] = list(ev.token_ids)
         return c
 
     def full(self, gen: Generation, res: ChoiceResult) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(res.text)}
+        reason = res.finish_reason
+        if self.calling is not None:
+            text, deltas = self.calling.open_stream().feed(message["content"], True)
+            calls = merge(self.calling.keep(deltas))
+            if calls:
+                message = {"role": "assistant", "content": text.strip() or None, "tool_calls": calls}
+                reason = "tool_calls" if reason == "stop" else reason
+            else:
+                message["content"] = text
         c = {
             "index": res.index,
-            "message": {"role": "assistant", "content": "".join(res.text)},
+            "message": message,
             "logprobs": self.logprobs(gen, res.logprobs) if gen.want_logprobs else None,
-            "finish_reason": res.finish_reason,
+            "finish_reason": reason,
         }
         if gen.return_token_ids:
             c["token_ids"] = res.token_ids
@@ -108,6 +150,7 @@ async def chat(serving: OpenAIServing, request: Request, arrival: float) -> Resp
     param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     mml = serving.client.max_model_len
     add_gen, cont, template_vars = chat_options(req)
+    messages, calling = tool_calls.prepare(serving, req, messages, template_vars)
     try:
         tok = await serving.prompts.encode_chat(messages, add_gen, mml - (explicit or 1), cont, template_vars)
     except RequestError:
@@ -126,7 +169,8 @@ async def chat(serving: OpenAIServing, request: Request, arrival: float) -> Resp
     else:
         max_tokens = explicit
     params = serving.params(req, max_tokens, num_lp)
+    params = await structured.constrain(serving, req, params, calling.spec if calling else None)
     serving.check_length(n_prompt, max_tokens, param_name)
     ids = tok.ids if tok.ids is not None else []  # within the limit, or check_length raised
     return await serving.generate(request, "chatcmpl", req, [Prompt(ids, None)], params, arrival,
-                                  ChatEndpoint())
+                                  ChatEndpoint(calling))

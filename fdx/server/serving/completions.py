@@ -13,6 +13,7 @@ from fdx.core.errors import RequestError
 from fdx.core.messages import TokenLogprob
 from fdx.output_processor import OutputEvent
 from fdx.server.protocol import CompletionRequest, parse_body
+from fdx.server.serving import structured
 from fdx.server.serving.generation import ChoiceResult, Generation, Prompt, json_logprob
 
 if TYPE_CHECKING:
@@ -149,6 +150,7 @@ async def completions(serving: OpenAIServing, request: Request, arrival: float) 
         raise RequestError("'suffix' is not supported", 400, param="suffix")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     params = serving.params(req, max_tokens, req.logprobs)
+    params = await structured.constrain(serving, req, params)  # response_format / guided_* / logit_bias
     prompts = await _prompts(serving, req, max_tokens)
     for p in prompts:
         serving.check_length(len(p.ids), max_tokens, "max_tokens")

@@ -1,0 +1,151 @@
+"""The ``llguidance`` grammar backend (``--grammar-backend llguidance``, the
+default): structured outputs through Microsoft's llguidance (a Rust engine on
+PyPI with no Python dependencies; xgrammar needs torch, transformers and
+triton, which fdx does not install).
+
+One :class:`LLGuidanceBackend` per process: the model's tokenizer as an
+``llguidance.LLTokenizer`` (built on the first compile, about 0.5 s), and a
+bounded LRU of compiled grammars keyed by the
+:class:`~fdx.core.messages.StructuredOutput` -- each entry a pristine
+``LLMatcher`` whose ``deep_copy()`` starts a request.  JSON is generated
+compact (``", "`` and ``": "`` separators, no free whitespace), so a small
+model cannot wander off into whitespace.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from fdx.core.hookspecs import Register, hookimpl
+from fdx.core.interfaces import GrammarBackend, GrammarMatcher
+
+if TYPE_CHECKING:
+    from fdx.config import EngineConfig
+    from fdx.core.messages import StructuredOutput
+
+#: JSON compile options: compact separators, no free whitespace
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: distinct compiled grammars kept per process
+CACHE_SIZE = 256
+
+
+def grammar_text(spec: StructuredOutput) -> str:
+    """The llguidance grammar of ``spec``; ``ValueError`` for a bad spec or kind."""
+    import llguidance as llg
+
+    kind = spec.kind
+    if kind == "json":
+        return str(llg.LLMatcher.grammar_from_json_schema(spec.spec, defaults=JSON_OPTIONS))
+    if kind == "json_object":
+        return str(llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS))
+    if kind == "regex":
+        return str(llg.LLMatcher.grammar_from_regex(spec.spec))
+    if kind == "choice":
+        try:
+            choices = json.loads(spec.spec)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"choice must be a JSON list of strings: {exc}") from None
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+            raise ValueError("choice must be a non-empty list of strings")
+        return str(llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices)))
+    if kind == "grammar":
+        return str(llg.grammar_from("grammar", spec.spec))  # Lark, or GBNF converted to Lark
+    raise ValueError(f"unknown structured output kind {kind!r} (json, json_object, regex, choice, grammar)")
+
+
+class LLGuidanceMatcher(GrammarMatcher):
+    """A request's ``LLMatcher``; complete or broken -> only eos may follow."""
+
+    def __init__(self, matcher: Any, eos_ids: Sequence[int]) -> None:
+        self._m = matcher
+        self._eos = np.asarray(sorted(eos_ids), dtype=np.int64)
+
+    def accept(self, token_ids: Sequence[int]) -> None:
+        m = self._m
+        if not m.is_error() and not m.is_stopped():
+            m.consume_tokens([int(t) for t in token_ids])  # a refused token puts it in its error state
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        m = self._m
+        v = bitmask[row]
+        if m.is_error() or m.is_stopped():
+            v[:] = 0
+            words = v.view(np.uint32)
+            np.bitwise_or.at(words, self._eos >> 5, (np.uint32(1) << (self._eos & 31).astype(np.uint32)))
+            return
+        m.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete (or broken)."""
+        return bool(self._m.is_error() or self._m.is_stopped())
+
+
+class LLGuidanceBackend(GrammarBackend):
+    """See the module docstring."""
+
+    def __init__(self, config: EngineConfig, vocab_size: int) -> None:
+        self.config = config
+        self.vocab_size = int(vocab_size)
+        self._lock = threading.Lock()
+        self._tok: Any = None
+        self._eos: tuple[int, ...] = ()
+        self._cache: collections.OrderedDict[StructuredOutput, Any] = collections.OrderedDict()
+        self.compiles = 0  # cache misses (for tests and benchmarks)
+
+    def _tokenizer(self) -> Any:
+        if self._tok is None:
+            import llguidance as llg
+
+            from fdx.model.loader import load_tokenizer
+
+            tok = load_tokenizer(self.config.model)
+            hf = getattr(tok, "_tok", None)  # the tokenizers.Tokenizer behind fdx's ModelTokenizer
+            if hf is None:
+                raise ValueError("the llguidance backend needs a Hugging Face tokenizers tokenizer")
+            self._eos = tuple(sorted(tok.eos_token_ids))
+            self._tok = llg.LLTokenizer(hf.to_str(), n_vocab=self.vocab_size, eos_token=list(self._eos))
+        return self._tok
+
+    def compile(self, spec: StructuredOutput) -> Any:
+        """The pristine ``LLMatcher`` of ``spec`` (cached); ``ValueError`` for a bad spec."""
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                return hit
+            tok = self._tokenizer()
+        import llguidance as llg
+
+        text = grammar_text(spec)  # outside the lock: llguidance releases the GIL while it compiles
+        m = llg.LLMatcher(tok, text, log_level=0)
+        if m.is_error():
+            raise ValueError(_one_line(m.get_error()))
+        with self._lock:
+            self.compiles += 1
+            self._cache[spec] = m
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return m
+
+    def matcher(self, spec: StructuredOutput) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self.compile(spec).deep_copy(), self._eos)
+
+
+def _one_line(msg: str) -> str:
+    lines = [ln.strip() for ln in str(msg).splitlines() if ln.strip()]
+    return "; ".join(lines[:3])[:500] or "invalid grammar"
+
+
+@hookimpl
+def fdx_register_grammar_backends(register: Register) -> None:
+    def factory(config: EngineConfig, vocab_size: int) -> LLGuidanceBackend:
+        return LLGuidanceBackend(config, vocab_size)
+
+    register("llguidance", factory,
+             description="structured outputs (JSON schema, regex, choice, Lark/GBNF) through llguidance")
