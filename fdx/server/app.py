@@ -51,6 +51,7 @@ from fdx.server.protocol import (
     validation_error,
 )
 from fdx.server.serving import OpenAIServing
+from fdx.server.serving.tokenize import add_tokenize_routes
 
 log = logging.getLogger("fdx.server")
 
@@ -273,6 +274,7 @@ def create_app(
     async def chat(request: Request) -> Response:
         return await serving.chat(request)
 
+    add_tokenize_routes(app, serving)  # /tokenize, /detokenize (fdx/server/serving/tokenize.py)
     add_control_routes(app, client, config)  # /v1/pause, /v1/sleep, ... (fdx/server/control.py)
 
     if plugins is not None:

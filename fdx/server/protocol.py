@@ -405,6 +405,41 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: StrictBool | None = Field(None, description="allow several calls in one reply (default true)")
 
 
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt`` (encoded as
+    completions encode it) or chat ``messages`` (through the chat template,
+    as chat completions render them), exactly one of the two."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = Field(None, description="a text to encode (completions style)")
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = Field(
+        None, description="a conversation, rendered by the chat template first")
+    add_special_tokens: StrictBool | None = Field(
+        None, description="add the tokenizer's special tokens (BOS); default true for a prompt, false for messages")
+    add_generation_prompt: StrictBool | None = True
+    continue_final_message: StrictBool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: StrictBool | None = Field(False, description="also return each token's text")
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model: StrictStr | None = None
+    tokens: list[Int64] = Field(description="token ids to decode")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 def unknown_field(data: dict[str, Any], model: type[BaseModel]) -> RequestError | None:
     """A 400 naming the first field of ``data`` that ``model`` does not
     declare (``None`` when every field is known)."""
