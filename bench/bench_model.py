@@ -15,7 +15,7 @@ peer's "decode" rows divide by the longest per-request decode window.  The machi
 noisy: compare the fdx/peer ratio printed in the same run, not absolute
 figures.
 
-    .venv/bin/python bench/bench_model.py [--decode-steps 64] [--no-peer]
+    .venv/bin/python bench/bench_model.py [--decode-steps 64] [--no-peer] [--dtype int8|float32]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def build_runner(args: argparse.Namespace):  # noqa: ANN201
     from fdx.model.runner import PaddleModelRunner
     from fdx.plugins.hardware.cpu import CPUDevice
 
-    cfg = make_config(num_kv_blocks=args.blocks, max_model_len=4096, max_num_seqs=64)
+    cfg = make_config(num_kv_blocks=args.blocks, max_model_len=4096, max_num_seqs=64, dtype=args.dtype)
     r = PaddleModelRunner(cfg, CPUDevice())
     if args.attention == "paddle":
         r.model.ops = None
@@ -211,6 +211,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=700)
     ap.add_argument("--repeats", type=int, default=3, help="best of N (filters out a busy machine)")
     ap.add_argument("--attention", choices=("native", "paddle"), default="native")
+    ap.add_argument("--dtype", default="auto", help="fdx's compute mode: auto, int8, float32")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
     args = ap.parse_args()

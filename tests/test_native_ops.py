@@ -114,8 +114,23 @@ def test_native_ops_load_on_this_cpu(caplog: pytest.LogCaptureFixture) -> None:
     ops = native.load_ops()
     assert ops is not None, "native ops did not build on a CPU that has a kernel set"
     assert native.loaded_isa() == native.cpu_isa()
-    for name in ("fdx_paged_attention", "fdx_qgemv", "fdx_add_rms_norm", "fdx_swiglu"):
+    for name in ("fdx_paged_attention", "fdx_qgemv", "fdx_qgemm", "fdx_add_rms_norm", "fdx_swiglu"):
         assert callable(getattr(ops, name))
+    assert native.loaded_int8_dot() in ("vpdpbusd", "vpmaddubsw")
+    assert native.describe().startswith(f"{native.loaded_isa()} kernel set") and native.loaded_int8_dot() in native.describe()
+
+
+@needs_simd
+def test_load_logs_one_line_naming_the_kernels(
+    ops: Any, fresh_loader: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the extension cannot be loaded twice into one process: reuse the built module
+    monkeypatch.setattr(native, "_build", lambda isa: ops)
+    with caplog.at_level(logging.INFO, logger="fdx.model"):
+        assert fresh_loader.load_ops() is not None
+    lines = [r.getMessage() for r in caplog.records if r.name == "fdx.model"]
+    assert len(lines) == 1, lines
+    assert native.cpu_isa() in lines[0] and native.loaded_int8_dot() in lines[0]
 
 
 # --------------------------------------------------------------------------
@@ -166,6 +181,89 @@ def test_qgemv_matches_dequantized_matmul(ops: Any, qtype: int, M: int) -> None:
     got = ops.fdx_qgemv(paddle.to_tensor(x), paddle.to_tensor(raw), qtype).numpy()
     want = (x.astype(np.float64) @ w.T.astype(np.float64)).astype(np.float32)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _int8_reference(x: np.ndarray, raw: np.ndarray, qtype: int) -> np.ndarray:
+    """The int8 scheme of fdx_qgemm in numpy: x quantized per 32-block to
+    Q8 (float32 maths, as the kernel), exact integer block sums, float64 sum."""
+    from fdx.model.packed_weights import blocks
+
+    q, d, m = blocks(raw, qtype)
+    M, K = x.shape
+    xb = x.reshape(M, K // 32, 32)
+    amax = np.abs(xb).max(axis=2)
+    dx = amax / np.float32(127)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    qx = np.rint(xb * inv[..., None]).astype(np.int64)
+    sx = (dx * qx.sum(axis=2).astype(np.float32)).astype(np.float64)
+    isum = np.einsum("nbk,mbk->mnb", q.astype(np.int64), qx)
+    out = (isum * (d.astype(np.float64)[None] * dx.astype(np.float64)[:, None])).sum(axis=2)
+    if m is not None:
+        out += (m.astype(np.float64)[None] * sx[:, None]).sum(axis=2)
+    return out
+
+
+@pytest.mark.parametrize("qtype", [2, 3, 8])
+@pytest.mark.parametrize("M", [1, 3, 6, 70])
+def test_qgemm_matches_int8_reference(ops: Any, qtype: int, M: int) -> None:
+    """N = 37 leaves a 5-column tail in the last group of 8."""
+    import paddle
+
+    from fdx.model.packed_weights import pack_gguf
+
+    rng = np.random.default_rng(qtype * 100 + M)
+    N, K = 37, 96
+    raw, w = _quantize(rng, N, K, qtype)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block quantizes to scale 0
+    p = pack_gguf(raw, qtype)
+    got = ops.fdx_qgemm(paddle.to_tensor(x), paddle.to_tensor(p.data), p.kind, p.n_out).numpy()
+    want = _int8_reference(x, raw, qtype)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)  # int8 activations: ~1% of the scale
+    assert float(np.abs(got - exact).max()) < 0.02 * float(np.abs(exact).max())
+
+
+@pytest.mark.parametrize("qtype", [3, 8])
+def test_qgemm_rows_are_batch_invariant(ops: Any, qtype: int) -> None:
+    """Each output row is bit-identical whatever rows share the call: alone,
+    in any slice (every tile position and tail size), and shuffled."""
+    import paddle
+
+    from fdx.model.packed_weights import pack_gguf
+
+    rng = np.random.default_rng(qtype)
+    N, K, M = 300, 128, 70
+    raw, _ = _quantize(rng, N, K, qtype)
+    p = pack_gguf(raw, qtype)
+    w = paddle.to_tensor(p.data)
+    x = (rng.standard_normal((M, K)) * rng.uniform(0.1, 10, size=(M, 1))).astype(np.float32)
+
+    def run(rows: np.ndarray) -> np.ndarray:
+        return ops.fdx_qgemm(paddle.to_tensor(np.ascontiguousarray(x[rows])), w, p.kind, p.n_out).numpy()
+
+    full = run(np.arange(M))
+    for size in (1, 2, 3, 5, 8, 33):
+        for start in range(0, M - size, 11):
+            np.testing.assert_array_equal(run(np.arange(start, start + size)), full[start : start + size])
+    perm = rng.permutation(M)
+    np.testing.assert_array_equal(run(perm), full[perm])
+
+
+@pytest.mark.parametrize("qtype", [2, 3, 8])
+def test_packing_is_exact(qtype: int) -> None:
+    from fdx.model.packed_weights import dequantize, pack_float, pack_gguf
+
+    rng = np.random.default_rng(qtype)
+    raw, w = _quantize(rng, 21, 64, qtype)
+    p = pack_gguf(raw, qtype)
+    assert p.data.shape == (3, 2, 160 if qtype != 8 else 272) and p.n_out == 21
+    np.testing.assert_array_equal(dequantize(p), w)
+    f = rng.standard_normal((21, 64)).astype(np.float32)
+    pf = pack_float(f)
+    assert pf.kind == 8
+    scale = np.abs(f.reshape(21, 2, 32)).max(axis=2, keepdims=True) / 127
+    assert np.all(np.abs(dequantize(pf) - f).reshape(21, 2, 32) <= 0.51 * scale + 1e-6)
 
 
 @pytest.mark.parametrize("H", [5, 24, 579])
@@ -269,8 +367,8 @@ def test_native_forward_matches_paddle(ops: Any) -> None:
     from fdx.plugins.hardware.cpu import CPUDevice
     from test_model_parity import run_greedy
 
-    runner = PaddleModelRunner(make_config(num_kv_blocks=64, max_model_len=512), CPUDevice())
-    assert runner.attention_impl == "native" and runner.model.ops is ops
+    runner = PaddleModelRunner(make_config(num_kv_blocks=64, max_model_len=512, dtype="float32"), CPUDevice())
+    assert runner.attention_impl == "native" and runner.model.ops is ops and runner.compute == "float32"
     tok = load_tokenizer(None)
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     model = runner.model

@@ -9,8 +9,23 @@ layers with a fixed, small number of ops per layer:
 matmul.
 
 Attention (RoPE, KV-cache write, paged causal attention) is either the C++
-op ``fdx_paged_attention`` (csrc/) or an equivalent pure-Paddle fallback.
+op ``fdx_paged_attention`` (fdx/csrc/) or an equivalent pure-Paddle fallback.
 Both read K/V only through the per-sequence block tables.
+
+Two compute modes (:attr:`LlamaModel.mode`):
+
+* ``"int8"``: every matmul, the LM head included, is the C++ int8 GEMM
+  ``fdx_qgemm`` over the GGUF's Q4/Q8 blocks (packed at load by
+  :mod:`fdx.model.packed_weights`; float weights are quantized to Q8_0),
+  with activations quantized per row to Q8.  One kernel serves every row
+  count with a fixed per-element reduction order, and every other op of the
+  step (norms, attention, SwiGLU, embedding) works row by row, so a
+  request's logits are bit-identical whatever else is in the step.  No
+  float32 copy of the weights is kept.
+* ``"float32"``: float32 weights and maths; steps of at most
+  ``quant_max_rows`` rows read the GGUF blocks through the fp32 GEMV
+  ``fdx_qgemv`` (exactly the dequantized weights), larger ones use Paddle's
+  matmul (MKL) -- the exact path the parity tests hold to a reference.
 
 Cache layout per layer: ``[2, num_blocks, num_kv_heads, block_size, head_dim]``
 (K at index 0, V at 1).  Weights are stored ``[in, out]`` (q/k in Hugging Face
@@ -29,9 +44,13 @@ import paddle
 import paddle.nn.functional as F
 from paddle.incubate.nn.functional import fused_rms_norm
 
-from fdx.core.errors import ModelLoadError
+from fdx.core.errors import FdxError, ModelLoadError
 from fdx.model.arch import ModelArgs
 from fdx.model.loader import Checkpoint, LayerWeights
+from fdx.model.packed_weights import PackedWeight, pack_float, pack_gguf
+
+#: the compute modes (``--dtype``): see the module docstring
+MODES = ("int8", "float32")
 
 
 #: default row limit for the quantized GEMV path (``FDX_QUANT_MAX_ROWS``)
@@ -64,18 +83,27 @@ class StepInputs:
 
 @attrs.define
 class Layer:
+    """One decoder layer's tensors.  float32 mode: the ``w_*`` ([in, out])
+    and, where the GGUF has them, the ``q_*`` block rows for the fp32 GEMV.
+    int8 mode: only the packed ``p_*`` (the ``w_*`` are ``None``)."""
+
     attn_norm: paddle.Tensor
-    w_qkv: paddle.Tensor
+    w_qkv: paddle.Tensor | None
     b_qkv: paddle.Tensor | None
-    w_o: paddle.Tensor
+    w_o: paddle.Tensor | None
     ffn_norm: paddle.Tensor
-    w_gate_up: paddle.Tensor
-    w_down: paddle.Tensor
+    w_gate_up: paddle.Tensor | None
+    w_down: paddle.Tensor | None
     # GGUF block-quantized copies for few-row steps: (uint8 [out, bytes], ggml type)
     q_qkv: tuple[paddle.Tensor, int] | None = None
     q_o: tuple[paddle.Tensor, int] | None = None
     q_gate_up: tuple[paddle.Tensor, int] | None = None
     q_down: tuple[paddle.Tensor, int] | None = None
+    # int8 mode: packed for fdx_qgemm
+    p_qkv: PackedWeight | None = None
+    p_o: PackedWeight | None = None
+    p_gate_up: PackedWeight | None = None
+    p_down: PackedWeight | None = None
 
 
 def check_shape(x: np.ndarray | None, shape: tuple[int, ...], what: str, path: str) -> None:
@@ -108,6 +136,10 @@ def qkv_bias(lw: LayerWeights, a: ModelArgs) -> np.ndarray | None:
     ]).astype(np.float32)
 
 
+def _to_paddle(p: PackedWeight) -> PackedWeight:
+    return PackedWeight(paddle.to_tensor(p.data), p.kind, p.n_out)
+
+
 def rope_table(args: ModelArgs, max_pos: int) -> np.ndarray:
     """``[max_pos, head_dim]``: cos in the first half, sin in the second."""
     half = args.head_dim // 2
@@ -119,9 +151,14 @@ def rope_table(args: ModelArgs, max_pos: int) -> np.ndarray:
 class LlamaModel:
     """Weights + forward.  Not thread-safe; one instance per runner."""
 
-    def __init__(self, args: ModelArgs, max_pos: int, native_ops: Any | None) -> None:
+    def __init__(self, args: ModelArgs, max_pos: int, native_ops: Any | None, mode: str = "float32") -> None:
+        if mode not in MODES:
+            raise ValueError(f"compute mode {mode!r}: choose one of {', '.join(MODES)}")
+        if mode == "int8" and native_ops is None:
+            raise ModelLoadError("int8 compute needs fdx's native CPU ops (not loaded here); use --dtype float32")
         self.args = args
         self.ops = native_ops
+        self.mode = mode
         self.max_pos = max_pos
         from fdx.model.native import has_avx512
 
@@ -139,6 +176,7 @@ class LlamaModel:
         self.final_norm: paddle.Tensor | None = None
         self.lm_head: paddle.Tensor | None = None  # [hidden, V] when untied
         self.q_lm_head: tuple[paddle.Tensor, int] | None = None
+        self.p_lm_head: PackedWeight | None = None
         #: steps with at most this many token rows use the quantized GEMV
         self.quant_max_rows = QUANT_MAX_ROWS if native_ops is not None else 0
 
@@ -168,12 +206,17 @@ class LlamaModel:
         self.layers = layers
         self.embed = paddle.to_tensor(np.ascontiguousarray(ckpt.embed, dtype=np.float32))
         self.final_norm = paddle.to_tensor(ckpt.final_norm.astype(np.float32))
+        self.lm_head = self.q_lm_head = self.p_lm_head = None
         if ckpt.lm_head is not None:
             check_shape(ckpt.lm_head, (a.vocab_size, a.hidden_size), "lm_head", ckpt.source.path)
+        if self.mode == "int8":
+            if ckpt.lm_head_raw is not None and ckpt.lm_head_raw[1] in (2, 3, 8):
+                self.p_lm_head = _to_paddle(pack_gguf(*ckpt.lm_head_raw))
+            else:
+                self.p_lm_head = _to_paddle(pack_float(ckpt.lm_head if ckpt.lm_head is not None else ckpt.embed))
+            return
+        if ckpt.lm_head is not None:
             self.lm_head = paddle.to_tensor(np.ascontiguousarray(ckpt.lm_head.T, dtype=np.float32))
-        else:
-            self.lm_head = None
-        self.q_lm_head = None
         if ckpt.lm_head_raw is not None:
             self.q_lm_head = (paddle.to_tensor(ckpt.lm_head_raw[0]), ckpt.lm_head_raw[1])
 
@@ -184,10 +227,13 @@ class LlamaModel:
         self.final_norm = None
         self.lm_head = None
         self.q_lm_head = None
+        self.p_lm_head = None
 
     def _convert_layer(self, lw: LayerWeights, path: str, i: int) -> Layer:
         a = self.args
         check_layer(lw, a, i, path)
+        if self.mode == "int8":
+            return self._pack_layer(lw)
         w_qkv = np.concatenate([lw.wq, lw.wk, lw.wv], axis=0).T
         b_qkv = qkv_bias(lw, a)
         w_gu = np.concatenate([lw.w_gate, lw.w_up], axis=0).T
@@ -214,6 +260,26 @@ class LlamaModel:
             q_down=fuse("w_down"),
         )
 
+    def _pack_layer(self, lw: LayerWeights) -> Layer:
+        """int8 mode: the layer's matmuls packed for ``fdx_qgemm`` (the
+        GGUF's own blocks where q|k|v and gate|up share a kernel type, else
+        the float weights quantized to Q8_0)."""
+        a = self.args
+        b_qkv = qkv_bias(lw, a)
+
+        def pack(*names: str) -> PackedWeight:
+            parts = [lw.raw.get(n) for n in names]
+            if all(p is not None for p in parts) and len({p[1] for p in parts}) == 1 and parts[0][1] in (2, 3, 8):  # type: ignore[index]
+                return _to_paddle(pack_gguf(np.concatenate([p[0] for p in parts], axis=0), parts[0][1]))  # type: ignore[index]
+            return _to_paddle(pack_float(np.concatenate([getattr(lw, n) for n in names], axis=0)))
+
+        t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
+        return Layer(
+            attn_norm=t(lw.attn_norm), w_qkv=None, b_qkv=t(b_qkv) if b_qkv is not None else None, w_o=None,
+            ffn_norm=t(lw.ffn_norm), w_gate_up=None, w_down=None,
+            p_qkv=pack("wq", "wk", "wv"), p_o=pack("wo"), p_gate_up=pack("w_gate", "w_up"), p_down=pack("w_down"),
+        )
+
     # ------------------------------------------------------------------ forward
 
     def forward(self, step: StepInputs, caches: list[paddle.Tensor]) -> paddle.Tensor | None:
@@ -233,9 +299,17 @@ class LlamaModel:
             attend = self._fallback_attention(step, int(caches[0].shape[3]))
 
         T = int(step.ids.shape[0])
+        int8 = self.mode == "int8"
+        if int8 and self.ops is None:
+            raise FdxError("int8 compute needs fdx's native CPU ops, which are not loaded")
         qgemv = self.ops.fdx_qgemv if self.ops is not None and T <= self.quant_max_rows else None
+        qgemm = self.ops.fdx_qgemm if int8 else None
 
-        def linear(h: paddle.Tensor, w: paddle.Tensor, q: tuple[paddle.Tensor, int] | None) -> paddle.Tensor:
+        def linear(h: paddle.Tensor, w: paddle.Tensor | None, q: tuple[paddle.Tensor, int] | None,
+                   p: PackedWeight | None) -> paddle.Tensor:
+            if qgemm is not None:
+                assert p is not None
+                return qgemm(h, p.data, p.kind, p.n_out)
             if q is not None and qgemv is not None:
                 return qgemv(h, q[0], q[1])
             return paddle.matmul(h, w)
@@ -264,12 +338,13 @@ class LlamaModel:
         residual = None
         for layer, cache in zip(self.layers, caches):
             h, residual = add_norm(x, residual, layer.attn_norm)
-            qkv = linear(h, layer.w_qkv, layer.q_qkv)
+            qkv = linear(h, layer.w_qkv, layer.q_qkv, layer.p_qkv)
             if layer.b_qkv is not None:
                 qkv = qkv + layer.b_qkv
-            x = linear(attend(qkv, cache), layer.w_o, layer.q_o)
+            x = linear(attend(qkv, cache), layer.w_o, layer.q_o, layer.p_o)
             h, residual = add_norm(x, residual, layer.ffn_norm)
-            x = linear(swiglu(linear(h, layer.w_gate_up, layer.q_gate_up)), layer.w_down, layer.q_down)
+            x = linear(swiglu(linear(h, layer.w_gate_up, layer.q_gate_up, layer.p_gate_up)), layer.w_down,
+                       layer.q_down, layer.p_down)
         if step.sample_rows is None:
             return None
         R = int(step.sample_rows.shape[0])
@@ -277,6 +352,9 @@ class LlamaModel:
             x = paddle.index_select(x, step.sample_rows)
             residual = paddle.index_select(residual, step.sample_rows)
         h, _ = add_norm(x, residual, self.final_norm)
+        if qgemm is not None:
+            assert self.p_lm_head is not None
+            return qgemm(h, self.p_lm_head.data, self.p_lm_head.kind, self.p_lm_head.n_out)
         if self.q_lm_head is not None and self.ops is not None and R <= self.quant_max_rows:
             return self.ops.fdx_qgemv(h, self.q_lm_head[0], self.q_lm_head[1])
         if self.lm_head is not None:

@@ -1,11 +1,16 @@
-"""JIT-build and load fdx's C++ CPU ops (csrc/) with ``paddle.utils.cpp_extension``.
+"""JIT-build and load fdx's C++ CPU ops (fdx/csrc/) with ``paddle.utils.cpp_extension``.
 
-The kernels are written once against csrc/simd_math.h, a small SIMD layer
+The sources ship inside the package (``fdx/csrc`` is package data, so a
+wheel or sdist install builds them too, not only a repo checkout).
+The fp32 kernels are written once against csrc/simd_math.h, a small SIMD layer
 with two implementations chosen at build time: **AVX-512F** (16 lanes) where
 the CPU has it, else **AVX2 + FMA + F16C** (8 lanes).  :func:`cpu_isa` picks
 the set from ``/proc/cpuinfo`` (``FDX_NATIVE_ISA=avx2`` forces the AVX2 set
-on an AVX-512 CPU, e.g. to test it), :func:`load_ops` logs one line naming
-the set it loaded, and a CPU with neither falls back with one log line.
+on an AVX-512 CPU, e.g. to test it).  The int8 GEMM (csrc/qgemm.cc) uses
+AVX2's ``vpmaddubsw``, or ``vpdpbusd`` where the build targets AVX-512-VNNI
+or AVX-VNNI (the same exact integer sums).  :func:`load_ops` logs one line
+naming the kernels it loaded (:func:`describe`), and a CPU with neither
+set falls back with one log line.
 
 The build is cached under ``$FDX_CACHE_DIR`` (default ``~/.cache/fdx``) in
 ``ops/<isa>-<hash>``, the hash covering the sources, Paddle's version, the
@@ -16,8 +21,10 @@ build it once.  When the compiler is missing or the build fails,
 (slower, same results); ``FDX_NATIVE_OPS=0`` asks for that fallback.
 
 Ops: ``fdx_paged_attention`` (csrc/paged_attention.cc: RoPE + KV write +
-paged causal attention), ``fdx_qgemv`` (csrc/qgemv.cc: few-row matmul
-straight from GGUF Q4_0/Q4_1/Q8_0 blocks), ``fdx_add_rms_norm`` and
+paged causal attention), ``fdx_qgemv`` (csrc/qgemv.cc: fp32 few-row matmul
+straight from GGUF Q4_0/Q4_1/Q8_0 blocks), ``fdx_qgemm`` (csrc/qgemm.cc:
+the batch-invariant int8 GEMM over packed blocks, every row count),
+``fdx_add_rms_norm`` and
 ``fdx_swiglu`` (csrc/small_ops.cc).  Both use OpenMP through Paddle's
 libiomp5 -- the runtime MKL uses -- never libgomp.
 """
@@ -36,8 +43,9 @@ from typing import Any
 
 log = logging.getLogger("fdx.model")
 
-CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "csrc")
-SOURCES = ("paged_attention.cc", "qgemv.cc", "small_ops.cc")
+#: the C++ sources, inside the installed package (package data)
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+SOURCES = ("paged_attention.cc", "qgemv.cc", "qgemm.cc", "small_ops.cc")
 HEADERS = ("simd_math.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only")
 
@@ -50,6 +58,7 @@ ISA_CFLAGS = {
 
 _ops: Any = None
 _isa: str | None = None
+_dot: str | None = None
 _tried = False
 
 
@@ -60,7 +69,7 @@ def cache_dir() -> str:
 def load_ops() -> Any:
     """The compiled op module, or ``None`` if it cannot be built here
     (``FDX_NATIVE_OPS=0`` disables it)."""
-    global _ops, _isa, _tried
+    global _ops, _isa, _dot, _tried
     if _tried:
         return _ops
     _tried = True
@@ -77,8 +86,28 @@ def load_ops() -> Any:
         _ops = None
         return None
     _isa = isa
-    log.info("fdx native CPU ops: %s kernel set", isa)
+    _dot = _int8_dot(_ops)
+    log.info("fdx native CPU ops: %s", describe())
     return _ops
+
+
+def describe() -> str:
+    """The loaded kernels in words, e.g. ``"avx2 kernel set (fp32: 8 lanes; int8: vpmaddubsw)"``."""
+    if _ops is None:
+        return "none (pure Paddle ops)"
+    lanes = 16 if _isa == "avx512" else 8
+    return f"{_isa} kernel set (fp32: {lanes} lanes; int8: {_dot})"
+
+
+def loaded_int8_dot() -> str | None:
+    """The int8 GEMM's dot product instruction (``"vpdpbusd"``/``"vpmaddubsw"``), or ``None``."""
+    return _dot if _ops is not None else None
+
+
+def _int8_dot(ops: Any) -> str:
+    import paddle
+
+    return "vpdpbusd" if int(ops.fdx_qgemm_dot(paddle.zeros([1], "float32")).numpy()[0]) == 1 else "vpmaddubsw"
 
 
 def loaded_isa() -> str | None:

@@ -25,10 +25,33 @@ from fdx.model.runner_base import PagedRunnerBase, StepLayout
 log = logging.getLogger("fdx.model")
 
 
+def resolve_compute(requested: str, ops: Any, args: Any) -> str:
+    """The compute mode (``"int8"``/``"float32"``, see :mod:`fdx.model.llama`)
+    for ``--dtype``: ``float32``/``fp32``; ``int8`` (needs the native ops and
+    layer widths that are multiples of 32: otherwise a one-line error);
+    ``auto`` = int8 where it can run, else float32."""
+    req = (requested or "auto").lower()
+    if req in ("float32", "fp32"):
+        return "float32"
+    if req not in ("int8", "auto"):
+        raise ModelLoadError(f"--dtype {requested}: the Paddle CPU runner supports auto, int8, float32")
+    why = None
+    if ops is None:
+        why = "fdx's native CPU ops are not loaded (FDX_NATIVE_OPS=0, no AVX2/AVX-512, or no compiler)"
+    elif any(d % 32 for d in (args.hidden_size, args.q_size, args.intermediate_size)):
+        why = "the layer widths are not multiples of 32"
+    if why is None:
+        return "int8"
+    if req == "int8":
+        raise ModelLoadError(f"--dtype int8: {why}; use --dtype float32")
+    return "float32"
+
+
 class PaddleModelRunner(PagedRunnerBase):
-    """The ``cpu`` runner: float32 weights and KV, :class:`LlamaModel`
-    (C++ paged attention where the device has it), the NumPy sampler.  What
-    it shares with the ``gpu`` runner is in :class:`PagedRunnerBase`."""
+    """The ``cpu`` runner: float32 KV, :class:`LlamaModel` in int8 or float32
+    compute (``--dtype``; C++ ops where the device has them), the NumPy
+    sampler.  What it shares with the ``gpu`` runner is in
+    :class:`PagedRunnerBase`."""
 
     #: the C++ ops read int32 block tables
     table_dtype = np.int32
@@ -43,9 +66,9 @@ class PaddleModelRunner(PagedRunnerBase):
         self.device = device
         paddle.set_device(device.paddle_place())
         paddle.disable_static()
-        if config.dtype not in ("float32", "fp32", "auto"):
-            raise ModelLoadError(f"--dtype {config.dtype}: only float32 is supported by the Paddle CPU runner")
-        self.dtype = "float32"
+        if (config.dtype or "auto").lower() not in ("float32", "fp32", "auto", "int8"):
+            raise ModelLoadError(f"--dtype {config.dtype}: the Paddle CPU runner supports auto, int8, float32")
+        self.dtype = "float32"  # the KV pool's dtype
         ckpt = self._open_checkpoint(config)
 
         ops = None
@@ -54,7 +77,9 @@ class PaddleModelRunner(PagedRunnerBase):
 
             ops = load_ops()
         self.attention_impl = "native" if ops is not None else "paddle"
-        self.model = LlamaModel(self.args, self.max_model_len, ops)
+        #: "int8" or "float32" (see fdx.model.llama)
+        self.compute = resolve_compute(config.dtype, ops, self.args)
+        self.model = LlamaModel(self.args, self.max_model_len, ops, self.compute)
         with paddle.no_grad():
             self.model.load(ckpt)
         del ckpt
@@ -63,10 +88,20 @@ class PaddleModelRunner(PagedRunnerBase):
         self.caches: list[Any] | None = self._allocate()
         self.sampler = Sampler(self.vocab_size, config.max_logprobs, seed=config.seed)
         log.info(
-            "model %s (%s) on %s: %d KV blocks x %d tokens, attention=%s",
+            "model %s (%s) on %s: %d KV blocks x %d tokens, attention=%s, compute=%s",
             self.source.name, self.args.describe(), device.paddle_place(), self.num_kv_blocks, self.block_size,
-            self.attention_impl,
+            self.attention_impl, self.compute,
         )
+
+    def kv_fingerprint(self) -> str:
+        """int8 compute writes other K/V values than float32 compute: its
+        blocks get their own fingerprint (float32 keeps the shared one)."""
+        base = super().kv_fingerprint()
+        if self.compute == "float32":
+            return base
+        import hashlib
+
+        return hashlib.sha256(f"{base}|compute={self.compute}".encode()).hexdigest()[:32]
 
     # ------------------------------------------------------------------ step
 

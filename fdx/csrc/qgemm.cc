@@ -1,0 +1,281 @@
+// fdx CPU custom op: y = x @ W^T in int8, one kernel for every row count.
+//
+// x is quantized per row in blocks of 32 to int8 (Q8: d = max|x| / 127,
+// q = round(x / d), as llama.cpp's Q8_0/Q8_1); W stays in its GGUF blocks,
+// repacked at load (fdx/model/llama.py pack_weight) so that one 32-byte
+// vector holds 4 consecutive k of 8 output columns.  Integer dot products
+// (AVX2 vpmaddubsw, or AVX-512-VNNI / AVX-VNNI vpdpbusd where the build
+// targets it: the same exact integers) give each column's block sum in its
+// own lane, so no horizontal reduction is ever needed.
+//
+// BATCH INVARIANCE BY CONSTRUCTION.  Output element (m, n) is
+//   acc = 0;  for b in 0..K/32:  acc = fma(isum[m,n,b], dw[n,b] * dx[m,b], acc)
+//                                 acc = fma(mw[n,b], sx[m,b], acc)     (Q4 only)
+// -- the same IEEE operations in the same order whatever M is, whichever
+// rows share the call and wherever row m sits in its tile (the row tiles
+// of 1-4 rows run the same per-lane sequence); isum is exact integer
+// arithmetic; each element is computed by one thread (threads split the
+// columns).  A request's logits are therefore bit-identical alone, in any
+// batch, in a prefill chunk or a decode step.
+//
+//   x      [M, K]               float32
+//   w      [ceil(N/8), K/32, B] uint8   packed (kind 4: B = 160, kind 8: B = 272)
+//   out    [M, N]               float32
+// kind 4 (Q4_0/Q4_1): per (8 columns, block) 128 bytes of nibbles -- chunk c
+//   (0..3), byte 4*j + i: low nibble q[j][8c + i], high nibble q[j][8c + 4 + i]
+//   -- then d[8] and m[8] as fp16 (w = d*q + m; Q4_0 has m = -8d).
+// kind 8 (Q8_0): 8 chunks of 32 signed bytes, chunk c byte 4*j + i = q[j][4c + i],
+//   then d[8] fp16 (w = d*q).
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "paddle/extension.h"
+#include "simd_math.h"
+
+namespace {
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define FDX_QGEMM_VNNI 1
+constexpr const char* kDot = "vnni";
+#else
+constexpr const char* kDot = "maddubs";
+#endif
+
+constexpr int kQ4Bytes = 160;
+constexpr int kQ8Bytes = 272;
+constexpr int MR = 4;        // rows per tile
+constexpr int kGroupTile = 8;  // column groups (of 8) per cache tile
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256 half8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+#ifdef FDX_QGEMM_VNNI
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#endif
+
+// One group of 8 columns against R (1..MR) rows.
+//   xq [R][K] int8, dx/sx [R][nb], blk: the group's packed blocks.
+template <int KIND, int R>
+inline void tile(const int8_t* const* xq, const float* const* dx, const float* const* sx, const uint8_t* blk,
+                 int64_t nb, float* const* out, int ncols) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  (void)low4;
+  (void)ones16;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i isum[R];
+    if constexpr (KIND == 4) {
+      const uint8_t* qs = blk + b * kQ4Bytes;
+#ifdef FDX_QGEMM_VNNI
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+#endif
+      for (int c = 0; c < 4; ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+        const __m256i lo = _mm256_and_si256(raw, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xb = xq[r] + b * 32 + 8 * c;
+#ifdef FDX_QGEMM_VNNI
+          isum[r] = dot_u8s8(dot_u8s8(isum[r], lo, bcast4(xb)), hi, bcast4(xb + 4));
+#else
+          // |pair| <= 15*127*2 = 3810, eight chunks-halves sum to <= 30480: no int16 overflow
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xb)), _mm256_maddubs_epi16(hi, bcast4(xb + 4)));
+          isum[r] = c == 0 ? p : _mm256_add_epi16(isum[r], p);
+#endif
+        }
+      }
+      const __m256 dw = half8(qs + 128), mw = half8(qs + 144);
+      for (int r = 0; r < R; ++r) {
+#ifdef FDX_QGEMM_VNNI
+        const __m256 f = _mm256_cvtepi32_ps(isum[r]);
+#else
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[r], ones16));
+#endif
+        acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_broadcast_ss(dx[r] + b)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(sx[r] + b), acc[r]);
+      }
+    } else {
+      const uint8_t* qs = blk + b * kQ8Bytes;
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+        const __m256i aw = _mm256_sign_epi8(w, w);  // |w| as unsigned (-128 -> 128)
+        for (int r = 0; r < R; ++r) {
+          const __m256i sx8 = _mm256_sign_epi8(bcast4(xq[r] + b * 32 + 4 * c), w);
+#ifdef FDX_QGEMM_VNNI
+          isum[r] = dot_u8s8(isum[r], aw, sx8);
+#else
+          // |pair| <= 128*127*2 = 32512: fits int16, widened per chunk
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx8), ones16));
+#endif
+        }
+      }
+      const __m256 dw = half8(qs + 256);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_broadcast_ss(dx[r] + b)), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (ncols == 8) {
+      _mm256_storeu_ps(out[r], acc[r]);
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, acc[r]);
+      std::memcpy(out[r], tmp, sizeof(float) * ncols);
+    }
+  }
+}
+
+// Row m of x -> xq (int8), dx (block scales), sx (scale * sum of the block's q).
+void quantize_row(const float* x, int64_t K, int8_t* xq, float* dx, float* sx) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* xb = x + b * 32;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      v[c] = _mm256_loadu_ps(xb + 8 * c);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[c]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float mx = _mm_cvtss_f32(m4);
+    const float d = mx / 127.f;
+    const float id = mx > 0.f ? 127.f / mx : 0.f;
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int c = 0; c < 4; ++c) q[c] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[c], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    const __m256i p01 = _mm256_packs_epi32(q[0], q[1]);
+    const __m256i p23 = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * 32), p);
+    dx[b] = d;
+    sx[b] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+  }
+}
+
+template <int KIND>
+void run(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int64_t N) {
+  const int64_t nb = K / 32;
+  const int64_t G = (N + 7) / 8;
+  const int64_t BB = KIND == 4 ? kQ4Bytes : kQ8Bytes;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * nb), sx(M * nb);
+  // every row is quantized alone (the same code whatever M is)
+#pragma omp parallel if (M * K >= (1 << 15))
+  {
+    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    for (int64_t m = tid; m < M; m += nth) quantize_row(x + m * K, K, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb);
+  }
+  // threads own contiguous column-group ranges; within one, tiles of
+  // kGroupTile groups x MR rows keep a tile's activations in L1
+#pragma omp parallel if (G >= 16)
+  {
+    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t per = (G + nth - 1) / nth;
+    const int64_t g0 = std::min<int64_t>(G, tid * per), g1 = std::min<int64_t>(G, g0 + per);
+    for (int64_t gt = g0; gt < g1; gt += kGroupTile) {
+      const int64_t gt1 = std::min<int64_t>(g1, gt + kGroupTile);
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int R = static_cast<int>(std::min<int64_t>(MR, M - m0));
+        const int8_t* xr[MR];
+        const float* dr[MR];
+        const float* sr[MR];
+        float* orow[MR];
+        for (int r = 0; r < R; ++r) {
+          xr[r] = xq.data() + (m0 + r) * K;
+          dr[r] = dx.data() + (m0 + r) * nb;
+          sr[r] = sx.data() + (m0 + r) * nb;
+        }
+        for (int64_t g = gt; g < gt1; ++g) {
+          const int ncols = static_cast<int>(std::min<int64_t>(8, N - 8 * g));
+          for (int r = 0; r < R; ++r) orow[r] = out + (m0 + r) * N + 8 * g;
+          const uint8_t* blk = w + g * nb * BB;
+          switch (R) {
+            case 1: tile<KIND, 1>(xr, dr, sr, blk, nb, orow, ncols); break;
+            case 2: tile<KIND, 2>(xr, dr, sr, blk, nb, orow, ncols); break;
+            case 3: tile<KIND, 3>(xr, dr, sr, blk, nb, orow, ncols); break;
+            default: tile<KIND, 4>(xr, dr, sr, blk, nb, orow, ncols); break;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> QGemm(const paddle::Tensor& x, const paddle::Tensor& w, int kind, int64_t n_out) {
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "x must be float32");
+  PD_CHECK(w.dtype() == paddle::DataType::UINT8, "w must be uint8");
+  PD_CHECK(x.shape().size() == 2 && w.shape().size() == 3, "x must be 2-D and w 3-D (packed)");
+  PD_CHECK(kind == 4 || kind == 8, "kind must be 4 (Q4_0/Q4_1) or 8 (Q8_0)");
+  const int64_t M = x.shape()[0], K = x.shape()[1];
+  PD_CHECK(K % 32 == 0, "K must be a multiple of 32");
+  PD_CHECK(w.shape()[0] == (n_out + 7) / 8 && w.shape()[1] == K / 32 && w.shape()[2] == (kind == 4 ? kQ4Bytes : kQ8Bytes),
+           "packed w does not match K and n_out");
+  auto out = paddle::empty({M, n_out}, paddle::DataType::FLOAT32, x.place());
+  if (M == 0) return {out};
+  if (kind == 4) run<4>(x.data<float>(), w.data<uint8_t>(), out.data<float>(), M, K, n_out);
+  else run<8>(x.data<float>(), w.data<uint8_t>(), out.data<float>(), M, K, n_out);
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> QGemmInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w, int kind,
+                                                  int64_t n_out) {
+  return {{x[0], n_out}};
+}
+
+std::vector<paddle::DataType> QGemmInferDtype(const paddle::DataType& x, const paddle::DataType& w) { return {x}; }
+
+PD_BUILD_OP(fdx_qgemm)
+    .Inputs({"x", "w"})
+    .Outputs({"out"})
+    .Attrs({"kind: int", "n_out: int64_t"})
+    .SetKernelFn(PD_KERNEL(QGemm))
+    .SetInferShapeFn(PD_INFER_SHAPE(QGemmInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(QGemmInferDtype));
+
+// Which integer dot product the build uses, as a 1-element int32 tensor
+// (1 = vpdpbusd, 0 = vpmaddubsw); native.py logs it once.
+std::vector<paddle::Tensor> QGemmDot(const paddle::Tensor& x) {
+  auto out = paddle::empty({1}, paddle::DataType::INT32, x.place());
+  out.data<int32_t>()[0] = std::strcmp(kDot, "vnni") == 0 ? 1 : 0;
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> QGemmDotShape(const std::vector<int64_t>& x) { return {{1}}; }
+
+std::vector<paddle::DataType> QGemmDotDtype(const paddle::DataType& x) { return {paddle::DataType::INT32}; }
+
+PD_BUILD_OP(fdx_qgemm_dot)
+    .Inputs({"x"})
+    .Outputs({"out"})
+    .SetKernelFn(PD_KERNEL(QGemmDot))
+    .SetInferShapeFn(PD_INFER_SHAPE(QGemmDotShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(QGemmDotDtype));
