@@ -28,6 +28,7 @@ instance's segment until the receiver removes them), ``local_buffer_size``
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -99,6 +100,13 @@ class MooncakeConnector(ZmqConnector):
             self.channel.close()
             raise ConfigError(f"--kv-connector mooncake needs mooncake-transfer-engine-non-cuda "
                               f"(pip install 'fdx[mooncake]') and libibverbs1: {exc}") from None
+        host, _, port = str(opts["master"]).rpartition(":")
+        try:  # the library retries an absent master for a minute and more: fail at once instead
+            socket.create_connection((host, int(port)), timeout=2.0).close()
+        except (OSError, ValueError) as exc:
+            self.channel.close()
+            raise ConfigError(f"--kv-connector mooncake: mooncake_master {opts['master']} is unreachable "
+                              f"(setup failed): {exc}") from None
         self.store = MooncakeDistributedStore()
         rc = self.store.setup(str(opts["local_hostname"]), str(opts["metadata_server"]), seg, buf,
                               str(opts["protocol"]), "", str(opts["master"]))
