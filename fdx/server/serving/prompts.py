@@ -123,10 +123,12 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_genera
     (rendered without a generation prompt, cut right after that message's
     content), so the model continues it, e.g. a prefilled assistant answer.
     Raises :class:`ValueError` when the template does not show the last
-    message's content.
+    message's content.  ``template_vars`` (``chat_template_kwargs``) are
+    extra template variables; the fixed ones (``messages``, ...) win.
     """
+    extra = {k: v for k, v in (template_vars or {}).items() if k not in ("messages", "add_generation_prompt")}
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt and
-                                         not continue_final_message, **(template_vars or {}))
+                                         not continue_final_message, **extra)
     if not continue_final_message:
         return text
     final = messages[-1].get("content") or ""
