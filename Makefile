@@ -19,7 +19,8 @@ install: $(BIN)/.fdx-installed
 deps:
 	bash scripts/install-system-deps.sh
 
-serve: install
+# deps: libibverbs1/libnuma1, so `fdx serve --cache-backend mooncake` (the wheel links them) works right after
+serve: deps install
 	$(BIN)/fdx serve
 
 test: deps install

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Debian packages the test-suite needs: redis-server (the redis backend and
-# dp queues) and libibverbs1/libnuma1 (the Mooncake wheel links them).
+# Debian packages fdx needs beyond PyPI: libibverbs1/libnuma1 (the Mooncake
+# wheel links them: `make serve` then `fdx serve --cache-backend mooncake`) and
+# redis-server (the redis backend and dp queues of the test-suite).
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)

@@ -18,6 +18,15 @@ option                 environment variable          JSON file key          defa
 ``timeout``            ``MOONCAKE_TIMEOUT``          --                     ``0.5`` (seconds)
 =====================  ============================  =====================  ==================
 
+No master configured (no ``master`` option, no ``MOONCAKE_MASTER``, none in
+the config file): ``fdx serve`` (and ``fdx.LLM``) start a ``mooncake_master``
+of their own (from the Python's ``bin`` folder, else ``PATH``) on a free
+loopback port, as a managed child (:class:`ManagedMaster`, through the
+``fdx_adjust_config`` hook, which then sets ``master``): it is stopped by
+PID when the launcher exits (SIGTERM, SIGINT, a normal exit) and dies with
+it otherwise (Linux parent-death signal).  An explicit ``master`` points at
+a shared master and starts nothing.
+
 ``global_segment_size`` is the memory this engine contributes to the pool.
 Objects live in the segment that received them, so they vanish when the
 contributing process exits: to share blocks across engine restarts, run a
@@ -32,10 +41,18 @@ Batches are split so each transfer fits the local buffer.
 
 from __future__ import annotations
 
+import atexit
 import json
+import logging
 import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
@@ -295,6 +312,123 @@ def create(options: dict[str, Any] | None = None) -> MooncakeBackend:
             f"and libibverbs1: {exc}"
         ) from None
     return MooncakeBackend(s.pop("master"), **s)
+
+
+log = logging.getLogger("fdx.mooncake")
+
+
+def master_configured(options: dict[str, Any] | None) -> bool:
+    """Whether a master address is given (option, environment or config file)."""
+    opts = dict(options or {})
+    if opts.get("master") or os.environ.get("MOONCAKE_MASTER"):
+        return True
+    path = opts.get("config_path") or os.environ.get("MOONCAKE_CONFIG_PATH")
+    if path:
+        try:
+            with open(path) as f:
+                return bool(json.load(f).get("master_server_address"))
+        except (OSError, ValueError, AttributeError):
+            return False  # resolve_settings reports the unreadable file
+    return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child before exec (Linux: SIGTERM when the parent dies)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class ManagedMaster:
+    """A ``mooncake_master`` child on free loopback ports, stopped by PID."""
+
+    def __init__(self, binary: str, *, timeout: float = 20.0) -> None:
+        self.port = _free_port()
+        self.metrics_port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(prefix="fdx-mooncake-master-", suffix=".log", delete=False)
+        cmd = [binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.port}", "--metrics_host=127.0.0.1",
+               f"--metrics_port={self.metrics_port}"]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING")},
+                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        atexit.register(self.stop)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise ConfigError(f"mooncake_master exited with code {self.proc.returncode} at start-up: "
+                                  f"{self.log_tail()}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise ConfigError(f"mooncake_master did not listen on {self.address} within {timeout:g}s") \
+                        from None
+                time.sleep(0.05)
+        log.info("started mooncake_master (pid %d) on %s for --cache-backend mooncake", self.proc.pid, self.address)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            with open(self._log.name, errors="replace") as f:
+                return f.read()[-n:].strip()
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGTERM by PID, then SIGKILL after 5 s; idempotent."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        try:
+            os.unlink(self._log.name)
+        except OSError:
+            pass
+
+
+def master_binary() -> str | None:
+    """``mooncake_master`` next to the running Python, else on ``PATH``."""
+    here = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    return here if os.access(here, os.X_OK) else shutil.which("mooncake_master")
+
+
+#: the masters this process started (one per distinct configuration)
+MANAGED: list[ManagedMaster] = []
+
+
+@hookimpl
+def fdx_adjust_config(config: Any, args: Any) -> dict[str, Any] | None:
+    """``--cache-backend mooncake`` without a master: start a managed one."""
+    if getattr(config, "cache_backend", None) != "mooncake":
+        return None
+    opts = dict(config.cache_backend_config or {})
+    if master_configured(opts):
+        return None
+    binary = master_binary()
+    if binary is None:
+        raise ConfigError("--cache-backend mooncake with no master configured needs the mooncake_master program "
+                          "(pip install 'fdx[mooncake]'), or give one: --cache-backend-config "
+                          "'{\"master\": \"HOST:PORT\"}'")
+    master = ManagedMaster(binary)
+    MANAGED.append(master)
+    return {"cache_backend_config": {**opts, "master": master.address}}
 
 
 @hookimpl
