@@ -37,7 +37,7 @@ def runners() -> tuple[Any, Any]:
     from fdx.model.runner import PaddleModelRunner
     from fdx.plugins.hardware.cpu import CPUDevice
 
-    cfg = make_config(num_kv_blocks=96, max_model_len=512, dtype="auto")
+    cfg = make_config(num_kv_blocks=96, max_model_len=512, dtype="float32")  # the cpu runner's exact path
     return GPUModelRunner(cfg, CPUDevice()), PaddleModelRunner(cfg, CPUDevice())
 
 
