@@ -120,12 +120,14 @@ def main() -> int:
                 order = names if rep % 2 == 0 else names[::-1]
                 for name in order:  # alternating: the same load around both
                     base, pid = servers[name]
-                    results.setdefault((name, conc), []).append(run_point(base, pid, conc, n, opts, name))
+                    run = run_point(base, pid, conc, n, opts, name)
+                    run["loadavg"] = os.getloadavg()[0]  # the machine's 1-min load after the run
+                    results.setdefault((name, conc), []).append(run)
     a, b = names
     print(f"\n{opts.input_len}-token random prompts, {opts.output_len} output tokens (ignore_eos), "
           f"medians of {opts.repeat} alternating run(s); ratio = {a} / {b}")
     print(f"{'c':>3} {'prompts':>7} | {'out tok/s':>21} {'ratio':>6} | {'TTFT p50 ms':>19} {'ratio':>6} | "
-          f"{'TTFT p99 ms':>19} {'ratio':>6}")
+          f"{'TTFT p99 ms':>19} {'ratio':>6} | load")
     for conc in concs:
         def med(name: str, key: str) -> float:
             return statistics.median(r[key] for r in results[(name, conc)])
@@ -134,7 +136,11 @@ def main() -> int:
         for key in ("output_throughput", "p50_ttft_ms", "p99_ttft_ms"):
             x, y = med(a, key), med(b, key)
             row.append(f"{x:>9.1f} vs {y:>9.1f} {x / y if y else float('nan'):>6.2f} |")
-        print(" ".join(row).rstrip("|"))
+        loads = [r["loadavg"] for name in names for r in results[(name, conc)]]
+        row.append(f"{min(loads):.1f}-{max(loads):.1f}")
+        print(" ".join(row))
+    print(f"load: the 1-min load average after each run ({os.cpu_count()} CPUs); above the CPU count, "
+          "other processes competed for the cores")
     return 0
 
 

@@ -208,6 +208,8 @@ def make_config(**kwargs: Any) -> EngineConfig:
         raise ConfigError(f"--dp-backend must be local or redis, got {cfg.dp_backend!r}")
     if cfg.dp_backend == "redis" and (cfg.scheduler != "dp" or not cfg.redis_url):
         raise ConfigError("--dp-backend redis needs --scheduler dp and --redis-url redis://HOST:PORT")
+    if cfg.redis_url and not cfg.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"--redis-url must be redis://HOST:PORT (or rediss://, unix://), got {cfg.redis_url!r}")
     if cfg.splitwise_role not in (None, "prefill", "decode"):
         raise ConfigError(f"--splitwise-role must be prefill or decode, got {cfg.splitwise_role!r}")
     if (cfg.splitwise_role or cfg.kv_connector) and cfg.scheduler != "splitwise":

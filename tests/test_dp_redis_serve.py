@@ -11,6 +11,8 @@ cluster of its own for the TTL path.
   restart of fdx);
 * a request no instance picks up ends after ``--dp-request-ttl`` with a
   503 saying so, and leaves nothing in Redis;
+* ``/v1/abort_requests`` by id on the origin ends its streams (finish
+  ``abort``) and frees them in whichever engine runs them;
 * killing one instance (SIGKILL of its whole process tree) mid-load with
   32 streams loses and duplicates nothing: each stream ends exactly once,
   with the full greedy text, or with one 503 error event after a prefix of
@@ -196,6 +198,27 @@ def test_a_request_nobody_picks_up_ends_at_its_ttl(cluster: dict[str, Any]) -> N
     with httpx.stream("POST", front + "/v1/completions", json=_body("Nor this", 4, stream=True), timeout=60) as s:
         assert s.status_code == 503
         assert "--dp-request-ttl" in s.read().decode()
+
+
+def test_abort_by_id_reaches_the_request_wherever_it_runs(cluster: dict[str, Any]) -> None:
+    (a, _), (b, _) = cluster["a"], cluster["b"]
+    rids = [f"abort-{i}-{uuid.uuid4().hex[:6]}" for i in range(4)]  # 4 of them: some run on B
+    bodies = [_body("Count slowly:", 1500, request_id=rid) for rid in rids]
+    outs, threads, started = _start_streams(a, bodies)
+    for s in started:
+        assert s.wait(120), "a stream never started"
+    r = httpx.post(a + "/v1/abort_requests", json={"req_ids": [*rids, "no-such-id"]}, timeout=30)
+    assert r.status_code == 200, r.text
+    result = r.json()["result"]
+    assert sorted(x["request_id"] for x in result["aborted"]) == sorted(rids)
+    assert result["not_found"] == ["no-such-id"]
+    for t in threads:
+        t.join(60)
+    assert all(o["finish"] == ["abort"] and o["done"] == 1 and not o["errors"] for o in outs), outs
+    deadline = time.monotonic() + 15  # both engines let go of them
+    while metric_value(a, "fdx:num_requests_running") + metric_value(b, "fdx:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "an aborted request still runs"
+        time.sleep(0.2)
 
 
 def _tree(pid: int) -> list[int]:

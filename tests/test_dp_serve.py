@@ -235,6 +235,9 @@ def test_a_replica_restarted_while_paused_is_paused_again(dp: tuple[str, Any]) -
 @pytest.mark.parametrize("args,needle", [
     (("--scheduler", "dp", "--dp-local-scheduler", "nope"), "unknown scheduler 'nope'; choices:"),
     (("--data-parallel-size", "2"), "--data-parallel-size 2 needs --scheduler dp"),
+    (("--dp-backend", "redis", "--redis-url", "redis://127.0.0.1:1"), "--dp-backend redis needs --scheduler dp"),
+    (("--scheduler", "dp", "--dp-backend", "redis"), "needs --scheduler dp and --redis-url redis://HOST:PORT"),
+    (("--scheduler", "dp", "--dp-backend", "redis", "--redis-url", "http://x"), "--redis-url must be redis://"),
 ])
 def test_bad_dp_flags_are_one_line_errors(args: tuple[str, ...], needle: str) -> None:
     r = subprocess.run([sys.executable, "-m", "fdx", "serve", *args], capture_output=True, text=True, timeout=60)

@@ -46,7 +46,7 @@ import os
 import socket
 import time
 import uuid
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import attrs
 
@@ -248,7 +248,7 @@ class GlobalQueueClient:
     """``EngineClient``'s surface over the Redis global queue and this
     node's replicas (see the module doc)."""
 
-    def __init__(self, config: EngineConfig, replicas: Any, redis_factory: Callable[..., Any] | None = None) -> None:
+    def __init__(self, config: EngineConfig, replicas: Any) -> None:
         import redis.asyncio as aioredis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -260,7 +260,7 @@ class GlobalQueueClient:
         self.capacity = (config.dp_capacity if config.dp_capacity is not None
                          else config.max_num_seqs * config.data_parallel_size)
         self.ttl = config.dp_request_ttl
-        factory = redis_factory or aioredis.Redis.from_url
+        factory = aioredis.Redis.from_url
         common = dict(socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 1), health_check_interval=5)
         self.r = factory(config.redis_url, socket_timeout=2.0, **common)
         # blocking reads each on their own connection
@@ -273,7 +273,6 @@ class GlobalQueueClient:
         self._expire = self.r.register_script(EXPIRE)
         self.redis_error: str | None = "not connected yet"
         self._down_since: float | None = time.monotonic()
-        self.registered = False
         self.pending: dict[str, Remote] = {}  # by the API's request id
         self.by_key: dict[str, Remote] = {}
         self.work: dict[str, Work] = {}
@@ -395,7 +394,11 @@ class GlobalQueueClient:
 
     async def call(self, method: str, args: dict[str, Any] | None = None, timeout: float = 30.0) -> Any:
         """Control methods act on this node's replicas; a paused node takes
-        no work from the queue (it leaves the load ZSET)."""
+        no work from the queue (it leaves the load ZSET).  ``abort_requests``
+        aborts this API's requests, wherever in the cluster they run."""
+        if method == "abort_requests":
+            self.check_available()
+            return self._abort_requests(args or {})
         result = await self.replicas.call(method, args, timeout)
         if method == "pause":
             try:
@@ -403,6 +406,26 @@ class GlobalQueueClient:
             except Exception as exc:  # noqa: BLE001
                 self._redis_failed(exc)
         return result
+
+    def _abort_requests(self, args: dict[str, Any]) -> dict[str, Any]:
+        if args.get("abort_all"):
+            ids = list(self.pending)
+        else:
+            ids = args.get("req_ids") or []
+            ids = [ids] if isinstance(ids, str) else list(ids)
+        aborted, not_found = [], []
+        for rid in ids:
+            r = self.pending.get(rid)
+            if r is None:
+                not_found.append(rid)
+                continue
+            h = r.handle
+            aborted.append({"request_id": rid, "output_token_count": h.num_output_tokens})
+            key, owner = r.key, r.owner
+            self._end(r, RequestOutput(key, (), finish_reason="abort", num_prompt_tokens=h.num_prompt_tokens,
+                                       num_output_tokens=h.num_output_tokens))
+            self._spawn(self._abort_remote(key, owner, "aborted by abort_requests"))
+        return {"aborted": aborted, "not_found": not_found}
 
     @property
     def paused(self) -> bool:
@@ -585,9 +608,9 @@ class GlobalQueueClient:
             return
         pipe = self.r.pipeline(transaction=False)
         for r in rs:
-            pipe.hmget(self._k("req", r.key), "add", "owner")
+            pipe.hmget(self._k("req", r.key), "origin", "owner")
         rows = await pipe.execute()
-        for r, (add, owner) in zip(rs, rows):
+        for r, (_origin, owner) in zip(rs, rows):
             if owner is not None:
                 r.owner = owner.decode()
         owners = sorted({r.owner for r in rs if r.owner is not None})
@@ -598,7 +621,7 @@ class GlobalQueueClient:
                 pipe.exists(self._k("instance", o))
             alive = dict(zip(owners, (bool(x) for x in await pipe.execute())))
         grace = self.config.heartbeat_timeout  # a Redis that restarted has lost the keys until the next beats
-        for r, (add, _owner) in zip(rs, rows):
+        for r, (origin, _owner) in zip(rs, rows):
             if r.done or not r.enqueued:
                 continue
             if r.owner is not None:
@@ -609,7 +632,7 @@ class GlobalQueueClient:
                 elif now - r.owner_missing_since > grace:
                     self._retry_or_fail(r, f"dp instance {r.owner} died")
                 continue
-            if add is None:  # not taken and gone: lost with a Redis restart, or dropped as expired
+            if origin is None:  # not taken and gone: lost with a Redis restart, or dropped as expired
                 self._retry_or_fail(r, "the queued request was lost by Redis")
             elif now > r.deadline:
                 owner = await self._expire(args=[self.prefix, r.key])
@@ -666,7 +689,6 @@ class GlobalQueueClient:
             log.info("Redis at %s answers: the dp global queue serves", self.config.redis_url)
         self.redis_error = None
         self._down_since = None
-        self.registered = True
 
     def _redis_failed(self, exc: BaseException) -> None:
         import redis.exceptions
@@ -741,7 +763,12 @@ class GlobalQueueClient:
                 self._finished.append(k)
                 if w.handle is not None:
                     hs.append(w.handle)
-        if hs:
+        if not hs:
+            return
+        if reason == "stop string":  # the origin matched a stop string: it finished normally
+            for h in hs:
+                self.replicas.finish(h, "stop")
+        else:
             self.replicas.abort(hs, reason)
 
     async def _forward_loop(self) -> None:
