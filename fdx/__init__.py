@@ -1,6 +1,7 @@
 """fdx: a plugin-oriented LLM serving engine.
 
-``fdx.LLM`` and ``fdx.SamplingParams`` are imported lazily so ``import fdx``
+``fdx.LLM``, ``fdx.SamplingParams`` and ``fdx.StructuredOutput`` (a grammar
+for ``SamplingParams(structured=...)``) are imported lazily so ``import fdx``
 (and ``fdx --help``) never imports Paddle.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,4 +21,8 @@ def __getattr__(name: str) -> Any:
         from fdx.core.messages import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutput":
+        from fdx.core.messages import StructuredOutput
+
+        return StructuredOutput
     raise AttributeError(f"module 'fdx' has no attribute {name!r}")

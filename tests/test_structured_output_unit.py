@@ -304,3 +304,24 @@ def test_toy_grammar_backend_serves_a_request_through_fdx_llm() -> None:
     finally:
         plugins.pm.unregister(toy)
         set_plugins(None)
+
+
+def test_device_sampler_applies_masks_and_bias_too() -> None:
+    """The GPU runner's sampler (run here on Paddle's CPU place) masks the
+    grammar rows and adds logit_bias like the NumPy sampler."""
+    paddle = pytest.importorskip("paddle")
+    from fdx.model.device_sampler import DeviceSampler
+
+    x = logits(4, seed=3)
+    greedy = x.argmax(axis=1)
+    g = AllowSet([7, 250, 33])
+    rs = [req("a", temperature=0), req("b", temperature=0, grammar=g),
+          req("c", temperature=0, logit_bias=((int(greedy[2]), -100.0),)), req("d", temperature=0, logit_bias=((5, 100.0),))]
+    toks, _ = DeviceSampler(V).sample(paddle.to_tensor(x), rs)
+    assert toks[0] == greedy[0]
+    assert toks[1] == [7, 250, 33][int(np.argmax(x[1, [7, 250, 33]]))]
+    assert toks[2] != greedy[2] and toks[3] == 5
+    seen = {int(DeviceSampler(V, seed=s).sample(paddle.to_tensor(logits(1, s)),
+                                                [req("r", temperature=1.0, grammar=AllowSet([5, 6]))])[0][0])
+            for s in range(12)}
+    assert seen <= {5, 6}
