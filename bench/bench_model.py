@@ -16,6 +16,7 @@ noisy: compare the fdx/peer ratio printed in the same run, not absolute
 figures.
 
     .venv/bin/python bench/bench_model.py [--decode-steps 64] [--no-peer] [--dtype int8|float32]
+    .venv/bin/python bench/bench_model.py --compare-dtypes int8,float32 [--repeats 3]
 """
 
 from __future__ import annotations
@@ -120,6 +121,44 @@ def bench_fdx(args: argparse.Namespace) -> dict[str, float]:
     return res
 
 
+def bench_modes(args: argparse.Namespace, modes: list[str]) -> dict[str, dict[str, float]]:
+    """The same figures for several compute modes (``--dtype``), one runner
+    each in this process, measured in alternation (the order flips every
+    round), best of ``--repeats``: the ratios survive a noisy machine."""
+    runners = {}
+    for m in modes:
+        args.dtype = m
+        runners[m] = build_runner(args)
+        step(runners[m], make_requests(runners[m], prompts_of(2, 16, 9), 4))  # warm-up
+
+    def prefill(r, k: int) -> dict[str, float]:  # noqa: ANN001
+        reqs = make_requests(r, prompts_of(1, args.prefill_len, k), 1)
+        t = time.perf_counter()
+        step(r, reqs)
+        return {"prefill_tok_s": args.prefill_len / (time.perf_counter() - t)}
+
+    def decode(r, k: int, batch: int) -> dict[str, float]:  # noqa: ANN001
+        reqs = make_requests(r, prompts_of(batch, args.prompt_len, batch + k), args.decode_steps + 2)
+        t0 = time.perf_counter()
+        step(r, reqs)
+        step(r, reqs)
+        t = time.perf_counter()
+        for _ in range(args.decode_steps - 2):
+            step(r, reqs)
+        t1 = time.perf_counter()
+        return {f"decode_b{batch}_tok_s": batch * (args.decode_steps - 2) / (t1 - t),
+                f"e2e_b{batch}_tok_s": batch * args.decode_steps / (t1 - t0)}
+
+    tasks = [prefill] + [lambda r, k, b=b: decode(r, k, b) for b in (1, 8, 32)]
+    best: dict[str, dict[str, float]] = {m: {} for m in modes}
+    for rep in range(args.repeats):
+        for task in tasks:
+            for m in (modes if rep % 2 == 0 else modes[::-1]):
+                for key, v in task(runners[m], rep).items():
+                    best[m][key] = max(best[m].get(key, 0.0), v)
+    return best
+
+
 # --------------------------------------------------------------------------
 # llama.cpp peer
 # --------------------------------------------------------------------------
@@ -212,6 +251,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="best of N (filters out a busy machine)")
     ap.add_argument("--attention", choices=("native", "paddle"), default="native")
     ap.add_argument("--dtype", default="auto", help="fdx's compute mode: auto, int8, float32")
+    ap.add_argument("--compare-dtypes", metavar="A,B", help="time these compute modes side by side in one process "
+                    "(alternating; e.g. int8,float32) and print their ratio instead of the peer comparison")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
     args = ap.parse_args()
@@ -219,11 +260,21 @@ def main() -> None:
     from fdx.model.source import embedded_gguf_path
 
     print(f"machine: {os.cpu_count()} cores (shared; figures are noisy), OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
-    fdx = bench_fdx(args)
     rows = [("prefill tok/s (512-token prompt)", "prefill_tok_s"), ("decode tok/s, 1 sequence", "decode_b1_tok_s"),
             ("decode tok/s, 8 sequences", "decode_b8_tok_s"), ("decode tok/s, 32 sequences", "decode_b32_tok_s"),
             ("end-to-end tok/s, 8 seqs (+prefill)", "e2e_b8_tok_s"),
             ("end-to-end tok/s, 32 seqs (+prefill)", "e2e_b32_tok_s")]
+    if args.compare_dtypes:
+        modes = [m.strip() for m in args.compare_dtypes.split(",") if m.strip()]
+        best = bench_modes(args, modes)
+        print(f"{'metric':38s}" + "".join(f" {m:>9s}" for m in modes) + f" {modes[0] + '/' + modes[-1]:>16s}")
+        for label, key in rows:
+            vals = [best[m][key] for m in modes]
+            print(f"{label:38s}" + "".join(f" {v:9.1f}" for v in vals) + f" {vals[0] / vals[-1]:16.2f}")
+        if args.json:
+            print(json.dumps(best))
+        return
+    fdx = bench_fdx(args)
     peer = None
     if args.no_peer:
         print("peer: skipped (--no-peer)")

@@ -36,7 +36,9 @@ def main() -> None:
     from fdx.model.runner import PaddleModelRunner
     from fdx.plugins.hardware.cpu import CPUDevice
 
-    runner = PaddleModelRunner(make_config(num_kv_blocks=args.blocks, max_model_len=4096, max_num_seqs=64), CPUDevice())
+    # float32 compute: the int8 mode has no pure-Paddle twin (bench_model.py --compare-dtypes times it)
+    runner = PaddleModelRunner(make_config(num_kv_blocks=args.blocks, max_model_len=4096, max_num_seqs=64,
+                                           dtype="float32"), CPUDevice())
     ops = runner.model.ops
     if ops is None:
         sys.exit("native ops are not loaded here (FDX_NATIVE_OPS=0, or no AVX-512F / AVX2+FMA+F16C): nothing to compare")
