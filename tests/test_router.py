@@ -54,7 +54,7 @@ def test_plan_request() -> None:
                                                          "max_completion_tokens": 1}).encode())
     assert p.prefill_only and p.key.startswith(b'[{"role":"user"')
     p = plan_request("/v1/completions", b'{"prompt": [1, 2, 3], "max_tokens": 5}')
-    assert not p.prefill_only and p.key == [1, 2, 3] and p.tokens == 3
+    assert not p.prefill_only and p.key == [1, 2, 3] and p.weight == 3
     assert not plan_request("/v1/completions", b'{"prompt": "x", "max_tokens": true}').prefill_only
     p = plan_request("/v1/completions", b"[not json")
     assert not p.is_object and not p.prefill_only
@@ -248,7 +248,7 @@ def _kill_tree(launcher_pid: int) -> None:
 
 @pytest.mark.slow
 def test_dead_decode_fails_fast_and_recovers(topo: dict[str, Any]) -> None:
-    r, d = topo["router"], topo["d"]
+    r = topo["router"]
     out: dict[str, Any] = {}
     started = threading.Event()
     t = threading.Thread(target=record_stream, args=(r, {**BODY, "max_tokens": 1500}, out, started))

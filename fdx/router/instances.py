@@ -17,12 +17,14 @@
   brings it back (its info re-read; a P whose engine pid changed has an
   empty prefix cache, so its affinity entries are dropped).
 * **Load**: the router counts what it has in flight on each instance.  P:
-  the estimated prompt tokens of the handoffs it has not finished yet
-  (until D's response headers arrive, which D sends with the first token);
+  the weight of the prompts whose handoff it has not finished yet (until
+  D's response headers arrive, which D sends with the first token); a
+  prompt's weight is its UTF-8 bytes (about 4 per token), or its token ids.
   D: its requests in flight.  P is picked by
-  :class:`fdx.server.dp_router.PrefixAffinityRouter` (prefix affinity unless
-  much busier; the prompt's UTF-8 bytes stand in for tokens, 4 per token),
-  D by least requests in flight (ties: the one given fewest).
+  :class:`fdx.server.dp_router.PrefixAffinityRouter` over the same units
+  (the prompt's bytes or ids stand in for tokens: blocks of
+  ``affinity_block_tokens`` x 4 bytes; sticky unless much busier), D by
+  least requests in flight (ties: the one given fewest).
 """
 
 from __future__ import annotations
@@ -89,11 +91,12 @@ class Instance:
 class Flight:
     """One request in flight through the router: the instance its HTTP
     request goes to (``target``), the P doing its prefill for D (``prefill``,
-    ``None`` for a request served whole), and the estimated prompt tokens."""
+    ``None`` for a request served whole), and the prompt's weight (its
+    bytes, or token ids: P's load)."""
 
     target: Instance
     prefill: Instance | None
-    tokens: int
+    weight: int
     #: D's response headers arrived (D has the KV and the first token): P's part is over
     handed_off: bool = False
     #: why the router cut it (an instance it depends on went down)
@@ -123,7 +126,7 @@ class InstancePool:
         self.max_probe_failures = probe_failures
         self.headers = headers or {}
         self.affinity = PrefixAffinityRouter(len(self.prefill), affinity_block_tokens * BYTES_PER_TOKEN,
-                                             slack_tokens=2048)
+                                             slack_tokens=2048 * BYTES_PER_TOKEN)
         self.session: aiohttp.ClientSession | None = None
         self.on_change: list[Any] = []  # callbacks (inst) on up/down
         self._tasks: set[asyncio.Task[None]] = set()
@@ -259,7 +262,7 @@ class InstancePool:
 
     @staticmethod
     def prefill_load(inst: Instance) -> int:
-        return sum(f.tokens for f in inst.flights if not f.handed_off or f.target is inst)
+        return sum(f.weight for f in inst.flights if not f.handed_off or f.target is inst)
 
     def begin(self, flight: Flight) -> None:
         flight.target.flights.add(flight)

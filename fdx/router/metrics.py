@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Iterator
+from typing import Iterator
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, generate_latest

@@ -36,7 +36,7 @@ import attrs
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from fdx.router.instances import BYTES_PER_TOKEN, Flight, Instance, InstancePool
+from fdx.router.instances import Flight, Instance, InstancePool
 from fdx.server.protocol import error_body
 
 log = logging.getLogger("fdx.router")
@@ -59,7 +59,8 @@ class RequestPlan:
     prefill_only: bool
     #: the prompt's bytes (or token ids) for P's prefix affinity
     key: Any
-    tokens: int
+    #: the prompt's size in the affinity units (bytes, or token ids): P's load
+    weight: int
     client_params: bool = False
 
 
@@ -69,7 +70,7 @@ def plan_request(path: str, raw: bytes) -> RequestPlan:
     except (ValueError, UnicodeDecodeError, RecursionError):
         body = None
     if not isinstance(body, dict):
-        return RequestPlan(path, raw, False, False, False, b"", len(raw) // BYTES_PER_TOKEN)
+        return RequestPlan(path, raw, False, False, False, b"", len(raw))
     if path.endswith("/chat/completions"):
         mt = body.get("max_completion_tokens", body.get("max_tokens"))
         key: Any = json.dumps(body.get("messages"), separators=(",", ":"), ensure_ascii=False,
@@ -85,9 +86,9 @@ def plan_request(path: str, raw: bytes) -> RequestPlan:
             key = p  # token ids: one per token already
         else:
             key = b""
-    tokens = len(key) if isinstance(key, list) else len(key) // BYTES_PER_TOKEN
+    weight = len(key)  # in affinity units: bytes, or token ids
     return RequestPlan(path, raw, True, body.get("stream") is True, mt == 1 and not isinstance(mt, bool),
-                       key, max(1, tokens), "kv_transfer_params" in body)
+                       key, max(1, weight), "kv_transfer_params" in body)
 
 
 def with_transfer_params(raw: bytes, prefill: Instance) -> bytes:
@@ -154,20 +155,23 @@ class RelayResponse(Response):
             if got is None:
                 raise RouterError(_none_up("prefill", pool, tried))
             self.metrics.routed(got[0], got[1].reason)
-            return Flight(got[0], None, plan.tokens), plan.body
+            return Flight(got[0], None, plan.weight), plan.body
         d = pool.pick_decode(exclude=tried)
         if d is None:
             raise RouterError(_none_up("decode", pool, tried))
         if not d.splitwise or not plan.is_object:
             self.metrics.routed(d, "whole")
-            return Flight(d, None, plan.tokens), plan.body
+            return Flight(d, None, plan.weight), plan.body
         got = pool.pick_prefill(plan.key, splitwise=True, exclude=tried)
         if got is None:
             raise RouterError(_none_up("prefill", pool, tried, splitwise=True))
         p, choice = got
         self.metrics.routed(p, choice.reason)
         self.metrics.routed(d, "load")
-        return Flight(d, p, plan.tokens), with_transfer_params(plan.body, p)
+        if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s (prompt weight %d) -> P %s (%s, %d of it cached there) then D %s (%d in flight)",
+                      plan.path, plan.weight, p.url, choice.reason, choice.matched_tokens, d.url, d.in_flight)
+        return Flight(d, p, plan.weight), with_transfer_params(plan.body, p)
 
     async def _relay(self, send: Send) -> None:
         pool = self.pool
