@@ -134,7 +134,9 @@ class LLGuidanceBackend(GrammarBackend):
         return m
 
     def matcher(self, spec: StructuredOutput) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(self.compile(spec).deep_copy(), self._eos)
+        template = self.compile(spec)
+        with self._lock:  # the cached matcher is shared by every thread: copy it one at a time
+            return LLGuidanceMatcher(template.deep_copy(), self._eos)
 
 
 def _one_line(msg: str) -> str:
