@@ -128,6 +128,10 @@ def build_parser(plugins: Any | None = None) -> argparse.ArgumentParser:
                    add_help=False)
     bench = sub.add_parser("bench", help="benchmarks", add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    for verb, text in (("chat", "chat with a running server (fdx chat --help)"),
+                       ("complete", "complete prompts on a running server (fdx complete --help)"),
+                       ("run-batch", "run an OpenAI Batch file offline (fdx run-batch -i IN.jsonl -o OUT.jsonl)")):
+        sub.add_parser(verb, help=text, add_help=False)
     return parser
 
 
@@ -182,6 +186,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv[:1] == ["bench"]:
             return _bench(argv[1:])
+        if argv[:1] in (["chat"], ["complete"]):  # clients of a running server (fdx/client_cli.py)
+            from fdx.client_cli import main as client_main
+
+            return client_main(argv[0], argv[1:])
+        if argv[:1] == ["run-batch"]:  # offline, through fdx.LLM (fdx/run_batch.py)
+            from fdx.run_batch import main as batch_main
+
+            return batch_main(argv[1:])
         if argv[:1] == ["router"]:  # splitwise front end (docs/SPLITWISE.md); no plugins, no Paddle
             from fdx.router.main import main as router_main
 
