@@ -235,3 +235,12 @@ def test_splitwise_needs_a_role() -> None:
         echo_engine(scheduler="splitwise")
     with pytest.raises(ConfigError, match="need --scheduler splitwise"):
         echo_engine(splitwise_role="decode")
+
+
+def test_prompt_logprobs_and_grammars_are_computed_on_d(pd) -> None:  # type: ignore[no-untyped-def]
+    p, d = pd
+    d.add_request(request("pl", [1, 2, 3, 4], p, max_tokens=2, prompt_logprobs=1))
+    out = drive([p, d], finished("pl"))
+    assert tokens(out["pl"]) == [1, 2]
+    assert d.stats().splitwise.handoffs == 0 and p.stats().splitwise.handoffs == 0  # never handed off
+    _check_empty(p, d)

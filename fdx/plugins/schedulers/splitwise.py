@@ -37,7 +37,10 @@ as in FastDeploy (docs/SPLITWISE.md has the sequence and the failures):
    that takes longer than ``--splitwise-handoff-timeout`` fails with 503.
 
 Requests without ``kv_transfer_params`` run on either role as on a mixed
-instance (the router sends ``max_tokens=1`` requests to P that way).
+instance (the router sends ``max_tokens=1`` requests to P that way); so
+do, on D, requests asking for ``prompt_logprobs`` (they need the prompt's
+logits) or a structured output (its grammar must constrain the first
+token too, and P has no matcher).
 
 Every method runs on the engine thread; the connector is polled from
 :meth:`SplitwiseScheduler.schedule` (its sockets wake the engine loop
@@ -163,6 +166,14 @@ class SplitwiseScheduler(Scheduler):
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
+        p = request.params
+        if request.kv_transfer is not None and self.role == "decode" and (
+                p.prompt_logprobs is not None or p.structured is not None):
+            # prompt logprobs need the prompt's logits, a grammar must constrain the first token too:
+            # such a request is computed here, whole, as on a mixed instance
+            log.debug("splitwise %s: computed on the decode instance (%s)", request.request_id,
+                      "prompt_logprobs" if p.prompt_logprobs is not None else "structured output")
+            request.kv_transfer = None
         if request.kv_transfer is None:
             self.local.add_request(request)
             return
