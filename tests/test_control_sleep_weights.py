@@ -34,7 +34,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # update_weights loads the checkpoints written under the session's temp
     # root and, to swap back, the embedded model
     allowed = (str(tmp_path_factory.getbasetemp()), os.path.dirname(embedded_gguf_path()))
-    with start_server("--num-kv-blocks", str(NUM_KV_BLOCKS), "--allowed-weights-dir", allowed[0],
+    # float32 compute: model_bytes() counts float32 weights (int8 compute keeps packed blocks instead)
+    with start_server("--dtype", "float32", "--num-kv-blocks", str(NUM_KV_BLOCKS), "--allowed-weights-dir", allowed[0],
                       "--allowed-weights-dir", allowed[1]) as (base, _proc):
         yield base
 
