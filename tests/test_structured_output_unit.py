@@ -325,3 +325,14 @@ def test_device_sampler_applies_masks_and_bias_too() -> None:
                                                 [req("r", temperature=1.0, grammar=AllowSet([5, 6]))])[0][0])
             for s in range(12)}
     assert seen <= {5, 6}
+
+
+def test_unknown_backend_or_parser_names_fail_at_start_listing_the_choices() -> None:
+    from fdx.cli import check_component_names
+    from fdx.core.errors import PluginError
+    from fdx.core.plugins import get_plugins
+
+    for kw, choice in (({"grammar_backend": "nope"}, "llguidance"), ({"tool_call_parser": "nope"}, "hermes")):
+        with pytest.raises(PluginError) as ei:
+            check_component_names(make_config(**kw), get_plugins())
+        assert "'nope'" in str(ei.value) and choice in str(ei.value)
