@@ -247,7 +247,8 @@ def test_hf_checkpoint_loads_and_matches_numpy(tmp_path: Path, arch: str) -> Non
     ids = tok.encode_chat([{"role": "user", "content": text}])
     assert ids[0] == 1 and 2 in ids
 
-    runner = PaddleModelRunner(make_config(model=str(folder), num_kv_blocks=16, block_size=4), CPUDevice())
+    runner = PaddleModelRunner(make_config(model=str(folder), num_kv_blocks=16, block_size=4, dtype="float32"),
+                               CPUDevice())  # the exact path (int8 compute drifts ~1e-2)
     captured: list[np.ndarray] = []
     real = runner.sampler.sample
 
