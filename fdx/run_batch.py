@@ -47,6 +47,7 @@ class Job:
     params: Any = None
     echo: list[str] | None = None  # completions echo: each prompt's text
     return_token_ids: bool = False
+    tokens_as_ids: bool = False
     results: list[Any] = attrs.field(factory=list)
     status: int = 200
     error: dict[str, Any] | None = None  # a record-level error (the line itself is unusable)
@@ -125,6 +126,7 @@ def _prepare(job: Job, body: dict[str, Any], llm: Any) -> None:
     job.params = sampling_params(req, max_tokens=max_tokens, num_logprobs=num_lp, max_logprobs=cfg.max_logprobs,
                                  vocab_size=tok.vocab_size)
     job.return_token_ids = bool(req.return_token_ids)
+    job.tokens_as_ids = bool(req.return_tokens_as_token_ids)
     for ids in job.prompts:
         if not ids:
             raise RequestError("the prompt is empty", 400, param="prompt")
@@ -166,7 +168,7 @@ def _generate(llm: Any, jobs: Sequence[Job]) -> None:
 def _logprobs(llm: Any, job: Job, res: Any, comp: Any) -> Any:
     if job.params.logprobs is None:
         return None
-    text = llm.processor.token_text
+    text = (lambda t: f"token_id:{t}") if job.tokens_as_ids else llm.processor.token_text
     k = job.params.logprobs
     lps = list(comp.logprobs or [])
     if job.url == "/v1/chat/completions":

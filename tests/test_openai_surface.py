@@ -148,6 +148,9 @@ def test_return_token_ids(server: str, oai: Any) -> None:
     assert c["prompt_token_ids"] == ids and len(c["token_ids"]) == r["usage"]["completion_tokens"] == 4
     text = httpx.post(server + "/detokenize", json={"tokens": c["token_ids"]}, timeout=30).json()["prompt"]
     assert text == c["text"]
+    named = oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1,
+                                   extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    assert named.choices[0].logprobs.tokens == [f"token_id:{t}" for t in c["token_ids"]]
     streamed: list[int] = []
     prompt_ids = None
     for ch in oai.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4, temperature=0, stream=True,

@@ -334,6 +334,8 @@ class _Common(_Strict):
                           "null for the first token, then {token_id: {logprob, rank, decoded_token}}")
     return_token_ids: StrictBool | None = Field(
         False, description="add prompt_token_ids and each choice's token_ids to the response (vLLM)")
+    return_tokens_as_token_ids: StrictBool | None = Field(
+        False, description="in logprobs, name each token 'token_id:<id>' instead of its text (vLLM)")
     # structured outputs (fdx/server/serving/structured.py): at most one of these
     response_format: ResponseFormat | None = None
     guided_json: Union[dict[str, Any], StrictStr, None] = Field(None, description="a JSON schema (vLLM)")

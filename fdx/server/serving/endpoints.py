@@ -107,6 +107,7 @@ class OpenAIServing:
             gen.kv_transfer = KVTransferParams(kp.prefill_addr, kp.prefill_url or "")
         so = req.stream_options
         gen.return_token_ids = bool(req.return_token_ids)
+        gen.tokens_as_ids = bool(req.return_tokens_as_token_ids)
         gen.continuous_usage = bool(req.stream and so and so.continuous_usage_stats)
         gen.submit(arrival)
         return await respond(request, gen, endpoint, bool(req.stream), bool(req.stream and so and so.include_usage))

@@ -132,6 +132,8 @@ class Generation:
         self.return_token_ids = False
         #: stream_options.continuous_usage_stats: usage so far on every chunk
         self.continuous_usage = False
+        #: vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+        self.tokens_as_ids = False
 
     @property
     def want_logprobs(self) -> bool:
@@ -211,6 +213,9 @@ class Generation:
     # -- logprobs, both endpoints ----------------------------------------
 
     def token_text(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or ``token_id:<id>``."""
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
         return self.outputs.token_text(token_id)
 
     def prompt_logprobs(self, prompt_index: int) -> list[dict[str, Any] | None] | None:
@@ -225,7 +230,7 @@ class Generation:
                     if s.prompt_index == prompt_index and s.prompt_logprobs is not None), None)
         if lps is None:
             return None
-        tok = self.token_text
+        tok = self.outputs.token_text  # decoded_token is always the text
         out: list[dict[str, Any] | None] = [None]
         for lp in lps:
             d = {str(lp.token_id): {"logprob": json_logprob(lp.logprob), "rank": lp.rank,
