@@ -82,7 +82,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     k.add_argument("--splitwise-local-scheduler",
                    help="with --scheduler splitwise: the batch policy for the instance's own work (default v1)")
     k.add_argument("--splitwise-handoff-timeout", type=float,
-                   help="seconds a decode instance waits for the prompt's KV before the request fails (default 60)")
+                   help="seconds a decode instance waits for the prompt's KV before the request fails (default 300)")
     k.add_argument("--kv-connector", help="KV connector plugin moving prompt KV from prefill to decode (default zmq)")
     k.add_argument("--kv-connector-port", type=int, help="TCP port the KV connector listens on (default: any free)")
     k.add_argument("--kv-connector-config", help="JSON object passed to the KV connector")

@@ -112,7 +112,7 @@ class EngineConfig:
     #: ``--scheduler splitwise``: the batch policy the instance runs for its own work
     splitwise_local_scheduler: str = "v1"
     #: seconds a decode instance waits for a prefill instance's KV before the request fails (503)
-    splitwise_handoff_timeout: float = attrs.field(default=60.0, validator=_positive)
+    splitwise_handoff_timeout: float = attrs.field(default=300.0, validator=_positive)
     #: KV connector plugin of a splitwise instance (default ``zmq`` with a role)
     kv_connector: str | None = None
     #: TCP port the KV connector listens on (0: any free port; /v1/splitwise/info tells it)

@@ -423,8 +423,8 @@ class SplitwiseScheduler(Scheduler):
         out = RequestOutput(job.rid, (token,), None, req.num_prompt_tokens, req.num_cached_tokens, 1,
                             (logprob,) if logprob is not None else None)
         nbytes = self._send(job.peer, out, src)
-        if nbytes is None:
-            self.num_failed_handoffs += 1
+        if nbytes is None:  # D hears of it (if it can hear at all), instead of waiting for its timeout
+            self._reply_error(job, "the prefill instance could not send the KV (see its log)", 503)
             return
         seconds = time.monotonic() - job.started
         self.latency.observe(seconds)
