@@ -102,6 +102,8 @@ class Flight:
     #: why the router cut it (an instance it depends on went down)
     failure: str | None = None
     failed: Instance | None = None
+    #: the connection was lost before any answer (not refused, not cut)
+    lost: bool = False
     scope: anyio.CancelScope | None = None
 
     def cut(self, inst: Instance, reason: str) -> None:

@@ -17,7 +17,9 @@
   connection (not returned to the pool), so D sees the disconnect and
   aborts the request (D tells P).
 * Failures never hang: an instance that refuses the connection is marked
-  down and the request goes to another one (nothing was sent yet); no
+  down and the request goes to another one (nothing was sent yet); a
+  connection lost before any answer sends it to the same instance once
+  more (a pooled connection closed under us) while the probe looks; no
   instance up -> 503 envelope.  An instance marked down by the health probe
   cuts its flights: before D's headers a cut handoff is retried on another
   P, else it answers 503; a stream cut, or one whose upstream ended without
@@ -176,8 +178,9 @@ class RelayResponse(Response):
     async def _relay(self, send: Send) -> None:
         pool = self.pool
         tried: set[Instance] = set()
+        lost_once: set[Instance] = set()
         last_failure: str | None = None
-        for _attempt in range(len(pool.instances) + 1):
+        for _attempt in range(2 * len(pool.instances) + 1):
             try:
                 flight, body = self._route(tried)
             except RouterError as exc:
@@ -188,7 +191,11 @@ class RelayResponse(Response):
             try:
                 resp = await self._open(flight, body)
                 if resp is None:  # refused, lost or cut before any answer: try other instances
-                    tried.add(flight.failed or flight.target)
+                    failed = flight.failed or flight.target
+                    if flight.lost and failed not in lost_once:
+                        lost_once.add(failed)  # a lost connection: that instance once more
+                    else:
+                        tried.add(failed)
                     last_failure = flight.failure
                     self.metrics.retries.inc()
                     continue
@@ -223,9 +230,13 @@ class RelayResponse(Response):
                 self.pool.mark_down(inst, f"unreachable: {exc}")
                 flight.failure, flight.failed = str(exc), inst
             except (aiohttp.ClientError, OSError) as exc:
-                # connected, then lost before the headers: it died with the request (nothing sent yet)
-                self.pool.mark_down(inst, f"connection lost: {type(exc).__name__}: {exc}")
-                flight.failure, flight.failed = f"the {inst.role} instance {inst.url} failed before answering", inst
+                # connected, then lost before the headers (nothing reached the client): the instance
+                # died with the request, or an idle pooled connection was closed under us; the
+                # probe looks now, and the request may go to the same instance once more
+                self.pool.suspect(inst)
+                flight.lost = True
+                flight.failure, flight.failed = (f"the {inst.role} instance {inst.url} failed before answering "
+                                                 f"({type(exc).__name__})"), inst
             finally:
                 flight.scope = None
         if cs.cancelled_caught:
