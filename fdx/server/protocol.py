@@ -245,7 +245,7 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: StrictBool | None = Field(False, description="a last chunk with the request's usage")
     continuous_usage_stats: StrictBool | None = Field(
-        False, description="usage (so far) on every chunk, as vLLM")
+        False, description="with include_usage: the usage so far on every chunk (vLLM)")
 
 
 class KVTransferParamsBody(_Strict):

@@ -108,6 +108,6 @@ class OpenAIServing:
         so = req.stream_options
         gen.return_token_ids = bool(req.return_token_ids)
         gen.tokens_as_ids = bool(req.return_tokens_as_token_ids)
-        gen.continuous_usage = bool(req.stream and so and so.continuous_usage_stats)
+        gen.continuous_usage = bool(req.stream and so and so.include_usage and so.continuous_usage_stats)  # as vLLM
         gen.submit(arrival)
         return await respond(request, gen, endpoint, bool(req.stream), bool(req.stream and so and so.include_usage))

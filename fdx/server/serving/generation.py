@@ -130,7 +130,7 @@ class Generation:
         self.kv_transfer: KVTransferParams | None = None
         #: vLLM's return_token_ids: prompt and completion token ids in the reply
         self.return_token_ids = False
-        #: stream_options.continuous_usage_stats: usage so far on every chunk
+        #: stream_options.include_usage + continuous_usage_stats: usage so far on every chunk
         self.continuous_usage = False
         #: vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
         self.tokens_as_ids = False
