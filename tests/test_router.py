@@ -119,6 +119,29 @@ def test_config_errors_are_one_line() -> None:
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--decode" in r.stderr
 
 
+def test_managed_topology_config() -> None:
+    from fdx.config import make_config
+    from fdx.router.topology import is_managed, topology_children
+
+    with pytest.raises(ConfigError, match="--scheduler splitwise"):
+        make_config(num_prefill=1, num_decode=1)
+    with pytest.raises(ConfigError, match="both"):
+        make_config(scheduler="splitwise", num_prefill=1)
+    cfg = make_config(scheduler="splitwise", num_prefill=2, num_decode=1, port=18000, api_key="k",
+                      kv_connector="mooncake", num_threads=1)
+    assert is_managed(cfg) and not is_managed(make_config(scheduler="splitwise", splitwise_role="decode"))
+    kids = topology_children(cfg)
+    assert [k.name for k in kids] == ["prefill0", "prefill1", "decode0", "router"]
+    roles = [json.loads(k.config_json) for k in kids[:3]]
+    assert [r["splitwise_role"] for r in roles] == ["prefill", "prefill", "decode"]
+    assert all(r["num_prefill"] == r["num_decode"] == 0 and r["kv_connector"] == "mooncake"
+               and r["num_threads"] == 1 and r["api_key"] == "k" for r in roles)
+    assert len({r["port"] for r in roles} | {18000}) == 4
+    router = json.loads(kids[3].config_json)
+    assert router["port"] == 18000 and router["api_key"] == "k"
+    assert router["prefill"] == [k.url for k in kids[:2]] and router["decode"] == [kids[2].url]
+
+
 # ----------------------------------------------------------------------------- real processes
 
 
