@@ -207,6 +207,16 @@ def test_continue_final_message_and_add_generation_prompt(server: str, oai: Any)
     assert prompt.endswith("<|im_start|>assistant\nThe capital of France is")
     assert tokens_of(server, messages=partial, continue_final_message=True) == r["prompt_token_ids"]
     assert "Paris" in r["choices"][0]["message"]["content"]
+    for stream in (False, True):  # vLLM's chat echo: the continued message leads the reply
+        kw: dict[str, Any] = dict(model="smollm2", messages=partial, max_tokens=3, temperature=0,
+                                  extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                                              "echo": True})
+        if stream:
+            content = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(stream=True, **kw)
+                              if c.choices)
+        else:
+            content = oai.chat.completions.create(**kw).choices[0].message.content
+        assert content == "The capital of France is" + r["choices"][0]["message"]["content"], (stream, content)
     no_gen = tokens_of(server, messages=CHAT, add_generation_prompt=False)
     with_gen = tokens_of(server, messages=CHAT)
     assert with_gen[: len(no_gen)] == no_gen and len(with_gen) > len(no_gen)

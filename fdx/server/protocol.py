@@ -398,6 +398,9 @@ class ChatCompletionRequest(_Common):
     continue_final_message: StrictBool | None = Field(
         False, description="continue the last (assistant) message instead of starting a new one; "
                            "excludes add_generation_prompt")
+    echo: StrictBool | None = Field(
+        False, description="vLLM: the reply starts with the last message's content when that message is the "
+                           "assistant's (with continue_final_message)")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="extra variables for the chat template (e.g. enable_thinking)")
     # tool calling (fdx/server/serving/tool_calls.py)

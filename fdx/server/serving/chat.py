@@ -29,8 +29,9 @@ class ChatEndpoint:
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, calling: ToolCalling | None = None) -> None:
+    def __init__(self, calling: ToolCalling | None = None, echo: str = "") -> None:
         self.calling = calling
+        self.echo = echo  # vLLM's chat echo: the last (assistant) message's content leads the reply
         self.streams: dict[int, ToolCallStream] = {}
         self.called: set[int] = set()  # choices that produced a tool call
 
@@ -55,7 +56,7 @@ class ChatEndpoint:
         return d, ("tool_calls" if reason == "stop" and ev.index in self.called else reason)
 
     def head(self, gen: Generation) -> list[dict[str, Any]]:
-        return [{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return [{"index": s.index, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
                  "finish_reason": None} for s in gen.states]
 
     def delta(self, gen: Generation, ev: OutputEvent) -> dict[str, Any] | None:
@@ -86,6 +87,8 @@ class ChatEndpoint:
                 reason = "tool_calls" if reason == "stop" else reason
             else:
                 message["content"] = text
+        if self.echo:
+            message["content"] = self.echo + (message["content"] or "")
         c = {
             "index": res.index,
             "message": message,
@@ -123,6 +126,14 @@ class ChatEndpoint:
                 ],
             })
         return {"content": content}
+
+
+def echo_text(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
+    """vLLM's chat ``echo``: the last message's content when that message is
+    the assistant's (a continued final message), else nothing."""
+    if not req.echo or not messages or messages[-1].get("role") != "assistant":
+        return ""
+    return str(messages[-1].get("content") or "")
 
 
 def chat_options(req: ChatCompletionRequest) -> tuple[bool, bool, dict[str, Any]]:
@@ -173,4 +184,4 @@ async def chat(serving: OpenAIServing, request: Request, arrival: float) -> Resp
     serving.check_length(n_prompt, max_tokens, param_name)
     ids = tok.ids if tok.ids is not None else []  # within the limit, or check_length raised
     return await serving.generate(request, "chatcmpl", req, [Prompt(ids, None)], params, arrival,
-                                  ChatEndpoint(calling))
+                                  ChatEndpoint(calling, echo_text(req, messages)))
