@@ -48,12 +48,13 @@ class Scripts:
         self.c.hset(f"{P}:capacity", inst, capacity)
         self.c.zadd(f"{P}:instances", {inst: load})
 
-    def enqueue(self, key: str, origin: str = "a", ttl_ms: int = 60_000) -> Any:
-        out = self.enqueue_(args=[P, key, origin, b"blob-" + key.encode(), ttl_ms])
+    def enqueue(self, key: str, origin: str = "a", ttl_ms: int = 60_000, hashes: tuple[str, ...] = (),
+                slack: float = 1.0) -> Any:
+        out = self.enqueue_(args=[P, key, origin, b"blob-" + key.encode(), ttl_ms, slack, *hashes])
         return out.decode() if isinstance(out, bytes) else out
 
-    def pick(self, me: str, n: int = 8) -> list[tuple[str, str, bytes]]:
-        rows = self.pick_(args=[P, me, n, 3_600_000])
+    def pick(self, me: str, n: int = 8, steal_after_ms: int = 0) -> list[tuple[str, str, bytes]]:
+        rows = self.pick_(args=[P, me, n, 3_600_000, steal_after_ms])
         return [(rows[i].decode(), rows[i + 1].decode(), rows[i + 2]) for i in range(0, len(rows), 3)]
 
     def queue(self, inst: str) -> list[str]:
@@ -151,3 +152,33 @@ def test_abort_reaches_the_owner_and_expire_keeps_a_taken_request(r: Any) -> Non
     assert r.lrange(f"{P}:ctl:a", 0, -1) == [b"abort-t"] and not r.exists(f"{P}:req:t")
     s.enqueue("u")
     assert s.expire_(args=[P, "u"]) is None and not r.exists(f"{P}:req:u")
+
+
+def test_enqueue_keeps_a_prompt_prefix_on_its_instance_unless_much_busier(r: Any) -> None:
+    s = Scripts(r)
+    s.join("a", load=0)
+    s.join("b", load=0)
+    first = s.enqueue("g1", origin="a", hashes=("h1", "h2"))
+    other = "b" if first == "a" else "a"
+    # the same prefix, longer: the same instance, though the other is less loaded now
+    assert s.enqueue("g2", origin=other, hashes=("h1", "h2", "h3")) == first
+    assert r.get(f"{P}:prefix:h3") == first.encode() and 0 < r.pttl(f"{P}:prefix:h1") <= 600_000
+    assert s.enqueue("x1", origin=first, hashes=("z1",)) == other  # a new prefix: the least loaded
+    # much busier (more than slack capacities above the least load): the least loaded wins, and is recorded
+    r.zadd(f"{P}:instances", {first: 40})
+    assert s.enqueue("g3", origin=first, hashes=("h1", "h2")) == other
+    assert r.get(f"{P}:prefix:h2") == other.encode()
+    # its instance gone: the prefix goes by load
+    r.delete(f"{P}:instance:{other}")
+    assert s.enqueue("g4", origin=other, hashes=("h1", "h2")) == first
+
+
+def test_fresh_entries_are_left_to_their_instance_then_stolen(r: Any) -> None:
+    s = Scripts(r)
+    s.join("b")
+    s.join("c")
+    r.zadd(f"{P}:instances", {"c": 100})  # so that enqueue picks b
+    assert s.enqueue("f1") == "b"
+    assert s.pick("c", steal_after_ms=300) == [] and s.queue("b") == ["f1"]  # too fresh: b takes it
+    time.sleep(0.35)
+    assert [k for k, _, _ in s.pick("c", steal_after_ms=300)] == ["f1"]

@@ -6,6 +6,8 @@ cluster of its own for the TTL path.
 * requests sent to either API all complete, each executed exactly once
   somewhere in the cluster, with the same greedy tokens whichever API took
   them and whichever instance ran them;
+* prefix affinity across instances: a shared-prefix workload sent to both
+  APIs is served from the instances' caches as a single instance would;
 * Redis stopped mid-run: new requests get a 503 naming Redis, the streams
   already running finish, and service resumes when Redis is back (no
   restart of fdx);
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import threading
 import time
@@ -138,6 +141,26 @@ def test_requests_to_either_api_complete_with_the_same_greedy_tokens(cluster: di
     # each request ran exactly once in the cluster
     assert _executed(a) + _executed(b) - before == 2 * len(prompts)
     assert _text(a, prompts[0]) == via_a[0]  # sequential, alone: the same greedy text
+
+
+def test_prefix_affinity_across_instances_keeps_the_cache_hits(cluster: dict[str, Any]) -> None:
+    """4 groups x 512-token prefixes, 4 rounds, each round's prompts sent to
+    A and B alternately: the later rounds are served from the cache of the
+    instance that ran their group (a single instance serves all of them
+    from its cache: 3 x 4 x 512 tokens)."""
+    (a, _), (b, _) = cluster["a"], cluster["b"]
+    rng = random.Random(29)
+    prefixes = [[rng.randrange(1000, 40000) for _ in range(512)] for _ in range(4)]
+    cached = 0
+    with ThreadPoolExecutor(4) as pool:
+        for rnd in range(4):
+            jobs = [((a, b)[(g + rnd) % 2], p + [rng.randrange(1000, 40000) for _ in range(24)])
+                    for g, p in enumerate(prefixes)]
+            outs = list(pool.map(lambda j: httpx.post(j[0] + "/v1/completions", json=_body(j[1], 2), timeout=120),
+                                 jobs))
+            assert all(o.status_code == 200 for o in outs), [o.text for o in outs]
+            cached += sum(o.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs)
+    assert cached >= 0.9 * 3 * 4 * 512, cached
 
 
 def test_redis_restart_gives_503s_then_recovery(cluster: dict[str, Any]) -> None:

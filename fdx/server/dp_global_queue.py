@@ -7,7 +7,8 @@ and offers the same surface to the app, playing two parts:
 
 * **origin** (the API holding the client connection): every accepted
   engine request goes into Redis (:data:`ENQUEUE`, which puts it on the
-  least-loaded instance's queue) and waits there; its outputs come back on
+  queue of the instance holding its prompt prefix, unless much busier,
+  else of the least-loaded one) and waits there; its outputs come back on
   this origin's output list, one ``RPUSH`` per step batch, and go to the
   request's sink;
 * **instance** (the node's replicas as one worker): it registers itself,
@@ -54,6 +55,7 @@ from fdx.config import EngineConfig
 from fdx.core.errors import RequestError
 from fdx.core.messages import AbortRequest, AddRequest, OutputBatch, RequestOutput, SamplingParams, decode, encode
 from fdx.server.client import EngineUnavailable, RequestHandle, Sink, wire_error
+from fdx.server.dp_router import prefix_hashes
 
 log = logging.getLogger("fdx.server")
 
@@ -65,29 +67,53 @@ PICK_BATCH = 8
 WAKE_WAIT_S = 0.25
 #: a picked request's hash lives at most this long (the origin deletes it when the request ends)
 PICKED_TTL_MS = 3_600_000
+#: a queued request younger than this is left to its instance (no stealing yet)
+STEAL_AFTER_MS = 100
+#: prefix affinity across instances: the instance given a prompt's prefix
+#: keeps getting it unless its load ((held + queued) / capacity) exceeds
+#: the least load by more than this
+AFFINITY_SLACK = 1.0
+#: prompt prefix blocks hashed for the cross-instance affinity
+AFFINITY_BLOCKS = 64
 
 _NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
 
-#: ARGV: prefix, key, origin, AddRequest bytes, ttl_ms.  Puts the request on
-#: the queue of the least-loaded live instance ((held + queued) / capacity;
-#: ties: the origin itself), or on ``_any`` when none serves.  Returns the
-#: target, or false when the key exists (duplicate request id).
+#: ARGV: prefix, key, origin, AddRequest bytes, ttl_ms, slack, prefix hashes
+#: (shortest first).  Puts the request on the queue of the live instance
+#: that was given its longest recorded prompt prefix (``P:prefix:<hash>``),
+#: unless that one's load exceeds the least load by more than ``slack``;
+#: else on the least-loaded live instance's (load: (held + queued) /
+#: capacity; ties: the origin itself); on ``_any`` when none serves.
+#: Records the prefix hashes -> target.  Returns the target, or false when
+#: the key exists (a duplicate request id).
 ENQUEUE = _NOW + """
-local P, key, origin, blob, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local P, key, origin, blob, ttl, slack = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
 local hk = P .. ':req:' .. key
 if redis.call('EXISTS', hk) == 1 then return false end
 local best, bestload = nil, nil
+local loads = {}
 local m = redis.call('ZRANGE', P .. ':instances', 0, -1, 'WITHSCORES')
 for i = 1, #m, 2 do
   local id = m[i]
   local cap = tonumber(redis.call('HGET', P .. ':capacity', id) or '0')
   if cap > 0 and redis.call('EXISTS', P .. ':instance:' .. id) == 1 then
     local load = (tonumber(m[i + 1]) + redis.call('LLEN', P .. ':queue:' .. id)) / cap
+    loads[id] = load
     if best == nil or load < bestload or (load == bestload and id == origin) then best, bestload = id, load end
   end
 end
 local target = best or '""" + ANY + """'
-redis.call('HSET', hk, 'add', blob, 'origin', origin, 'deadline', now + ttl)
+if best then
+  for i = #ARGV, 7, -1 do
+    local inst = redis.call('GET', P .. ':prefix:' .. ARGV[i])
+    if inst and loads[inst] ~= nil then
+      if loads[inst] - bestload <= slack then target = inst end
+      break
+    end
+  end
+  for i = 7, #ARGV do redis.call('SET', P .. ':prefix:' .. ARGV[i], target, 'PX', 600000) end
+end
+redis.call('HSET', hk, 'add', blob, 'origin', origin, 'deadline', now + ttl, 'enq', now)
 redis.call('PEXPIRE', hk, ttl + 60000)
 redis.call('RPUSH', P .. ':queue:' .. target, key)
 redis.call('PEXPIRE', P .. ':queue:' .. target, ttl + 60000)
@@ -98,22 +124,28 @@ end
 return target
 """
 
-#: ARGV: prefix, me, n, picked_ttl_ms.  Takes up to n requests from my queue;
-#: when it is empty, steals from the longest other queue (``_any``
-#: included; at most half of another instance's queue).  Entries whose hash
+#: ARGV: prefix, me, n, picked_ttl_ms, steal_after_ms.  Takes up to n
+#: requests from my queue; when it is empty, steals from the longest other
+#: queue (``_any`` included; at most half of another instance's queue; only
+#: entries queued at least ``steal_after_ms`` ago, so that an instance about
+#: to take its own fresh work keeps it, and its prefix cache).  Entries whose hash
 #: is gone (aborted, lost) are skipped, expired ones dropped.  Marks each
 #: taken request's hash ``owner = me`` and adds it to my processing set.
 #: Returns a flat list: key, origin, AddRequest bytes, ...
 PICK = _NOW + """
-local P, me, n, keep = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local P, me, n, keep, age = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local out = {}
-local function take(q, limit)
+local function take(q, limit, min_age)
   local got = 0
   while got < limit do
     local key = redis.call('LPOP', q)
     if not key then return end
     local hk = P .. ':req:' .. key
-    local f = redis.call('HMGET', hk, 'add', 'origin', 'deadline')
+    local f = redis.call('HMGET', hk, 'add', 'origin', 'deadline', 'enq')
+    if f[1] and min_age > 0 and now - tonumber(f[4] or '0') < min_age then
+      redis.call('LPUSH', q, key)  -- too fresh to steal: its instance takes it
+      return
+    end
     if f[1] then
       if tonumber(f[3]) < now then
         redis.call('DEL', hk)
@@ -127,7 +159,7 @@ local function take(q, limit)
     end
   end
 end
-take(P .. ':queue:' .. me, n)
+take(P .. ':queue:' .. me, n, 0)
 if #out == 0 then
   local best, bestlen = nil, 0
   local cands = redis.call('ZRANGE', P .. ':instances', 0, -1)
@@ -141,7 +173,7 @@ if #out == 0 then
   if best then
     local limit = n
     if best ~= '""" + ANY + """' then limit = math.min(n, math.max(1, math.floor(bestlen / 2))) end
-    take(P .. ':queue:' .. best, limit)
+    take(P .. ':queue:' .. best, limit, age)
   end
 end
 return out
@@ -209,6 +241,7 @@ class Remote:
     delivered: bool = False  # a token of it reached the sink
     owner_missing_since: float | None = None
     sending: bool = False  # an ENQUEUE of the current attempt is under way
+    prefix_hashes: tuple[str, ...] = ()  # the prompt's prefix chain hashes (cross-instance affinity)
     done: bool = False
 
     @property
@@ -376,7 +409,9 @@ class GlobalQueueClient:
             raise wire_error(add) from None
         h = RequestHandle(request_id, len(ids), params, arrival, sink if sink is not None else asyncio.Queue(), tag,
                           prompt=ids)
-        r = Remote(h, add, time.monotonic() + self.ttl)
+        r = Remote(h, add, time.monotonic() + self.ttl,
+                   prefix_hashes=tuple(f"{x & 0xFFFFFFFFFFFFFFFF:016x}"
+                                       for x in prefix_hashes(ids, self.config.block_size, AFFINITY_BLOCKS)))
         self.pending[request_id] = r
         self.by_key[r.key] = r
         self._spawn(self._send(r))
@@ -447,7 +482,8 @@ class GlobalQueueClient:
         target: Any = None
         for attempt in (0, 1):
             try:
-                target = await self._enqueue(args=[self.prefix, r.key, self.id, encode(r.add), int(self.ttl * 1000)])
+                target = await self._enqueue(args=[self.prefix, r.key, self.id, encode(r.add), int(self.ttl * 1000),
+                                                   AFFINITY_SLACK, *r.prefix_hashes])
                 break
             except Exception as exc:  # noqa: BLE001
                 if attempt == 0 and _is_connection_error(exc):
@@ -719,7 +755,8 @@ class GlobalQueueClient:
                 picked = 0
                 free = self.capacity - len(self.work)
                 if free > 0 and self.redis_error is None and self._serving_locally():
-                    rows = await self._pick(args=[self.prefix, self.id, min(free, PICK_BATCH), PICKED_TTL_MS])
+                    rows = await self._pick(args=[self.prefix, self.id, min(free, PICK_BATCH), PICKED_TTL_MS,
+                                                  STEAL_AFTER_MS])
                     for i in range(0, len(rows), 3):
                         self._run(rows[i].decode(), rows[i + 1].decode(), rows[i + 2])
                         picked += 1
