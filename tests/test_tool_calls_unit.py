@@ -77,6 +77,13 @@ def test_hermes_other_forms() -> None:
     assert content == "ok " and calls_of(calls) == [("a", {"x": 1})]
 
 
+def test_hermes_arguments_as_a_json_string_are_unwrapped() -> None:
+    text = '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
+    assert calls_of(run(HermesToolParser().open_stream(), [text])[1]) == [("f", {"x": 1})]
+    text = '<tool_call>{"arguments": "{\\"x\\": 2}", "name": "f"}</tool_call>'
+    assert calls_of(run(HermesToolParser().open_stream(), [text])[1]) == [("f", {"x": 2})]
+
+
 def test_hermes_a_block_that_is_not_a_call_stays_content() -> None:
     text = "before <tool_call>not json at all</tool_call> after"
     content, calls = run(HermesToolParser().open_stream(), chunks(text, 4))

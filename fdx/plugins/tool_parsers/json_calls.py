@@ -123,5 +123,10 @@ def parse_calls(text: str) -> list[ToolCallDelta] | None:
         if not isinstance(it, dict) or not isinstance(it.get("name"), str):
             return None
         args = it.get("arguments", it.get("parameters", {}))
+        if isinstance(args, str):  # arguments sent as a JSON string of an object
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
         out.append(ToolCallDelta(i, name=it["name"], arguments=json.dumps(args, ensure_ascii=False)))
     return out or None

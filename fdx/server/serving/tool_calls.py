@@ -223,4 +223,13 @@ def merge(deltas: list[ToolCallDelta]) -> list[dict[str, Any]]:
         if d.name is not None:
             c["function"]["name"] = d.name
         c["function"]["arguments"] += d.arguments
+    for c in calls.values():  # arguments written as a JSON string of an object: the object's text
+        args = c["function"]["arguments"]
+        if args.lstrip().startswith('"'):
+            try:
+                inner = json.loads(json.loads(args))
+            except (ValueError, TypeError):
+                continue
+            if isinstance(inner, dict):
+                c["function"]["arguments"] = json.dumps(inner, ensure_ascii=False)
     return [calls[i] for i in sorted(calls)]
