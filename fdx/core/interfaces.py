@@ -361,7 +361,7 @@ class TokenProcessor(abc.ABC):
 # --------------------------------------------------------------------------
 
 
-class GrammarMatcher(abc.ABC):
+class GrammarMatcher(Protocol):
     """One request's position in its grammar (``Request.grammar``).
 
     The sampler brings it up to date before each of the request's samples:
@@ -372,11 +372,9 @@ class GrammarMatcher(abc.ABC):
     eos ids are allowed.  Threading contract: the engine thread only.
     """
 
-    @abc.abstractmethod
     def accept(self, token_ids: Sequence[int]) -> None:
         """Advance over tokens the request produced (a refused token breaks the matcher)."""
 
-    @abc.abstractmethod
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Write row ``row`` of an ``int32[n, ceil(V / 32)]`` bitmask: bit
         ``t % 32`` of word ``t // 32`` set when token ``t`` may come next."""
@@ -406,10 +404,9 @@ class ToolCallDelta:
     arguments: str = ""
 
 
-class ToolCallStream(abc.ABC):
+class ToolCallStream(Protocol):
     """One choice's output split into content and tool calls, incrementally."""
 
-    @abc.abstractmethod
     def feed(self, text: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
         """Consume new output text; return the content text that became final
         and the tool-call pieces found.  ``finished``: flush everything."""

@@ -5,14 +5,12 @@ from __future__ import annotations
 import enum
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
+from fdx.core.interfaces import GrammarMatcher
 from fdx.core.messages import AddRequest, KVTransferParams, SamplingParams, TokenLogprob
-
-if TYPE_CHECKING:
-    from fdx.core.interfaces import GrammarMatcher
 
 INT64_MAX = 2**63 - 1
 
