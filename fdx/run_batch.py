@@ -45,7 +45,7 @@ class Job:
     model: str = ""
     prompts: list[list[int]] = attrs.field(factory=list)
     params: Any = None
-    echo: list[str] | None = None  # completions echo: each prompt's text
+    echo: list[str] | None = None  # completions echo: each prompt's text; chat echo: the continued message
     return_token_ids: bool = False
     tokens_as_ids: bool = False
     results: list[Any] = attrs.field(factory=list)
@@ -86,7 +86,7 @@ def parse_job(i: int, line: str, llm: Any) -> Job:
 
 def _prepare(job: Job, body: dict[str, Any], llm: Any) -> None:
     from fdx.server.protocol import ChatCompletionRequest, CompletionRequest, chat_messages, parse_body, sampling_params
-    from fdx.server.serving.chat import chat_options
+    from fdx.server.serving.chat import chat_options, echo_text
     from fdx.server.serving.prompts import render_chat
 
     for name in BATCH_REFUSED:
@@ -98,8 +98,11 @@ def _prepare(job: Job, body: dict[str, Any], llm: Any) -> None:
     if job.url == "/v1/chat/completions":
         req = parse_body(raw, ChatCompletionRequest)
         add_gen, cont, template_vars = chat_options(req)
+        messages = chat_messages(req)
+        if req.echo:
+            job.echo = [echo_text(req, messages)]
         try:
-            text = render_chat(tok, chat_messages(req), add_gen, cont, template_vars)
+            text = render_chat(tok, messages, add_gen, cont, template_vars)
         except ValueError as exc:
             raise RequestError(f"cannot apply the chat template: {exc}", 400, param="messages") from None
         job.prompts = [tok.encode(text, add_special_tokens=False)]
@@ -221,7 +224,7 @@ def response_body(llm: Any, job: Job) -> dict[str, Any]:
             c: dict[str, Any] = {"index": p_idx * job.params.n + comp.index,
                                  "logprobs": _logprobs(llm, job, res, comp), "finish_reason": comp.finish_reason}
             if chat:
-                c["message"] = {"role": "assistant", "content": comp.text}
+                c["message"] = {"role": "assistant", "content": (job.echo[0] if job.echo else "") + comp.text}
             else:
                 c["text"] = (job.echo[p_idx] if job.echo is not None else "") + comp.text
                 if job.params.prompt_logprobs is not None:

@@ -135,21 +135,26 @@ def test_run_batch_100_requests_in_order_with_bad_lines(server: str, tmp_path: P
     lines.insert(20, json.dumps({"custom_id": "bad-field", "method": "POST", "url": "/v1/completions",
                                  "body": {"prompt": "x", "max_tokens": 2, "bogus": True}}))
     lines.insert(30, json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}}))
+    lines.insert(40, json.dumps({"custom_id": "echo", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! I am"}],
+        "continue_final_message": True, "echo": True, "max_tokens": 3, "temperature": 0}}))
     src, dst = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
     src.write_text("\n".join(lines) + "\n")
     r = fdx("run-batch", "-i", str(src), "-o", str(dst), "--max-model-len", "512", timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "requests" in r.stderr and "103/103" in r.stderr  # the progress bar reached the end
+    assert "requests" in r.stderr and "104/104" in r.stderr  # the progress bar reached the end
     out = [json.loads(x) for x in dst.read_text().splitlines()]
-    assert len(out) == 103
+    assert len(out) == 104
     ids = [o["custom_id"] for o in out]
-    assert ids[10] is None and ids[20] == "bad-field" and ids[30] == "bad-url"
-    assert [x for k, x in enumerate(ids) if k not in (10, 20, 30)] == [f"req-{i}" for i in range(100)]
+    assert ids[10] is None and ids[20] == "bad-field" and ids[30] == "bad-url" and ids[40] == "echo"
+    assert [x for k, x in enumerate(ids) if k not in (10, 20, 30, 40)] == [f"req-{i}" for i in range(100)]
+    echoed = out[40]["response"]["body"]["choices"][0]["message"]["content"]
+    assert echoed.startswith("Hello! I am") and len(echoed) > len("Hello! I am")
     assert out[10]["error"]["code"] == "invalid_json" and out[10]["response"] is None
     assert out[30]["error"]["code"] == "invalid_url"
     bad = out[20]["response"]
     assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "bogus"
-    good = [o for k, o in enumerate(out) if k not in (10, 20, 30)]
+    good = [o for k, o in enumerate(out) if k not in (10, 20, 30, 40)]
     assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in good)
     assert all(o["response"]["body"]["usage"]["completion_tokens"] >= 1 for o in good)
     # greedy: the same text as the server's
