@@ -184,6 +184,7 @@ def test_redis_restart_gives_503s_then_recovery(cluster: dict[str, Any]) -> None
         assert "Redis" in err["message"] and "redis://" in err["message"], err
         assert _complete(b, "Also here,", 2).status_code == 503
         assert httpx.get(a + "/health", timeout=10).status_code == 503
+        assert metric_value(a, "fdx:dp_global_queue_up") == 0.0
     finally:
         time.sleep(1.0)
         rs.start()  # the same port, empty
@@ -199,11 +200,13 @@ def test_redis_restart_gives_503s_then_recovery(cluster: dict[str, Any]) -> None
         assert o["status"] == 200 and not o["errors"] and o["finish"] == ["length"] and o["done"] == 1, o
         assert o["text"] == expected[p], (p, o)
     assert _complete(b, "And B serves again,", 2).status_code == 200
+    assert metric_value(a, "fdx:dp_global_queue_up") == 1.0
 
 
 def test_a_request_nobody_picks_up_ends_at_its_ttl(cluster: dict[str, Any]) -> None:
     front, rc = cluster["front"][0], cluster["r"]
     rid = f"ttl-{uuid.uuid4().hex[:8]}"
+    expired = metric_value(front, "fdx:dp_global_queue_ttl_expired_total")
     t0 = time.monotonic()
     r = httpx.post(front + "/v1/completions", json=_body("Nobody will run this", 4, request_id=rid), timeout=60)
     took = time.monotonic() - t0
@@ -221,6 +224,7 @@ def test_a_request_nobody_picks_up_ends_at_its_ttl(cluster: dict[str, Any]) -> N
     with httpx.stream("POST", front + "/v1/completions", json=_body("Nor this", 4, stream=True), timeout=60) as s:
         assert s.status_code == 503
         assert "--dp-request-ttl" in s.read().decode()
+    assert metric_value(front, "fdx:dp_global_queue_ttl_expired_total") - expired == 2
 
 
 def test_abort_by_id_reaches_the_request_wherever_it_runs(cluster: dict[str, Any]) -> None:
@@ -257,6 +261,8 @@ def test_killing_an_instance_mid_load_loses_and_duplicates_nothing(cluster: dict
     with ThreadPoolExecutor(4) as pool:
         expected = dict(zip(prompts, pool.map(lambda p: _text(a, p, 48), prompts)))
     bodies = [_body(prompts[i % 4], 48) for i in range(32)]
+    requeued = metric_value(a, "fdx:dp_global_queue_requeued_total")
+    failures = metric_value(a, "fdx:dp_global_queue_instance_failures_total")
     outs, threads, started = _start_streams(a, bodies)
     deadline = time.monotonic() + 120
     # kill B while it runs some of A's streams and holds more
@@ -286,6 +292,9 @@ def test_killing_an_instance_mid_load_loses_and_duplicates_nothing(cluster: dict
             ok += 1
     assert failed >= 1 and ok + failed == 32, (ok, failed)
     assert ok >= 32 - 6, (ok, failed)  # B held at most --dp-capacity 6 of them
+    # B held more than its 4 running (--dp-capacity 6): those without a token were queued again
+    assert metric_value(a, "fdx:dp_global_queue_requeued_total") - requeued >= 1
+    assert metric_value(a, "fdx:dp_global_queue_instance_failures_total") - failures == failed
     # B leaves the cluster's load table; A serves on, and the queues drain
     prefix = f"fdx:{CLUSTER}"
     deadline = time.monotonic() + 15

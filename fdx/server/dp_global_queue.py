@@ -277,6 +277,46 @@ def instance_id(config: EngineConfig) -> str:
     return f"{name}~{uuid.uuid4().hex[:8]}"
 
 
+class QueueCollector:
+    """``/metrics`` of the global queue, on the node's registry:
+    ``fdx:dp_global_queue_up``, this API's requests by where they are
+    (``queued``, ``here``: run by this node, ``remote``), the requests this
+    instance holds for any origin, and counters of re-queued requests,
+    requests ended by an instance failure and TTL expiries."""
+
+    def __init__(self, q: GlobalQueueClient, model: str) -> None:
+        self.q = q
+        self.model = model
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        q, lab = self.q, ["model_name"]
+        up = GaugeMetricFamily("fdx:dp_global_queue_up", "1 while the dp global queue's Redis answers.", labels=lab)
+        up.add_metric([self.model], 0.0 if q.redis_error else 1.0)
+        yield up
+        where = GaugeMetricFamily("fdx:dp_global_queue_requests", "This API's engine requests by where they are: "
+                                  "queued in Redis, run here, or run by another instance.", labels=lab + ["where"])
+        counts = {"queued": 0, "here": 0, "remote": 0}
+        for r in q.pending.values():
+            counts["queued" if r.owner is None else "here" if r.owner == q.id else "remote"] += 1
+        for k, v in counts.items():
+            where.add_metric([self.model, k], float(v))
+        yield where
+        held = GaugeMetricFamily("fdx:dp_global_queue_held", "Requests this instance took from the queue (any "
+                                 "origin) and still runs.", labels=lab)
+        held.add_metric([self.model], float(len(q.work)))
+        yield held
+        for name, doc, value in (
+                ("requeued", "Requests queued again (their instance or replica failed before a token).", q.requeued),
+                ("instance_failures", "Requests ended with an error event because their instance or replica "
+                                      "failed after streaming.", q.instance_failures),
+                ("ttl_expired", "Requests no instance picked up within --dp-request-ttl.", q.ttl_expired)):
+            c = CounterMetricFamily(f"fdx:dp_global_queue_{name}", doc, labels=lab)
+            c.add_metric([self.model], float(value))
+            yield c
+
+
 class GlobalQueueClient:
     """``EngineClient``'s surface over the Redis global queue and this
     node's replicas (see the module doc)."""
@@ -317,6 +357,10 @@ class GlobalQueueClient:
         self._closed = False
         self.on_failure = replicas.on_failure
         self.on_ready = replicas.on_ready
+        self.requeued = self.instance_failures = self.ttl_expired = 0
+        registry = getattr(replicas.metrics, "registry", None)
+        if registry is not None:
+            registry.register(QueueCollector(self, config.model_name))
 
     # -- the EngineClient surface (the rest is the replicas') ----------------
 
@@ -541,11 +585,13 @@ class GlobalQueueClient:
         old = r.key
         self._ended.append(old)
         if r.delivered:
+            self.instance_failures += 1
             self._end(r, EngineUnavailable(f"engine unavailable: {why}"))
             return
         if time.monotonic() > r.deadline:
-            self._end(r, EngineUnavailable(self._ttl_message()))
+            self._expired(r)
             return
+        self.requeued += 1
         self.by_key.pop(old, None)
         r.attempt += 1
         r.add = attrs.evolve(r.add, request_id=request_key(r.handle.request_id, r.attempt))
@@ -553,6 +599,10 @@ class GlobalQueueClient:
         self.by_key[r.key] = r
         log.warning("request %s queued again (attempt %d) before any token: %s", r.handle.request_id, r.attempt, why)
         self._spawn(self._send(r))
+
+    def _expired(self, r: Remote) -> None:
+        self.ttl_expired += 1
+        self._end(r, EngineUnavailable(self._ttl_message()))
 
     def _ttl_message(self) -> str:
         return (f"no dp instance picked the request up within --dp-request-ttl {self.ttl:g}s "
@@ -636,7 +686,7 @@ class GlobalQueueClient:
                 raise
         for r in [r for r in self.pending.values() if not r.enqueued and not r.sending and r.attempt > 0]:
             if now > r.deadline:
-                self._end(r, EngineUnavailable(self._ttl_message()))
+                self._expired(r)
             else:
                 self._spawn(self._send(r))
         rs = [r for r in self.pending.values() if r.enqueued and not r.done]
@@ -673,7 +723,7 @@ class GlobalQueueClient:
             elif now > r.deadline:
                 owner = await self._expire(args=[self.prefix, r.key])
                 if owner is None:
-                    self._end(r, EngineUnavailable(self._ttl_message()))
+                    self._expired(r)
                 else:
                     r.owner = owner.decode() if isinstance(owner, bytes) else str(owner)
 
