@@ -34,9 +34,18 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 CACHE_SIZE = 256
 
 
+def _llg() -> Any:
+    try:
+        import llguidance
+    except ImportError:
+        raise ImportError("structured outputs need the llguidance package (pip install llguidance, or fdx's "
+                          "'grammar' extra)") from None
+    return llguidance
+
+
 def grammar_text(spec: StructuredOutput) -> str:
     """The llguidance grammar of ``spec``; ``ValueError`` for a bad spec or kind."""
-    import llguidance as llg
+    llg = _llg()
 
     kind = spec.kind
     if kind == "json":
@@ -100,9 +109,9 @@ class LLGuidanceBackend(GrammarBackend):
 
     def _tokenizer(self) -> Any:
         if self._tok is None:
-            import llguidance as llg
-
             from fdx.model.loader import load_tokenizer
+
+            llg = _llg()
 
             tok = load_tokenizer(self.config.model)
             hf = getattr(tok, "_tok", None)  # the tokenizers.Tokenizer behind fdx's ModelTokenizer
@@ -120,8 +129,7 @@ class LLGuidanceBackend(GrammarBackend):
                 self._cache.move_to_end(spec)
                 return hit
             tok = self._tokenizer()
-        import llguidance as llg
-
+        llg = _llg()
         text = grammar_text(spec)  # outside the lock: llguidance releases the GIL while it compiles
         m = llg.LLMatcher(tok, text, log_level=0)
         if m.is_error():

@@ -139,6 +139,8 @@ async def check_spec(serving: OpenAIServing, spec: StructuredOutput, param: str)
         await asyncio.to_thread(backend.matcher, spec)
     except ValueError as exc:
         raise RequestError(f"invalid '{param}': {exc}", 400, param=param) from None
+    except ImportError as exc:  # the backend's package is not installed: say so
+        raise RequestError(str(exc), 500, param=param) from None
     except Exception:  # noqa: BLE001 - a backend bug fails this request only
         log.exception("grammar backend %r failed to compile a %s spec", serving.config.grammar_backend, spec.kind)
         raise RequestError(f"the grammar backend failed on '{param}'", 500, param=param) from None
