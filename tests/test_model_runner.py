@@ -83,7 +83,9 @@ def test_sleep_releases_memory_and_wakeup_restores(runner: Any) -> None:
     before = _rss()
     runner.release(["weight", "kv_cache"])
     after = _rss()
-    assert before - after > 300 << 20, f"RSS only dropped {(before - after) >> 20} MiB"
+    # float32 compute holds ~513 MiB of weights; int8 ~215 MiB (packed blocks + the float32 embedding)
+    need = (300 if runner.compute == "float32" else 200) << 20
+    assert before - after > need, f"RSS only dropped {(before - after) >> 20} MiB"
     with pytest.raises(FdxError, match="sleeping"):
         runner.execute(ScheduledBatch([ScheduledSeq(_req(runner, PROMPT, [0, 1, 2]), 40)]))
     runner.restore(["weight", "kv_cache"])
