@@ -57,3 +57,11 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_cost_nothing_otherwise(llm: f
     assert asked.num_cached_tokens == 0  # computed, not taken from the cache
     assert len(asked.prompt_logprobs) == len(ids) and all(lp.top == () for lp in asked.prompt_logprobs[1:])
     assert asked.token_ids == first.token_ids == again.token_ids
+
+
+def test_out_of_range_prompt_logprobs_fail_alone(llm: fdx.LLM) -> None:
+    from fdx.core.errors import RequestError
+
+    with pytest.raises(RequestError, match="prompt_logprobs"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=1, prompt_logprobs=llm.config.max_logprobs + 1))
+    assert llm.generate(["Hi"], SamplingParams(max_tokens=1, temperature=0))[0].outputs[0].token_ids

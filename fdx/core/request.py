@@ -164,6 +164,8 @@ def check_request(msg: AddRequest, max_model_len: int, vocab_size: int, max_logp
         ("top_k", -1 <= p.top_k <= INT64_MAX, "-1 or 0 (disabled) or a positive 64-bit integer"),
         ("seed", p.seed is None or 0 <= p.seed < 2**64, "an integer in [0, 2**64)"),
         ("logprobs", p.logprobs is None or 0 <= p.logprobs <= max_logprobs, f"in [0, {max_logprobs}]"),
+        ("prompt_logprobs", p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= max_logprobs,
+         f"in [0, {max_logprobs}]"),
         ("stop_token_ids", all(0 <= t < vocab_size for t in p.stop_token_ids), f"token ids in [0, {vocab_size})"),
         ("logit_bias", all(0 <= t < vocab_size and abs(b) <= 100 for t, b in p.logit_bias), "ids < vocab, |bias|<=100"),
     )
