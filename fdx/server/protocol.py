@@ -448,7 +448,7 @@ class DetokenizeResponse(BaseModel):
 def unknown_field(data: dict[str, Any], model: type[BaseModel]) -> RequestError | None:
     """A 400 naming the first field of ``data`` that ``model`` does not
     declare (``None`` when every field is known)."""
-    fields = model.model_fields
+    fields = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
     for key in data:
         if key not in fields:
             name = _printable(str(key))
