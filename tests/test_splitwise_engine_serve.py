@@ -74,6 +74,18 @@ def _wait_blocks_free(*bases: str, timeout: float = 60.0) -> None:
             time.sleep(0.2)
 
 
+def _settled(base: str, name: str) -> float:
+    """A counter once the engine's latest stats reached the API process
+    (P's jobs send no outputs there: its stats travel with heartbeats)."""
+    last = metric_value(base, name)
+    while True:
+        time.sleep(1.2)  # more than two heartbeats
+        now = metric_value(base, name)
+        if now == last:
+            return now
+        last = now
+
+
 @pytest.fixture(scope="module")
 def reference() -> list[tuple[Any, ...]]:
     """A single mixed instance's answers."""
@@ -129,7 +141,7 @@ def test_outputs_equal_a_mixed_instance_and_d_recomputes_nothing(pd: dict[str, A
     assert metric_value(d, "fdx:splitwise_handoffs_total") - before == len(PROMPTS)
     assert metric_value(d, "fdx:splitwise_recomputed_prompt_tokens_total") == 0
     assert metric_value(d, "fdx:splitwise_handoff_failures_total") == 0
-    assert metric_value(d, "fdx:splitwise_kv_bytes_total") == metric_value(p, "fdx:splitwise_kv_bytes_total") > 0
+    assert _settled(d, "fdx:splitwise_kv_bytes_total") == _settled(p, "fdx:splitwise_kv_bytes_total") > 0
     assert metric_value(d, "fdx:splitwise_handoff_seconds_count") >= len(PROMPTS)
     _wait_blocks_free(d, p)
 
@@ -150,11 +162,22 @@ def test_abort_frees_both_during_the_handoff_and_the_decode(pd: dict[str, Any]) 
     d, p = pd["d"], pd["p"]
     long_prompt = PROMPTS[LENGTHS.index(1500)][::-1]  # not in P's prefix cache: P really prefills
     body = {"prompt": long_prompt, "max_tokens": 300, "temperature": 0, "kv_transfer_params": pd["kv"]}
-    handoffs = metric_value(p, "fdx:splitwise_handoffs_total")
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up while P prefills: D aborts, tells P
-        httpx.post(d + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+    handoffs = _settled(p, "fdx:splitwise_handoffs_total")
+    # P busy with two plain 1,500-token prompts first, so the job is still queued there when D aborts it
+    busy = [threading.Thread(target=_complete, args=(p, PROMPTS[LENGTHS.index(n)][::-2] * 2), kwargs={"max_tokens": 1})
+            for n in (1200, 1500)]
+    for t in busy:
+        t.start()
+    deadline = time.monotonic() + 60
+    while metric_value(p, "fdx:kv_blocks_used") == 0:
+        assert time.monotonic() < deadline, "P never started the plain requests"
+        time.sleep(0.05)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up while P is busy: D aborts, tells P
+        httpx.post(d + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    for t in busy:
+        t.join(300)
     _wait_blocks_free(d, p)
-    assert metric_value(p, "fdx:splitwise_handoffs_total") == handoffs  # P dropped the job: no KV sent
+    assert _settled(p, "fdx:splitwise_handoffs_total") == handoffs  # P dropped the job: no KV sent
     body["stream"] = True
     # during the decode: read a few tokens, then hang up
     with httpx.stream("POST", d + "/v1/completions", json={**body, "prompt": PROMPTS[2]}, timeout=60) as r:

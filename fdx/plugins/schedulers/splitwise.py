@@ -542,8 +542,13 @@ def fdx_add_routes(app: FastAPI, client: EngineClient) -> None:
         return
     from fastapi.responses import JSONResponse
 
-    def info() -> JSONResponse:
-        sw = client.stats.splitwise if client.stats is not None else None
+    async def info() -> JSONResponse:
+        import asyncio
+
+        deadline = time.monotonic() + 2 * config.heartbeat_timeout
+        # the engine's first stats (with its bound kv_addr) follow its ready message by up to one heartbeat
+        while (sw := getattr(client.stats, "splitwise", None)) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         if sw is None:
             return JSONResponse({"error": {"message": "the engine is not ready", "type": "service_unavailable",
                                            "param": None, "code": 503}}, status_code=503)
