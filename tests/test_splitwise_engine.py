@@ -244,3 +244,19 @@ def test_prompt_logprobs_and_grammars_are_computed_on_d(pd) -> None:  # type: ig
     assert tokens(out["pl"]) == [1, 2]
     assert d.stats().splitwise.handoffs == 0 and p.stats().splitwise.handoffs == 0  # never handed off
     _check_empty(p, d)
+
+
+def test_v0_as_the_local_policy() -> None:
+    p, d = pd_pair("zmq", splitwise_local_scheduler="v0")
+    try:
+        prompts = {f"r{i}": list(range(1, n + 1)) for i, n in enumerate((3, 17, 40, 100))}
+        for rid, ids in prompts.items():
+            d.add_request(request(rid, ids, p, max_tokens=5))
+        out = drive([p, d], finished(*prompts))
+        for rid, ids in prompts.items():
+            assert tokens(out[rid]) == (ids * 5)[:5] and out[rid][-1].finish_reason == "length"
+        assert d.stats().splitwise.recomputed_prompt_tokens == 0
+        _check_empty(p, d)
+    finally:
+        p.close()
+        d.close()
