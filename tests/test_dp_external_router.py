@@ -6,11 +6,12 @@ instance so the prefix cache serves its later rounds.
 Skips cleanly when the ``vllm-router`` binary is absent (install it in a
 venv of its own: ``python -m venv /work/routers-venv &&
 /work/routers-venv/bin/pip install vllm-router``; the test finds it on PATH
-or through ``FDX_VLLM_ROUTER``).  The router re-serializes every request and
-adds sglang-style fields (``no_stop_trim``, ``skip_special_tokens``,
-``return_hidden_states``); while fdx refuses fields it does not implement,
-the first request fails with that 400 and the test is an expected failure
-(xfail naming the field) rather than a pass it did not earn."""
+or through ``FDX_VLLM_ROUTER``; ``make test`` installs it with the ``test``
+extra).  The router re-serializes every request and adds sglang-style
+fields at their neutral values (``no_stop_trim: false``,
+``skip_special_tokens: true``, ``return_hidden_states: false``, the
+reasoning switches); fdx accepts exactly those values
+(``protocol.DEFAULT_ONLY_FIELDS``) and refuses any other."""
 
 from __future__ import annotations
 
@@ -20,16 +21,20 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
 from serverutil import metric_value, start_server
 
-ROUTER = os.environ.get("FDX_VLLM_ROUTER") or shutil.which("vllm-router")
+_NEXT_TO_PYTHON = Path(sys.executable).with_name("vllm-router")
+ROUTER = (os.environ.get("FDX_VLLM_ROUTER") or shutil.which("vllm-router")
+          or (str(_NEXT_TO_PYTHON) if _NEXT_TO_PYTHON.exists() else None))
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed")]
 WORKER = ("--num-threads", "1", "--max-num-seqs", "8")
 
@@ -85,8 +90,6 @@ def routed() -> Iterator[dict[str, Any]]:
         first, _ = stack.enter_context(start_server(*WORKER))
         probe = stack.enter_context(_router([first]))
         r = _post(probe, "Hello")
-        if r.status_code == 400 and "is not supported by this server" in r.text:
-            pytest.xfail(f"vllm-router adds fields fdx refuses: {r.json()['error']['message']}")
         assert r.status_code == 200, r.text
         second, _ = stack.enter_context(start_server(*WORKER))
         workers = [first, second]

@@ -17,6 +17,7 @@ import pytest
 
 from fdx.core.errors import RequestError
 from fdx.server.protocol import (
+    DEFAULT_ONLY_FIELDS,
     NO_EFFECT_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -139,3 +140,17 @@ def test_prompt_logprobs_range_and_echo() -> None:
     assert p.prompt_logprobs == 3 and p.logprobs == 3
     req = parse_body(b'{"prompt": "x", "logprobs": 3}', CompletionRequest)
     assert sampling_params(req, max_tokens=4, num_logprobs=3, max_logprobs=20, vocab_size=100).prompt_logprobs is None
+
+
+@pytest.mark.parametrize("model,base", [(c[0], c[1]) for c in CASES], ids=["completions", "chat"])
+def test_router_added_fields_are_accepted_only_at_their_neutral_value(model: Any, base: dict[str, Any]) -> None:
+    """What vllm-router / sglang-router add to every request passes at the
+    value that asks for fdx's own behaviour; any other value is a 400 naming
+    the field (never silently ignored)."""
+    req = parse_body(json.dumps({**base, **DEFAULT_ONLY_FIELDS}).encode(), model)
+    assert not set(DEFAULT_ONLY_FIELDS) & set(req.model_dump(exclude_unset=True))
+    for field, neutral in DEFAULT_ONLY_FIELDS.items():
+        for other in (not neutral, None, int(neutral), str(neutral).lower()):
+            with pytest.raises(RequestError) as ei:
+                parse_body(json.dumps({**base, field: other}).encode(), model)
+            assert ei.value.code == 400 and ei.value.param == field, (field, other)

@@ -236,6 +236,20 @@ NO_EFFECT_FIELDS: dict[str, str] = {
 }
 
 
+#: fields that routers in front of fdx (vllm-router, sglang-router) add to
+#: every request they forward, at the value that asks for what fdx does
+#: anyway.  Accepted at exactly that value (and then dropped); any other value
+#: is a 400 naming the field, so none of them is silently ignored.
+DEFAULT_ONLY_FIELDS: dict[str, bool] = {
+    "no_stop_trim": False,          # fdx trims the stop string from the text
+    "skip_special_tokens": True,    # fdx never puts special tokens in the text
+    "return_hidden_states": False,  # fdx returns no hidden states
+    "separate_reasoning": True,     # no reasoning parser: nothing to separate
+    "stream_reasoning": True,
+    "include_reasoning": True,
+}
+
+
 class _Strict(BaseModel):
     # unknown fields are refused: by unknown_field() at the top level (a
     # clear message), by pydantic inside nested objects
@@ -246,15 +260,6 @@ class StreamOptions(_Strict):
     include_usage: StrictBool | None = Field(False, description="a last chunk with the request's usage")
     continuous_usage_stats: StrictBool | None = Field(
         False, description="with include_usage: the usage so far on every chunk (vLLM)")
-
-
-class KVTransferParamsBody(_Strict):
-    """``kv_transfer_params`` (splitwise, set by ``fdx router``)."""
-
-    prefill_addr: Annotated[str, Strict(), Field(min_length=1, max_length=512)] = Field(
-        description="the prefill instance's kv_addr (from its /v1/splitwise/info)")
-    prefill_url: Annotated[str, Strict(), Field(max_length=512)] | None = Field(
-        None, description="the prefill instance's base URL (for logs)")
 
 
 class JsonSchemaSpec(_Strict):
@@ -302,6 +307,15 @@ class NamedFunction(_Strict):
 class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: NamedFunction
+
+
+class KVTransferParamsBody(_Strict):
+    """``kv_transfer_params`` (splitwise, set by ``fdx router``)."""
+
+    prefill_addr: Annotated[str, Strict(), Field(min_length=1, max_length=512)] = Field(
+        description="the prefill instance's kv_addr (from its /v1/splitwise/info)")
+    prefill_url: Annotated[str, Strict(), Field(max_length=512)] | None = Field(
+        None, description="the prefill instance's base URL (for logs)")
 
 
 class _Common(_Strict):
@@ -457,10 +471,23 @@ def unknown_field(data: dict[str, Any], model: type[BaseModel]) -> RequestError 
     return None
 
 
+def drop_default_only_fields(data: dict[str, Any], model: type[BaseModel]) -> None:
+    """Remove the :data:`DEFAULT_ONLY_FIELDS` that ``model`` does not declare
+    and that carry their one accepted value; a 400 naming the field for any
+    other value."""
+    for key in [k for k in data if k in DEFAULT_ONLY_FIELDS and k not in model.model_fields]:
+        want = DEFAULT_ONLY_FIELDS[key]
+        if data[key] is not want:
+            raise RequestError(f"'{key}' is only accepted as {json.dumps(want)} (what fdx does); "
+                               f"other values are not supported by this server", 400, param=key)
+        del data[key]
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """Bytes -> validated request model, or a 400 :class:`RequestError`
     (an unknown field, a wrong type or range, naming the field)."""
     data = loads_object(raw)
+    drop_default_only_fields(data, model)
     unknown = unknown_field(data, model)
     if unknown is not None:
         raise unknown
