@@ -91,9 +91,9 @@ def main() -> int:
         y = statistics.median(r[key] for r in results[b])
         print(f"  {label:<12} {x:>9.1f} vs {y:>9.1f}   ratio {x / y if y else float('nan'):.2f}")
     if h_n:
-        print(f"  handoffs on D: {h_n:.0f}, {kv_bytes / h_n / 1e6:.2f} MB of KV each, mean handoff "
-              f"{1000 * h_sum / h_n:.1f} ms (D's preallocation to the KV in place), "
-              f"{kv_bytes / h_sum / 1e6 if h_sum else 0:.0f} MB/s; prompt tokens D recomputed: {recomputed:.0f}")
+        print(f"  handoffs on D: {h_n:.0f} (warm-up included), {kv_bytes / h_n / 1e6:.2f} MB of KV each, mean "
+              f"handoff {1000 * h_sum / h_n:.0f} ms (D's preallocation to the KV in place: P's queue and "
+              f"prefill included); prompt tokens D recomputed: {recomputed:.0f}")
     loads = [r["loadavg"] for rs in results.values() for r in rs]
     print(f"  load after the runs: {min(loads):.1f}-{max(loads):.1f} ({os.cpu_count()} CPUs; above that, other "
           "processes competed for the cores)")

@@ -109,9 +109,9 @@ def test_greedy_parity_with_a_mixed_instance(pd: dict[str, Any], reference: str)
     _p, d = _instances(router)
     handoffs = metric_value(d, "fdx:splitwise_handoffs_total")
     prompts = _prompts(N_PARITY, seed=12)
-    with ThreadPoolExecutor(4) as pool:
-        ref = list(pool.map(lambda p: _complete(reference, p, 8), prompts))
-        got = list(pool.map(lambda p: _complete(router, p, 8), prompts))
+    with ThreadPoolExecutor(8) as pool:  # both sides at once, interleaved: about 4 in flight on each
+        futs = [(pool.submit(_complete, reference, p, 8), pool.submit(_complete, router, p, 8)) for p in prompts]
+        ref, got = [a.result() for a, _ in futs], [b.result() for _, b in futs]
     for k, (a, b) in enumerate(zip(ref, got)):
         assert b["choices"][0]["text"] == a["choices"][0]["text"], f"prompt {k} ({len(prompts[k])} tokens)"
         assert _usage(b["usage"]) == _usage(a["usage"]) == (len(prompts[k]), 8, len(prompts[k]) + 8)
