@@ -260,3 +260,24 @@ def test_v0_as_the_local_policy() -> None:
     finally:
         p.close()
         d.close()
+
+
+def test_lost_decode_instance_drops_its_prefill_jobs() -> None:
+    p, d = pd_pair("zmq", connector_config={"connect_timeout": 1.0, "heartbeat_interval": 0.2,
+                                             "heartbeat_timeout": 1.0}, max_model_len=2048, num_kv_blocks=256)
+    try:
+        d.add_request(request("j", list(range(1, 1500)), p, max_tokens=5))
+        d.step()  # the job is on its way
+        deadline = time.monotonic() + 10
+        while not p.scheduler.jobs:  # P takes it and computes its first 512-token chunk
+            assert time.monotonic() < deadline, "P never took the job"
+            p.step()
+        assert p.kv.num_used_blocks > 0
+        d.close()  # D goes away before P is done
+        time.sleep(1.5)  # past the connector's heartbeat timeout
+        p.step()
+        assert not p.scheduler.jobs and p.kv.num_used_blocks == 0
+        assert p.stats().splitwise.handoffs == 0  # the job was dropped, not finished
+        _check_empty(p)
+    finally:
+        p.close()
