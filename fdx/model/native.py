@@ -2,7 +2,7 @@
 
 The sources ship inside the package (``fdx/csrc`` is package data, so a
 wheel or sdist install builds them too, not only a repo checkout).
-The fp32 kernels are written once against csrc/simd_math.h, a small SIMD layer
+The fp32 kernels are written once against fdx/csrc/simd_math.h, a small SIMD layer
 with two implementations chosen at build time: **AVX-512F** (16 lanes) where
 the CPU has it, else **AVX2 + FMA + F16C** (8 lanes).  :func:`cpu_isa` picks
 the set from ``/proc/cpuinfo`` (``FDX_NATIVE_ISA=avx2`` forces the AVX2 set

@@ -59,7 +59,7 @@ class CPUDevice(Device):
         return allocate_paged_kv(spec, "cpu")
 
     def attention_backend(self) -> str:
-        return "native"  # csrc/paged_attention.cc, falls back to "paddle"
+        return "native"  # fdx/csrc/paged_attention.cc, falls back to "paddle"
 
     def linear_backend(self) -> str:
         return "mkl"
