@@ -18,13 +18,13 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
 import attrs
 
 from fdx.core.errors import ConfigError
+from fdx.server.api_proc import watch_parent
 
 
 def _urls(inst: Any, att: attrs.Attribute, value: tuple[str, ...]) -> None:
@@ -130,7 +130,7 @@ def run(config: RouterConfig, parent_pid: int | None = None) -> int:
                                     access_log=level == "debug", timeout_graceful_shutdown=3, lifespan="on",
                                     timeout_keep_alive=30))
     if parent_pid is not None:
-        threading.Thread(target=_watch_parent, args=(parent_pid, server), daemon=True).start()
+        threading.Thread(target=watch_parent, args=(parent_pid, server), daemon=True).start()
     import logging
 
     logging.getLogger("fdx.router").info("fdx router on http://%s:%d: prefill %s, decode %s", config.host,
@@ -145,16 +145,6 @@ def run(config: RouterConfig, parent_pid: int | None = None) -> int:
         print(f"fdx router: error: cannot serve on {config.host}:{config.port} (port in use?)", file=sys.stderr)
         return 1
     return 0
-
-
-def _watch_parent(parent_pid: int, server: Any) -> None:
-    from fdx.core.ipc import pid_alive
-
-    while not server.should_exit:
-        if not pid_alive(parent_pid):
-            server.should_exit = True
-            return
-        time.sleep(1.0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -43,7 +43,7 @@ import attrs
 
 from fdx.config import EngineConfig
 from fdx.logs import setup_logging
-from fdx.server.launcher import RestartPolicy, child_config_json, describe_exit, spawn_child
+from fdx.server.launcher import RestartPolicy, child_config_json, describe_exit, signal_child, spawn_child, wait_child
 
 log = logging.getLogger("fdx.serve")
 
@@ -180,31 +180,16 @@ def _stop_all(procs: list[subprocess.Popen[bytes] | None]) -> None:
     """SIGTERM each (the router first), wait, SIGKILL what is left, by PID."""
     live = [p for p in procs if p is not None and p.poll() is None]
     for p in live:
-        _signal(p, signal.SIGTERM)
+        signal_child(p, signal.SIGTERM)
         if p is live[0] and len(live) > 1:
-            _wait(p, 5.0)  # the router ends its streams before the instances go
+            wait_child(p, 5.0)  # the router ends its streams before the instances go
     t_end = time.monotonic() + STOP_WAIT_S
     for p in live:
-        _wait(p, max(0.0, t_end - time.monotonic()))
+        wait_child(p, max(0.0, t_end - time.monotonic()))
     for p in live:
         if p.poll() is None:
-            _signal(p, signal.SIGKILL)
-            _wait(p, 3.0)
-
-
-def _signal(p: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.kill(p.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _wait(p: subprocess.Popen[bytes], timeout: float) -> bool:
-    try:
-        p.wait(timeout)
-        return True
-    except subprocess.TimeoutExpired:
-        return False
+            signal_child(p, signal.SIGKILL)
+            wait_child(p, 3.0)
 
 
 def _error(message: str) -> None:

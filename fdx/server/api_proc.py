@@ -57,7 +57,9 @@ class StatusBoard:
             self._write(FAILED_FILE, " ".join(message.split()))
 
 
-def _watch_parent(parent_pid: int, server: Any) -> None:
+def watch_parent(parent_pid: int, server: Any) -> None:
+    """Thread body: ask the uvicorn ``server`` to exit once ``parent_pid``
+    (the launcher) is gone, so no orphan keeps serving."""
     from fdx.core.ipc import pid_alive
 
     while not server.should_exit:
@@ -158,7 +160,7 @@ def main() -> None:
         )
     )
     if parent_pid is not None:
-        threading.Thread(target=_watch_parent, args=(parent_pid, server), daemon=True).start()
+        threading.Thread(target=watch_parent, args=(parent_pid, server), daemon=True).start()
     try:
         server.run()
     except SystemExit as exc:  # uvicorn exits 1 when it cannot bind the port

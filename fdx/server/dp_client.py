@@ -373,13 +373,7 @@ class ReplicaSet:
             log.error("could not pause restarted dp replica %d: %s", rank, exc)
 
     def _spawn(self, coro: Any) -> None:
-        try:
-            t = asyncio.get_running_loop().create_task(coro)
-        except RuntimeError:
-            coro.close()
-            return
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        spawn_tracked(self._tasks, coro)
 
     def _replica_failed(self, rank: int, reason: str, was_ready: bool) -> None:
         log.error("dp replica %d is unavailable: %s", rank, reason)
@@ -388,3 +382,16 @@ class ReplicaSet:
                 cb(f"dp replica {rank}: {reason}", was_ready)
             except Exception:  # noqa: BLE001
                 log.exception("failure callback failed")
+
+
+def spawn_tracked(tasks: set[Any], coro: Any) -> None:
+    """Run ``coro`` as a task of the running loop, held in ``tasks`` until it
+    ends (so it is not garbage-collected); without a running loop (shutting
+    down) the coroutine is closed instead."""
+    try:
+        t = asyncio.get_running_loop().create_task(coro)
+    except RuntimeError:
+        coro.close()
+        return
+    tasks.add(t)
+    t.add_done_callback(tasks.discard)

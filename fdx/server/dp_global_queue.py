@@ -56,6 +56,7 @@ from fdx.core.errors import RequestError
 from fdx.core.messages import AbortRequest, AddRequest, OutputBatch, RequestOutput, SamplingParams, decode, encode
 from fdx.server.client import EngineUnavailable, RequestHandle, Sink, wire_error
 from fdx.server.dp_router import prefix_hashes
+from fdx.server.dp_client import spawn_tracked
 
 log = logging.getLogger("fdx.server")
 
@@ -935,10 +936,4 @@ class GlobalQueueClient:
             raise
 
     def _spawn(self, coro: Any) -> None:
-        try:
-            t = asyncio.get_running_loop().create_task(coro)
-        except RuntimeError:
-            coro.close()
-            return
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        spawn_tracked(self._tasks, coro)

@@ -340,32 +340,34 @@ def _stop_children(api: subprocess.Popen[bytes] | None, engines: list[subprocess
     for engine in live:
         if not ready and engine.poll() is None:
             # failed engines exit by themselves; one still loading reads no Shutdown
-            if not _wait(engine, 1.0):
-                _signal(engine, signal.SIGTERM)
+            if not wait_child(engine, 1.0):
+                signal_child(engine, signal.SIGTERM)
     if api is not None and api.poll() is None:
-        _signal(api, signal.SIGTERM)
-        _wait(api, API_STOP_S)
+        signal_child(api, signal.SIGTERM)
+        wait_child(api, API_STOP_S)
     t_end = time.monotonic() + ENGINE_STOP_S
     for engine in live:
         if engine.poll() is None:
-            _wait(engine, max(0.0, t_end - time.monotonic()))
+            wait_child(engine, max(0.0, t_end - time.monotonic()))
     for p in (api, *live):
         if p is not None and p.poll() is None:
-            _signal(p, signal.SIGTERM)
+            signal_child(p, signal.SIGTERM)
     for p in (api, *live):
-        if p is not None and p.poll() is None and not _wait(p, TERM_WAIT_S):
-            _signal(p, signal.SIGKILL)
-            _wait(p, TERM_WAIT_S)
+        if p is not None and p.poll() is None and not wait_child(p, TERM_WAIT_S):
+            signal_child(p, signal.SIGKILL)
+            wait_child(p, TERM_WAIT_S)
 
 
-def _signal(p: subprocess.Popen[bytes], sig: int) -> None:
+def signal_child(p: subprocess.Popen[bytes], sig: int) -> None:
+    """Send ``sig`` to the child by PID; one already gone is fine."""
     try:
         os.kill(p.pid, sig)
     except ProcessLookupError:
         pass
 
 
-def _wait(p: subprocess.Popen[bytes], timeout: float) -> bool:
+def wait_child(p: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait up to ``timeout`` s for the child to exit; True when it did."""
     try:
         p.wait(timeout)
         return True
