@@ -265,11 +265,20 @@ def test_killing_an_instance_mid_load_loses_and_duplicates_nothing(cluster: dict
     failures = metric_value(a, "fdx:dp_global_queue_instance_failures_total")
     outs, threads, started = _start_streams(a, bodies)
     deadline = time.monotonic() + 120
-    # kill B while it runs some of A's streams and holds more
-    while metric_value(b, "fdx:num_requests_running") < 3:
-        assert time.monotonic() < deadline, "instance B never ran A's requests"
+    # kill B while it runs some of A's streams (they have streamed for a
+    # moment) and holds more that have not started (--dp-capacity 6 over
+    # --max-num-seqs 4): both must still be true right before the kill
+    def b_runs_and_holds() -> bool:
+        return (metric_value(b, "fdx:num_requests_running") >= 3
+                and metric_value(b, "fdx:num_requests_waiting") >= 1)
+
+    while True:
+        if b_runs_and_holds():
+            time.sleep(1.0)
+            if b_runs_and_holds():
+                break
+        assert time.monotonic() < deadline, "instance B never ran and held A's requests"
         time.sleep(0.1)
-    time.sleep(1.0)
     for pid in _tree(proc_b.pid):
         try:
             os.kill(pid, signal.SIGKILL)

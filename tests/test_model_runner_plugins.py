@@ -10,12 +10,17 @@ import fdx.core.hookspecs
 import fdx.plugins.hardware.cpu
 import fdx.plugins.schedulers.v1
 import fdx.plugins.token_processors.default
+import fdx.plugins.grammar.llguidance_backend
+import fdx.plugins.tool_parsers.hermes
 from fdx.cli import build_parser, config_from_args
 from fdx.core.errors import PluginError
 from fdx.core.plugins import collect, set_plugins
 from fdx.testing import EchoRunner, EchoRunnerPlugin
 
-BUILTINS = (fdx.plugins.hardware.cpu, fdx.plugins.schedulers.v1, fdx.plugins.token_processors.default)
+# the built-ins the CLI checks at start-up for its defaults (scheduler, token
+# processor, grammar backend, tool parser, device); the model runner is the toy
+BUILTINS = (fdx.plugins.hardware.cpu, fdx.plugins.schedulers.v1, fdx.plugins.token_processors.default,
+            fdx.plugins.grammar.llguidance_backend, fdx.plugins.tool_parsers.hermes)
 
 
 def _plugins(pm, *extra):  # type: ignore[no-untyped-def]

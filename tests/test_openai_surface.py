@@ -8,6 +8,8 @@ checked against the server's own next-token logprobs), ``echo`` with
 
 from __future__ import annotations
 
+import copy
+
 from typing import Any, Iterator
 
 import httpx
@@ -236,7 +238,7 @@ def test_chat_template_kwargs_reach_the_template() -> None:
     from fdx.model.loader import load_tokenizer
     from fdx.server.serving.prompts import render_chat
 
-    tok = load_tokenizer("smollm2")
+    tok = copy.copy(load_tokenizer("smollm2"))  # a copy: load_tokenizer is cached and shared with later tests
     tok.chat_template, tok._template = "{{ greeting }}|{% for m in messages %}{{ m.content }}{% endfor %}", None
     assert render_chat(tok, [{"role": "user", "content": "x"}], True, False, {"greeting": "hi"}) == "hi|x"
     # the fixed variables win over the caller's
