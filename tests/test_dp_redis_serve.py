@@ -9,7 +9,8 @@ cluster of its own for the TTL path.
 * prefix affinity across instances: a shared-prefix workload sent to both
   APIs is served from the instances' caches as a single instance would;
 * Redis stopped mid-run: new requests get a 503 naming Redis, the streams
-  already running finish, and service resumes when Redis is back (no
+  already running finish (those run by the other instance too, which
+  finished them while Redis was away), and service resumes when Redis is back (no
   restart of fdx);
 * a request no instance picks up ends after ``--dp-request-ttl`` with a
   503 saying so, and leaves nothing in Redis;
@@ -165,12 +166,16 @@ def test_prefix_affinity_across_instances_keeps_the_cache_hits(cluster: dict[str
 
 def test_redis_restart_gives_503s_then_recovery(cluster: dict[str, Any]) -> None:
     (a, _), (b, _), rs = cluster["a"], cluster["b"], cluster["redis"]
-    prompts = [f"Tell a story about the number {i}." for i in range(6)]
+    prompts = [f"Tell a story about the number {i}." for i in range(10)]  # more than A's --dp-capacity 6
     with ThreadPoolExecutor(6) as pool:
         expected = dict(zip(prompts, pool.map(lambda p: _text(b, p, 48), prompts)))
     outs, threads, started = _start_streams(a, [_body(p, 48) for p in prompts])
     for s in started[:4]:
         assert s.wait(120), "a stream never started"
+    deadline = time.monotonic() + 60
+    while metric_value(b, "fdx:dp_global_queue_held") < 1:  # B runs some of A's streams
+        assert time.monotonic() < deadline, "B never took one of A's streams"
+        time.sleep(0.05)
     rs.stop()  # Redis goes away (its data with it: --save '')
     try:
         deadline = time.monotonic() + 10
@@ -185,6 +190,11 @@ def test_redis_restart_gives_503s_then_recovery(cluster: dict[str, Any]) -> None
         assert _complete(b, "Also here,", 2).status_code == 503
         assert httpx.get(a + "/health", timeout=10).status_code == 503
         assert metric_value(a, "fdx:dp_global_queue_up") == 0.0
+        # B finishes what it took while Redis is away: its outputs wait for Redis, and no new output of B's
+        # will come along to push them (the first heartbeat Redis answers must)
+        deadline = time.monotonic() + 20
+        while metric_value(b, "fdx:dp_global_queue_held") > 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         time.sleep(1.0)
         rs.start()  # the same port, empty

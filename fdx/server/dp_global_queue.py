@@ -66,6 +66,9 @@ ANY = "_any"
 OUTAGE_S = 30.0
 PICK_BATCH = 8
 WAKE_WAIT_S = 0.25
+#: outputs this instance pushed are kept this long, to push again if Redis
+#: restarted empty before their origin read them (the origin drops what it has)
+REPLAY_S = 10.0
 #: a picked request's hash lives at most this long (the origin deletes it when the request ends)
 PICKED_TTL_MS = 3_600_000
 #: a queued request younger than this is left to its instance (no stealing yet)
@@ -244,6 +247,7 @@ class Remote:
     sending: bool = False  # an ENQUEUE of the current attempt is under way
     prefix_hashes: tuple[str, ...] = ()  # the prompt's prefix chain hashes (cross-instance affinity)
     done: bool = False
+    tokens_seen: int = 0  # output tokens of the current attempt that reached the sink
 
     @property
     def key(self) -> str:
@@ -352,6 +356,10 @@ class GlobalQueueClient:
         self.work: dict[str, Work] = {}
         self._wsink: Sink = asyncio.Queue()
         self._unsent: dict[str, list[tuple[float, bytes]]] = {}  # origin -> outputs waiting for Redis
+        self._sent: dict[str, list[tuple[float, bytes]]] = {}  # origin -> outputs pushed in the last REPLAY_S
+        self._epoch: bytes | None = None  # the Redis data's incarnation (a key that a restart without data loses)
+        self._epoch_unsure = True  # connections were reset since the epoch was last read
+        self._flush_lock = asyncio.Lock()  # one push at a time: outputs stay in order
         self._ended: list[str] = []  # origin: keys of ended requests, their hashes to delete
         self._finished: list[str] = []  # instance: keys of picked requests that ended, to drop from processing
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -621,6 +629,16 @@ class GlobalQueueClient:
             if out.finish_reason is not None and out.finish_reason not in ("stop", "length") and out.error_code == 503:
                 self._retry_or_fail(r, out.error or "the dp instance failed")
                 continue
+            if out.new_token_ids and 0 < out.num_output_tokens <= r.tokens_seen:
+                continue  # pushed again after a Redis restart, and already here
+            if out.num_output_tokens and out.num_output_tokens != r.tokens_seen + len(out.new_token_ids):
+                # outputs in between were lost (a Redis restart dropped the list): never a stream with a gap
+                self.instance_failures += 1
+                self._end(r, EngineUnavailable(f"engine unavailable: {r.tokens_seen} of the request's output tokens "
+                                               f"reached this API, then {out.num_output_tokens}: the outputs in "
+                                               "between were lost (Redis restarted?)"))
+                continue
+            r.tokens_seen += len(out.new_token_ids)
             if out.new_token_ids:
                 r.delivered = True
                 if h.first_token_time is None:
@@ -746,6 +764,8 @@ class GlobalQueueClient:
                 try:
                     await self._beat(info)
                     self._redis_ok()
+                    if self._unsent or self._finished or self._epoch_unsure:  # nothing else may push them
+                        await self._flush()
                     break
                 except asyncio.CancelledError:
                     raise
@@ -790,6 +810,7 @@ class GlobalQueueClient:
         self.redis_error = str(exc) or type(exc).__name__
 
     async def _reset_connections(self) -> None:
+        self._epoch_unsure = True
         for c in (self.r, self.r_out, self.r_wake):
             try:
                 await c.connection_pool.disconnect(inuse_connections=False)
@@ -912,28 +933,57 @@ class GlobalQueueClient:
 
     async def _flush(self) -> None:
         """Push the outputs waiting for Redis (kept for :data:`OUTAGE_S`),
-        and drop finished requests from this instance's processing set."""
-        if not self._unsent and not self._finished:
-            return
-        now = time.monotonic()
-        unsent, self._unsent = self._unsent, {}
-        finished, self._finished = self._finished, []
+        and drop finished requests from this instance's processing set.
+        After a reconnect it first reads the epoch key: when Redis came back
+        without its data, the outputs pushed in the last :data:`REPLAY_S`
+        (perhaps never read by their origin) go again, ahead of the rest."""
+        async with self._flush_lock:
+            if self._epoch_unsure:
+                await self._check_epoch()
+            if not self._unsent and not self._finished:
+                return
+            now = time.monotonic()
+            unsent, self._unsent = self._unsent, {}
+            finished, self._finished = self._finished, []
+            pipe = self.r.pipeline(transaction=False)
+            prefix = self.id.encode() + b"\n"
+            for origin, entries in unsent.items():
+                entries = unsent[origin] = [e for e in entries if now - e[0] < OUTAGE_S]
+                if entries:
+                    pipe.rpush(self._k("out", origin), *(prefix + blob for _, blob in entries))
+                    pipe.pexpire(self._k("out", origin), 120_000)
+            if finished:
+                pipe.srem(self._k("processing", self.id), *finished)
+            try:
+                await pipe.execute()
+            except BaseException:
+                for origin, entries in unsent.items():  # keep them, in order, ahead of newer ones
+                    self._unsent[origin] = entries + self._unsent.get(origin, [])
+                self._finished.extend(finished)
+                raise
+            for origin, entries in unsent.items():
+                kept = [e for e in self._sent.get(origin, ()) if now - e[0] < REPLAY_S] + entries
+                if kept:
+                    self._sent[origin] = kept
+                else:
+                    self._sent.pop(origin, None)
+
+    async def _check_epoch(self) -> None:
         pipe = self.r.pipeline(transaction=False)
-        prefix = self.id.encode() + b"\n"
-        for origin, entries in unsent.items():
-            entries = [e for e in entries if now - e[0] < OUTAGE_S]
-            if entries:
-                pipe.rpush(self._k("out", origin), *(prefix + blob for _, blob in entries))
-                pipe.pexpire(self._k("out", origin), 120_000)
-        if finished:
-            pipe.srem(self._k("processing", self.id), *finished)
-        try:
-            await pipe.execute()
-        except BaseException:
-            for origin, entries in unsent.items():  # keep them, in order, ahead of newer ones
-                self._unsent[origin] = entries + self._unsent.get(origin, [])
-            self._finished.extend(finished)
-            raise
+        pipe.set(self._k("epoch"), uuid.uuid4().hex, nx=True)
+        pipe.get(self._k("epoch"))
+        _, epoch = await pipe.execute()
+        if self._epoch is not None and epoch != self._epoch:
+            now = time.monotonic()
+            n = 0
+            for origin, entries in self._sent.items():
+                again = [e for e in entries if now - e[0] < REPLAY_S]
+                n += len(again)
+                self._unsent[origin] = again + self._unsent.get(origin, [])
+            self._sent = {}
+            log.warning("Redis at %s came back without its data: %d recent output batches pushed again",
+                        self.config.redis_url, n)
+        self._epoch, self._epoch_unsure = epoch, False
 
     def _spawn(self, coro: Any) -> None:
         spawn_tracked(self._tasks, coro)
