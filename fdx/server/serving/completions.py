@@ -112,11 +112,7 @@ class CompletionEndpoint:
                 tops.append(None)
                 continue
             token_lps.append(json_logprob(lp.logprob))
-            top: dict[str, float] = {}
-            for alt, v in lp.top[:k]:
-                top.setdefault(tok(alt), json_logprob(v))
-            top.setdefault(t, json_logprob(lp.logprob))
-            tops.append(top)
+            tops.append(_top_logprobs(tok, t, lp, k))
         self.offsets[index] = off
         rest = self.logprobs(gen, index, lps)
         return {"tokens": tokens + rest["tokens"], "token_logprobs": token_lps + rest["token_logprobs"],
@@ -131,15 +127,21 @@ class CompletionEndpoint:
             t = tok(lp.token_id)
             tokens.append(t)
             token_lps.append(json_logprob(lp.logprob))
-            top: dict[str, float] = {}
-            for tid, v in lp.top[:k]:
-                top.setdefault(tok(tid), json_logprob(v))
-            top.setdefault(t, json_logprob(lp.logprob))
-            tops.append(top)
+            tops.append(_top_logprobs(tok, t, lp, k))
             offsets.append(off)
             off += len(t)
         self.offsets[index] = off
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _top_logprobs(tok: Any, text: str, lp: TokenLogprob, k: int) -> dict[str, float]:
+    """A completion's ``top_logprobs`` entry: the ``k`` alternatives by
+    text (the first of equal texts wins), the chosen token always among them."""
+    top: dict[str, float] = {}
+    for tid, v in lp.top[:k]:
+        top.setdefault(tok(tid), json_logprob(v))
+    top.setdefault(text, json_logprob(lp.logprob))
+    return top
 
 
 async def completions(serving: OpenAIServing, request: Request, arrival: float) -> Response:
