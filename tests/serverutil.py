@@ -92,6 +92,22 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
                 os.kill(k, signal.SIGKILL)
 
 
+def wait_health(base: str, timeout: float, proc: subprocess.Popen[bytes] | None = None,
+                what: str = "the server") -> None:
+    """Poll ``base/health`` until it answers 200; fail the test when ``proc``
+    (if given) exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc is None or proc.poll() is None, f"{what} exited with {proc.returncode}"
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{what} was not healthy after {timeout:.0f}s"
+        time.sleep(0.25)
+
+
 def record_stream(base: str, body: dict[str, Any], out: dict[str, Any], started: threading.Event,
                   timeout: float = 60) -> None:
     """POST a streaming ``/v1/completions`` request and record how it ends in

@@ -22,7 +22,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
-from serverutil import metric_value, start_server
+from serverutil import metric_value, start_server, stop_process, wait_health
 
 _NEXT_TO_PYTHON = Path(sys.executable).with_name("vllm-router")
 ROUTER = (os.environ.get("FDX_VLLM_ROUTER") or shutil.which("vllm-router")
@@ -54,24 +53,10 @@ def _router(workers: list[str]) -> Iterator[str]:
                              str(_free_port())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"vllm-router exited with {proc.returncode}"
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "vllm-router did not become healthy"
-            time.sleep(0.2)
+        wait_health(base, 60, proc, "vllm-router")
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_process(proc)
 
 
 def _post(base: str, prompt: str, max_tokens: int = 4) -> httpx.Response:
