@@ -218,6 +218,77 @@ def test_blocks_arrive_byte_exact_where_the_receiver_puts_them(name: str, reques
         b.close()
 
 
+def _send_and_check(a: Any, b: Any, rid: str, src: list[int], dst: list[int]) -> None:
+    bs = a.runner.block_size
+    sent = a.send(b.address, RequestOutput(rid, (1,), None), src)
+    ((_, got, kv),) = _recv(b)
+    assert got.request_id == rid and b.load(kv, dst) == sent == len(src) * bs * 8
+    for s_, d_ in zip(src, dst):
+        assert (b.runner.slots[d_ * bs:(d_ + 1) * bs] == a.runner.slots[s_ * bs:(s_ + 1) * bs]).all()
+
+
+def test_mooncake_puts_survive_a_dead_instances_segment_the_master_still_counts() -> None:
+    """A restarted prefill instance sends while the master still counts the
+    segment of the killed one (until its client_ttl, 10 s): every put
+    succeeds (the sender's own segment is preferred), byte exact."""
+    if not have_mooncake():
+        pytest.skip("mooncake_master / mooncake.store not installed (pip install 'fdx[mooncake]')")
+    with MooncakeMaster() as m:
+        code = ("import os, sys, time; os.environ['MC_LOG_LEVEL'] = 'WARNING'\n"
+                "from mooncake.store import MooncakeDistributedStore\n"
+                "s = MooncakeDistributedStore()\n"
+                f"print(s.setup('127.0.0.1', 'P2PHANDSHAKE', 64 << 20, 16 << 20, 'tcp', '', '{m.address}'), "
+                "flush=True)\n"
+                "time.sleep(120)\n")
+        dead = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        try:
+            assert dead.stdout is not None and dead.stdout.readline().strip() == b"0"
+        finally:
+            dead.kill()  # SIGKILL: its segment stays mounted on the master for client_ttl
+            dead.wait(10)
+        a, b = _pair("mooncake", m)
+        try:
+            assert m.capacity() == (64 + 32 + 32) << 20  # the dead segment is still counted
+            a.runner.slots[:] = np.random.default_rng(1).integers(0, 1 << 40, a.runner.slots.size)
+            for k in range(6):  # 48 block puts: a third of them would land in the dead segment
+                _send_and_check(a, b, f"r{k}", list(range(8)), list(range(8 + k, 16 + k)))
+        finally:
+            a.close()
+            b.close()
+
+
+def test_mooncake_put_retries_the_blocks_whose_put_failed(master: Any) -> None:
+    a, b = _pair("mooncake", master)
+
+    class Flaky:  # the store, with blocks 1 and 3 of the first batch failing (-800: the transfer failed)
+        def __init__(self, store: Any) -> None:
+            self.store, self.calls = store, []
+
+        def batch_put_from(self, keys: list[str], *args: Any) -> list[int]:
+            rcs = self.store.batch_put_from(keys, *args)
+            self.calls.append(list(keys))
+            if len(self.calls) == 1:
+                self.store.batch_remove([keys[1], keys[3]], True)
+                rcs = [-800 if i in (1, 3) else r for i, r in enumerate(rcs)]
+            return rcs
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.store, name)
+
+    real = a.store
+    a.store = flaky = Flaky(real)
+    try:
+        a.runner.slots[:] = np.random.default_rng(2).integers(0, 1 << 40, a.runner.slots.size)
+        _send_and_check(a, b, "r", [2, 4, 6, 8], [1, 2, 3, 4])
+        assert len(flaky.calls) == 2 and len(flaky.calls[1]) == 2  # only the two failed blocks again
+        assert not set(flaky.calls[1]) & set(flaky.calls[0])  # under fresh keys
+        assert real.batch_is_exist(flaky.calls[0] + flaky.calls[1]) == [0] * 6  # all removed after the load
+    finally:
+        a.store = real
+        a.close()
+        b.close()
+
+
 def _pair_one(name: str, **opts: Any) -> Any:
     from fdx.core.plugins import get_plugins
 

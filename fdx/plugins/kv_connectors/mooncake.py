@@ -8,7 +8,16 @@ A handoff: the sender copies the blocks' KV (one batched gather per layer,
 :meth:`~fdx.core.interfaces.ModelRunner.read_kv_blocks`) into a staging
 buffer registered with the store and writes them with ONE
 ``batch_put_from`` (zero-copy from that buffer), under keys unique to the
-handoff, then sends the message naming the keys.  The receiver reads them
+handoff, then sends the message naming the keys.  The objects go to the
+sender's own segment first (``ReplicateConfig.preferred_segment``): the
+master places an object in any segment it counts as mounted, and it
+counts a segment whose process died as mounted until that client's
+``--client_ttl`` (10 s) has passed, so a put placed there fails
+(``-800``, the transfer to the dead process) -- which a prefill instance
+restarted within those seconds would otherwise hit on about every other
+block.  Blocks whose put still failed (the own segment was full, or the
+instance contributes none, and the master chose a dead one) are put again
+under fresh keys, up to ``PUT_ATTEMPTS`` times.  The receiver reads them
 with ONE ``batch_get_into`` its own registered staging buffer and scatters
 them into its pool from views of that buffer (no per-block copies), then
 removes the keys (``batch_remove``, forced: the objects' lease is still
@@ -27,6 +36,7 @@ instance's segment until the receiver removes them), ``local_buffer_size``
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -37,6 +47,8 @@ import numpy as np
 from fdx.core.errors import ConfigError
 from fdx.core.hookspecs import hookimpl
 from fdx.plugins.kv_connectors.zmq_direct import ZmqConnector
+
+log = logging.getLogger("fdx.kv_connector")
 
 if TYPE_CHECKING:
     from fdx.config import EngineConfig
@@ -52,6 +64,8 @@ STORE_OPTIONS: dict[str, Any] = {
     "protocol": "tcp",
     "metadata_server": "P2PHANDSHAKE",
 }
+#: tries of a block's put (the first + retries of the blocks whose put failed, under fresh keys)
+PUT_ATTEMPTS = 3
 
 
 class _Staging:
@@ -115,6 +129,14 @@ class MooncakeConnector(ZmqConnector):
             raise ConfigError(f"--kv-connector mooncake: setup against mooncake_master {opts['master']} "
                               f"failed (rc={rc}); is it running?")
         self.master = str(opts["master"])
+        from mooncake.store import ReplicateConfig
+
+        # objects in this instance's own segment first, never in a stale one the master still counts (see the
+        # module doc); the master falls back to the other segments when this one is full or absent
+        self._put_config = ReplicateConfig()
+        self._put_config.replica_num = 1
+        if seg > 0:
+            self._put_config.preferred_segment = self.store.get_hostname()
         self._out = _Staging(self.store)
         self._in = _Staging(self.store)
         self.store_calls = 0
@@ -130,15 +152,7 @@ class MooncakeConnector(ZmqConnector):
         buf = self._out.reserve(size * len(payloads))
         for i, p in enumerate(payloads):
             buf[i * size:(i + 1) * size] = np.frombuffer(p, dtype=np.uint8)
-        tag = uuid.uuid4().hex
-        keys = [f"fdx_pd_{tag}_{i}" for i in range(len(payloads))]
-        base = buf.ctypes.data
-        rcs = self.store.batch_put_from(keys, [base + i * size for i in range(len(keys))], [size] * len(keys))
-        self.store_calls += 1
-        if any(r < 0 for r in rcs):
-            self._remove(keys)
-            raise RuntimeError(f"mooncake batch_put_from of {len(keys)} KV blocks failed: "
-                               f"{sorted(set(r for r in rcs if r < 0))}")
+        keys = self._put(buf.ctypes.data, size, len(payloads))
         self.channel.send(peer, encode(msg), {"n": len(keys), "keys": keys, "size": size})
         n = size * len(keys)
         self.bytes_sent += n
@@ -176,6 +190,35 @@ class MooncakeConnector(ZmqConnector):
             return n
         finally:
             self._remove(keys)
+
+    def _put(self, base: int, size: int, n: int) -> list[str]:
+        """Put the ``n`` blocks of ``size`` bytes at ``base`` (one
+        ``batch_put_from``; the blocks whose put failed again, under fresh
+        keys, up to ``PUT_ATTEMPTS`` in all); their keys, in block order."""
+        tag = uuid.uuid4().hex
+        keys = [f"fdx_pd_{tag}_{i}" for i in range(n)]
+        todo = list(range(n))
+        errors: list[int] = []
+        for attempt in range(1, PUT_ATTEMPTS + 1):
+            if attempt > 1:
+                for i in todo:
+                    keys[i] = f"fdx_pd_{tag}_{i}_{attempt}"
+            rcs = self.store.batch_put_from([keys[i] for i in todo], [base + i * size for i in todo],
+                                            [size] * len(todo), self._put_config)
+            self.store_calls += 1
+            failed = [(i, r) for i, r in zip(todo, rcs) if r < 0]
+            if not failed:
+                return keys
+            errors = sorted(set(r for _, r in failed))
+            self._remove([keys[i] for i, _ in failed])  # a failed put leaves nothing, normally: be sure
+            todo = [i for i, _ in failed]
+            if attempt < PUT_ATTEMPTS:
+                log.warning("mooncake: the put of %d of %d KV blocks failed (%s); putting them again",
+                            len(todo), n, errors)
+        failed_ids = set(todo)
+        self._remove([keys[i] for i in range(n) if i not in failed_ids])  # the ones that were put
+        raise RuntimeError(f"mooncake batch_put_from of {n} KV blocks failed ({len(todo)} still after "
+                           f"{PUT_ATTEMPTS} attempts): {errors}")
 
     def _remove(self, keys: list[str]) -> None:
         try:
