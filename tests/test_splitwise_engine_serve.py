@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from kvservices import MooncakeMaster, have_mooncake
-from serverutil import children_of, free_port, metric_value, record_stream, start_server
+from serverutil import children_of, free_port, metric_value, record_stream, start_server, wait_health
 
 pytestmark = pytest.mark.slow
 
@@ -217,14 +217,6 @@ def test_killing_p_mid_request_ends_ds_requests_with_an_error(pd: dict[str, Any]
     assert any(o.get("status") == 503 or o.get("error") for o in outs)
     _wait_blocks_free(d)
     # P's engine is restarted by its launcher, at the same kv port: D serves through it again
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(p + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "P did not come back"
-        time.sleep(0.5)
+    wait_health(p, 120, what="P")
     assert _summary(_complete(d, PROMPTS[3], pd["kv"]))[2] == "length"
     _wait_blocks_free(d, p)
