@@ -18,7 +18,9 @@ SPEC="llama-cpp-python${LLAMA_CPP_PYTHON_VERSION:+==$LLAMA_CPP_PYTHON_VERSION}"
 mkdir -p "$PEERS/src" "$PEERS/bin"
 echo "[build_peer] $(date -u +%FT%TZ) downloading sdist of $SPEC"
 if ! ls "$PEERS"/src/llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
-    "$PIP" download --no-deps --no-binary :all: "$SPEC" -d "$PEERS/src"
+    # --no-binary for this package only: its build dependencies come as wheels (":all:"
+    # would build setuptools, hatchling, scikit-build-core ... from source first, minutes)
+    "$PIP" download --no-deps --no-binary llama-cpp-python "$SPEC" -d "$PEERS/src"
 fi
 SDIST="$(ls -1 "$PEERS"/src/llama_cpp_python-*.tar.gz | sort -V | tail -n1)"
 SRCDIR="${SDIST%.tar.gz}"
