@@ -41,6 +41,8 @@ import pytest
 from kvservices import RedisServer, have_redis
 from serverutil import children_of, metric_value, read_log, start_server
 
+from fdx.server.dp_global_queue import OUTAGE_S
+
 redis = pytest.importorskip("redis")
 
 pytestmark = [pytest.mark.slow,
@@ -177,6 +179,7 @@ def test_redis_restart_gives_503s_then_recovery(cluster: dict[str, Any]) -> None
         assert time.monotonic() < deadline, "B never took one of A's streams"
         time.sleep(0.05)
     rs.stop()  # Redis goes away (its data with it: --save '')
+    stopped = time.monotonic()
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -191,8 +194,9 @@ def test_redis_restart_gives_503s_then_recovery(cluster: dict[str, Any]) -> None
         assert httpx.get(a + "/health", timeout=10).status_code == 503
         assert metric_value(a, "fdx:dp_global_queue_up") == 0.0
         # B finishes what it took while Redis is away: its outputs wait for Redis, and no new output of B's
-        # will come along to push them (the first heartbeat Redis answers must)
-        deadline = time.monotonic() + 20
+        # will come along to push them (the first heartbeat Redis answers must).  The outage stays well
+        # under the OUTAGE_S after which an origin gives its remote requests up
+        deadline = stopped + OUTAGE_S / 2
         while metric_value(b, "fdx:dp_global_queue_held") > 0 and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
