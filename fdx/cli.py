@@ -93,6 +93,12 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     k.add_argument("--token-processor", help="token processor plugin (default 'default')")
     k.add_argument("--grammar-backend", help="grammar backend of structured outputs (default 'llguidance')")
     k.add_argument("--tool-call-parser", help="tool-call parser of chat completions with tools (default 'hermes')")
+    k.add_argument("--speculative", metavar="NAME",
+                   help="speculative decoding proposer (e.g. ngram: prompt lookup, no draft model); drafts are "
+                        "verified in the same forward pass, greedy requests only, output unchanged (default: off)")
+    k.add_argument("--num-speculative-tokens", type=int, help="with --speculative: draft tokens per step (default 3)")
+    k.add_argument("--prompt-lookup-max", type=int, help="with --speculative ngram: longest n-gram matched (default 4)")
+    k.add_argument("--prompt-lookup-min", type=int, help="with --speculative ngram: shortest n-gram matched (default 1)")
     k.add_argument("--cache-backend", help="cache backend plugin for the KV storage tier (default: none)")
     k.add_argument("--cache-backend-config", help="JSON object passed to the cache backend")
     k.add_argument("--device", help="device plugin, NAME or NAME:INDEX (default cpu; e.g. cuda:1 for the second GPU)")
@@ -164,6 +170,8 @@ def check_component_names(cfg: Any, plugins: Any) -> None:
         plugins.registry("cache_backend").get(cfg.cache_backend)
     if cfg.kv_connector:
         plugins.registry("kv_connector").get(cfg.kv_connector)
+    if cfg.speculative:
+        plugins.registry("speculator").get(cfg.speculative)
     if cfg.scheduler == "splitwise":
         plugins.registry("scheduler").get(cfg.splitwise_local_scheduler)
 

@@ -127,6 +127,13 @@ class EngineConfig:
     grammar_backend: str = "llguidance"
     #: tool-call parser of chat completions with ``tools`` (``--tool-call-parser``)
     tool_call_parser: str = "hermes"
+    #: speculative decoding: the proposer (``--speculative ngram``; ``None``: off)
+    speculative: str | None = None
+    #: draft tokens proposed (and verified in the same forward) per decode step
+    num_speculative_tokens: int = attrs.field(default=3, validator=_positive)
+    #: ``ngram``: the longest / shortest suffix n-gram looked up in the request's tokens
+    prompt_lookup_max: int = attrs.field(default=4, validator=_positive)
+    prompt_lookup_min: int = attrs.field(default=1, validator=_positive)
     cache_backend: str | None = None
     cache_backend_config: dict[str, Any] = attrs.field(factory=dict)
     device: str = attrs.field(default="cpu", validator=_device)  # NAME or NAME:INDEX
@@ -223,6 +230,11 @@ def make_config(**kwargs: Any) -> EngineConfig:
             raise ConfigError("--num-prefill and --num-decode must both be >= 1")
     if cfg.dp_local_scheduler == "dp":
         raise ConfigError("--dp-local-scheduler must name a batch policy (v1, v0, ...), not dp")
+    if cfg.speculative and cfg.scheduler != "v1":
+        raise ConfigError(f"--speculative needs --scheduler v1, got --scheduler {cfg.scheduler}")
+    if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+        raise ConfigError(f"--prompt-lookup-min ({cfg.prompt_lookup_min}) must be <= --prompt-lookup-max "
+                          f"({cfg.prompt_lookup_max})")
     if cfg.max_num_batched_tokens < cfg.block_size:
         raise ConfigError(
             f"--max-num-batched-tokens ({cfg.max_num_batched_tokens}) must be >= --block-size ({cfg.block_size})"

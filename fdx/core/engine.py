@@ -74,6 +74,8 @@ class Engine:
         if config.kv_connector:
             extra["connector"] = self.plugins.create("kv_connector", config.kv_connector, config=config,
                                                      runner=self.runner)
+        if config.speculative:  # proposes draft tokens for the scheduler; the runner verifies them
+            extra["speculator"] = self.plugins.create("speculator", config.speculative, config=config)
         self.scheduler: Scheduler = self.plugins.create("scheduler", config.scheduler, config=config, kv=self.kv,
                                                         **extra)
         self.connector = extra.get("connector")
@@ -265,6 +267,7 @@ class Engine:
             num_generated_tokens=int(s.get("num_generated_tokens", 0)),
             storage_puts=int(st.get("puts", 0)),
             splitwise=getattr(self.scheduler, "splitwise_stats", lambda: None)(),
+            speculative=getattr(self.scheduler, "spec_decode_stats", lambda: None)(),
         )
 
     def close(self) -> None:

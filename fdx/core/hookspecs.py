@@ -204,6 +204,28 @@ def fdx_register_grammar_backends(register: Register) -> None:
 
 
 @hookspec
+def fdx_register_speculators(register: Register) -> None:
+    """Contribute speculative-decoding proposers, selected with
+    ``--speculative NAME`` (``--num-speculative-tokens K``).
+
+    A speculator proposes up to K draft tokens for a decoding request from
+    the request's own tokens (``ngram``: prompt lookup); the model runner
+    verifies them in the same forward pass, so a wrong draft costs time,
+    never output.  Called once at start-up, in the engine process (and in
+    ``fdx plugins``).  Must not import heavy libraries: that belongs in the
+    factory.
+
+    :param register: call ``register(name, factory)`` for each speculator.
+        ``factory(config=...)`` must return a
+        :class:`fdx.core.interfaces.Speculator`; ``config`` is the frozen
+        :class:`fdx.config.EngineConfig` (``num_speculative_tokens``,
+        ``prompt_lookup_min``, ``prompt_lookup_max``).
+
+    Return nothing.  Registering a name twice is an error naming both plugins.
+    """
+
+
+@hookspec
 def fdx_register_tool_parsers(register: Register) -> None:
     """Contribute tool-call parsers, selected with ``--tool-call-parser NAME``.
 

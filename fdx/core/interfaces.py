@@ -29,10 +29,17 @@ if TYPE_CHECKING:
 @attrs.define
 class ScheduledSeq:
     """``num_new_tokens`` tokens of ``request`` run this step, starting at
-    position ``request.num_computed_tokens`` (read before the step)."""
+    position ``request.num_computed_tokens`` (read before the step).
+
+    Speculative decoding: ``draft_token_ids`` (K proposed tokens, see
+    :class:`Speculator`) follow the request's one uncomputed token, and
+    ``num_new_tokens == 1 + K``; the runner computes logits at all K + 1
+    positions and verifies the drafts (:attr:`ModelOutput.spec_token_ids`).
+    """
 
     request: Request
     num_new_tokens: int
+    draft_token_ids: list[int] = attrs.field(factory=list)
 
     @property
     def samples(self) -> bool:
@@ -78,10 +85,15 @@ class ModelOutput:
     ``token_ids[i]`` is the token sampled for ``batch.seqs[i]``, or ``-1``
     when that seq did not sample (a non-final prefill chunk).
     ``logprobs[i]`` is set only for seqs that sampled and asked for logprobs.
+    ``spec_token_ids[i]`` (seqs with drafts): the accepted drafts then the
+    target's own token at the first mismatch (or after the last draft);
+    ``token_ids[i]`` is its first element.  ``None`` (or a seq missing
+    from it) means no draft was accepted: only ``token_ids[i]`` counts.
     """
 
     token_ids: np.ndarray
     logprobs: list[TokenLogprob | None] | None = None
+    spec_token_ids: dict[int, list[int]] | None = None
 
 
 # --------------------------------------------------------------------------
@@ -232,6 +244,32 @@ class ModelRunner(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, path: str, version: str) -> None:
         """Swap weights for a checkpoint of identical architecture/shapes."""
+
+
+# --------------------------------------------------------------------------
+# Speculator (speculative decoding without a draft model)
+# --------------------------------------------------------------------------
+
+
+class Speculator(abc.ABC):
+    """Proposes draft tokens for a decoding request
+    (``fdx_register_speculators``, ``--speculative NAME``); the scheduler
+    asks it, the model runner verifies the drafts in the request's own
+    forward rows (K + 1 query positions), accepting the longest prefix equal
+    to the target's greedy tokens.
+
+    Invariants: :meth:`propose` returns at most ``k`` ids in
+    ``[0, vocab)``, depends only on ``token_ids`` (deterministic, no state
+    shared between requests), never mutates its input, and is cheap
+    (vectorized: no Python loop over the history).  Drafts are hints: a
+    bad one costs compute, never output.  Threading contract: the engine
+    thread only.
+    """
+
+    @abc.abstractmethod
+    def propose(self, token_ids: np.ndarray, k: int) -> np.ndarray:
+        """Up to ``k`` draft tokens (``int64``, possibly none) to follow
+        ``token_ids`` (``int64[L]``: the request's prompt + output)."""
 
 
 # --------------------------------------------------------------------------

@@ -203,6 +203,16 @@ class KVCacheManager:
         request.storage_probed = False
         self._committed.pop(request.request_id, None)
 
+    def trim(self, request: Request) -> None:
+        """Release the tail blocks past those holding the request's
+        ``num_computed_tokens`` positions (allocated for speculative drafts
+        that were rejected).  Those blocks were never committed (committing
+        covers computed positions only), so no rejected token is ever in
+        the prefix cache."""
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        while len(request.block_ids) > keep:
+            self._release(request.block_ids.pop())
+
     def _touch(self, b: int) -> None:
         if self.ref_cnt[b] == 0:
             self._evictable.pop(b)

@@ -195,6 +195,19 @@ class SplitwiseStats:
 
 
 @attrs.frozen
+class SpecDecodeStats:
+    """Cumulative speculative-decoding counters (vLLM's ``spec_decode_*``):
+    verification rounds (``num_drafts``), draft tokens proposed and run,
+    and drafts accepted; ``accepted_per_pos[j]`` counts drafts accepted at
+    position ``j``."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+
+
+@attrs.frozen
 class EngineStats:
     """A snapshot of the engine for /metrics and /health."""
 
@@ -214,6 +227,7 @@ class EngineStats:
     num_generated_tokens: int = 0  # cumulative tokens sampled
     storage_puts: int = 0  # cumulative KV blocks written to the storage backend (put completed)
     splitwise: SplitwiseStats | None = None  # only on a --splitwise-role instance
+    speculative: SpecDecodeStats | None = None  # only with --speculative
 
     @property
     def kv_usage(self) -> float:

@@ -32,6 +32,7 @@ KINDS: dict[str, str] = {
     "grammar_backend": "fdx_register_grammar_backends",
     "tool_parser": "fdx_register_tool_parsers",
     "kv_connector": "fdx_register_kv_connectors",
+    "speculator": "fdx_register_speculators",
 }
 
 

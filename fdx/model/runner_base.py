@@ -48,15 +48,19 @@ class StepLayout:
     ``positions``; ``rows`` the rows whose logits the forward computes: the
     sampled rows, then (``prompt``: ``(seq, first position, count)`` per
     sequence asking for prompt logprobs) those rows' prompt rows.
+    ``num_drafts`` (``None`` when no seq has drafts): speculative draft
+    tokens per sequence; a sampling sequence with K > 0 drafts has its last
+    K + 1 rows in ``rows``.
     """
 
     __slots__ = ("ids", "q_lens", "starts", "samples", "tables", "q_starts", "seq_of", "positions", "rows",
-                 "prompt", "pick")
+                 "prompt", "pick", "num_drafts")
 
     def __init__(self, ids: list[int], q_lens: np.ndarray, starts: np.ndarray, samples: np.ndarray,
                  tables: np.ndarray, q_starts: np.ndarray, seq_of: np.ndarray, positions: np.ndarray,
                  rows: np.ndarray, prompt: list[tuple[int, int, int]] | None = None) -> None:
         self.prompt = prompt
+        self.num_drafts: np.ndarray | None = None
         #: with ``prompt``: which of the (sorted) ``rows`` are the sampled ones, which the prompt ones
         self.pick: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         self.ids = ids
@@ -150,7 +154,58 @@ class PagedRunnerBase(ModelRunner):
             take = lambda sel: paddle.index_select(logits, paddle.to_tensor(sel, place=logits.place))  # noqa: E731
             self._prompt_logprobs(take(pick_p), seqs, layout.prompt)
             logits = take(pick_s) if len(pick_s) else None
+        if layout.num_drafts is not None:
+            return self._verify(logits, seqs, layout)
         return self._sample(logits, seqs, layout.samples)
+
+    def _verify(self, logits: Any, seqs: Sequence[ScheduledSeq], layout: StepLayout) -> ModelOutput:
+        """Speculative decoding: a seq with K drafts has K + 1 logits rows;
+        the target's greedy token at each (the same argmax the sampler's
+        greedy path takes) is compared with the drafts, the longest equal
+        prefix is accepted and the target's token at the first mismatch
+        (or after the last draft) is added.  Other seqs sample normally."""
+        from fdx.model.sampler import _to_numpy
+
+        k = layout.num_drafts
+        assert k is not None and logits is not None
+        sampled = np.flatnonzero(layout.samples)
+        n_rows = np.where(k[sampled] > 0, k[sampled] + 1, 1)  # logits rows of each sampling seq, in order
+        first = np.zeros(len(sampled), dtype=np.int64)
+        np.cumsum(n_rows[:-1], out=first[1:])
+        spec = k[sampled] > 0
+
+        def take(sel: np.ndarray) -> Any:
+            if isinstance(logits, np.ndarray):
+                return logits[sel]
+            import paddle
+
+            return paddle.index_select(logits, paddle.to_tensor(sel, place=logits.place))
+
+        plain = sampled[~spec]
+        token_ids = np.full(len(seqs), -1, dtype=np.int64)
+        logprobs_out: list[Any] | None = None
+        if len(plain):
+            toks, lps = self.sampler.sample(take(first[~spec]), [seqs[i].request for i in plain])
+            token_ids[plain] = toks
+            if lps is not None:
+                logprobs_out = [None] * len(seqs)
+                for j, i in enumerate(plain):
+                    logprobs_out[i] = lps[j]
+        ns = n_rows[spec]
+        spec_rows = np.repeat(first[spec], ns) + np.arange(int(ns.sum())) - np.repeat(np.cumsum(ns) - ns, ns)
+        arr = _to_numpy(take(spec_rows))
+        target = arr[:, : self.vocab_size].argmax(axis=1).astype(np.int64)  # the sampler's greedy argmax
+        out: dict[int, list[int]] = {}
+        pos = 0
+        for i in sampled[spec]:
+            drafts = seqs[i].draft_token_ids
+            t = target[pos : pos + len(drafts) + 1]
+            miss = np.flatnonzero(t[:-1] != np.asarray(drafts, dtype=np.int64))
+            a = int(miss[0]) if len(miss) else len(drafts)
+            out[int(i)] = t[: a + 1].tolist()
+            token_ids[i] = t[0]
+            pos += len(drafts) + 1
+        return ModelOutput(token_ids, logprobs_out, out)
 
     def _forward(self, layout: StepLayout) -> Any:
         """The step's forward: logits of ``layout.rows`` (``None`` when no row samples)."""
@@ -168,10 +223,29 @@ class PagedRunnerBase(ModelRunner):
         nblocks = np.empty(S, dtype=np.int64)
         samples = np.zeros(S, dtype=bool)
         prompt: list[tuple[int, int, int]] = []
+        num_drafts: np.ndarray | None = None
         for i, seq in enumerate(seqs):
             r = seq.request
             c, n = r.num_computed_tokens, seq.num_new_tokens
             np_, end = len(r.prompt_token_ids), c + n
+            if seq.draft_token_ids:  # speculative: the one uncomputed token, then the drafts
+                k = len(seq.draft_token_ids)
+                if n != k + 1 or c + 1 != r.num_tokens or not 0 <= min(seq.draft_token_ids) <= max(
+                        seq.draft_token_ids) < self.vocab_size:
+                    raise FdxError(f"request {r.request_id}: bad speculative step ({c}+1+{k} of {r.num_tokens} "
+                                   "tokens, draft ids in the vocabulary)")
+                if end > self.max_model_len:
+                    raise FdxError(f"request {r.request_id}: position {end} exceeds max_model_len {self.max_model_len}")
+                nb = -(-end // bs)
+                if len(r.block_ids) < nb:
+                    raise FdxError(f"request {r.request_id}: {len(r.block_ids)} blocks cannot hold {end} tokens")
+                ids.append(r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1])
+                ids.extend(seq.draft_token_ids)
+                q_lens[i], starts[i], nblocks[i], samples[i] = n, c, nb, True
+                if num_drafts is None:
+                    num_drafts = np.zeros(S, dtype=np.int64)
+                num_drafts[i] = k
+                continue
             if r.params.prompt_logprobs is not None:  # positions whose next prompt token has no logprob yet
                 lo, hi = max(c, len(r.prompt_logprobs)), min(end, np_ - 1)
                 if hi > lo:
@@ -201,9 +275,17 @@ class PagedRunnerBase(ModelRunner):
         np.cumsum(q_lens[:-1], out=q_starts[1:])
         seq_of = np.repeat(np.arange(S, dtype=np.int64), q_lens)
         positions = np.arange(len(ids), dtype=np.int64) - np.repeat(q_starts - starts, q_lens)
-        rows = (q_starts + q_lens - 1)[samples]
+        if num_drafts is None:
+            rows = (q_starts + q_lens - 1)[samples]
+        else:  # every row of a speculative seq: K + 1 positions to verify
+            n_rows = np.where(num_drafts > 0, num_drafts + 1, 1)[samples]
+            ends = (q_starts + q_lens)[samples]
+            offs = np.arange(int(n_rows.sum())) - np.repeat(np.cumsum(n_rows) - n_rows, n_rows)
+            rows = np.repeat(ends - n_rows, n_rows) + offs
         if not prompt:
-            return StepLayout(ids, q_lens, starts, samples, tables, q_starts, seq_of, positions, rows)
+            layout = StepLayout(ids, q_lens, starts, samples, tables, q_starts, seq_of, positions, rows)
+            layout.num_drafts = num_drafts
+            return layout
         # sampled rows, then prompt rows, sorted (a forward may read rows == all rows as "in order")
         both = np.concatenate([rows, *[q_starts[i] + (lo - starts[i]) + np.arange(k) for i, lo, k in prompt]])
         order = np.argsort(both, kind="stable")
@@ -211,6 +293,7 @@ class PagedRunnerBase(ModelRunner):
         where[order] = np.arange(len(order))
         layout = StepLayout(ids, q_lens, starts, samples, tables, q_starts, seq_of, positions, both[order], prompt)
         layout.pick = (where[: len(rows)], where[len(rows) :])
+        layout.num_drafts = num_drafts
         return layout
 
     def _prompt_logprobs(self, logits: Any, seqs: Sequence[ScheduledSeq], prompt: list[tuple[int, int, int]]) -> None:

@@ -55,6 +55,12 @@ _ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...]
      lambda s: getattr(s, "num_batched_tokens", 0)),
     ("engine_generated_tokens", "Tokens sampled by the engine.", "counter",
      lambda s: getattr(s, "num_generated_tokens", 0)),
+    ("spec_decode_num_drafts", "Speculative verification rounds (a decode step with drafts).", "counter",
+     lambda s: s.speculative.num_drafts if s.speculative else 0),
+    ("spec_decode_num_draft_tokens", "Speculative draft tokens proposed and verified.", "counter",
+     lambda s: s.speculative.num_draft_tokens if s.speculative else 0),
+    ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.", "counter",
+     lambda s: s.speculative.num_accepted_tokens if s.speculative else 0),
 )
 
 #: ``(rank, stats, serving)`` of each dp replica

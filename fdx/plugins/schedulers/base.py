@@ -15,18 +15,43 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING, Iterable
 
+import numpy as np
+
 from fdx.core.interfaces import ModelOutput, ScheduledBatch, Scheduler
 from fdx.core.kv_cache import cdiv
+from fdx.core.messages import SpecDecodeStats
 from fdx.core.request import Request, Status
 
 if TYPE_CHECKING:
     from fdx.config import EngineConfig
+    from fdx.core.interfaces import Speculator
     from fdx.core.kv_cache import KVCacheManager
+
+#: temperatures below this are greedy (the sampler's ``GREEDY_EPS``)
+GREEDY_EPS = 1e-5
+
+
+def speculation_is_exact(req: Request) -> bool:
+    """Whether verifying drafts by greedy argmax gives exactly the tokens
+    plain decoding would: greedy, no logprobs, no history-dependent
+    penalties, no logit bias, no grammar, past ``min_tokens`` (so no
+    position of the step masks eos/stop ids)."""
+    p = req.params
+    return (p.temperature < GREEDY_EPS and p.logprobs is None and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and not p.logit_bias
+            and req.grammar is None and req.num_output_tokens >= p.min_tokens)
 
 
 class BaseScheduler(Scheduler):
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, speculator: Speculator | None = None) -> None:
         super().__init__(config, kv)
+        #: ``--speculative``: proposes drafts for decoding requests (:meth:`drafts_for`)
+        self.speculator = speculator
+        self._spec_hist: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (token buffer, tokens in it)
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted = 0
+        self.spec_accepted_per_pos = [0] * (config.num_speculative_tokens if speculator is not None else 0)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -135,6 +160,68 @@ class BaseScheduler(Scheduler):
 
     def _on_removed(self, request: Request) -> None:
         """Hook for subclasses (v0 drops chunk plans)."""
+        self._spec_hist.pop(request.request_id, None)
+
+    # ------------------------------------------------------------------
+    # speculative decoding
+    # ------------------------------------------------------------------
+
+    def drafts_for(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens to verify with ``req``'s next decode step (none
+        unless a speculator is set, ``req`` decodes -- one uncomputed token
+        -- and speculation is exact for it).  At most
+        ``--num-speculative-tokens``, ``budget - 1``, and what
+        ``max_tokens`` / ``max_model_len`` leave after the bonus token."""
+        sp = self.speculator
+        if sp is None or budget < 2 or req.num_tokens - req.num_computed_tokens != 1 or not speculation_is_exact(req):
+            return []
+        k = min(self.config.num_speculative_tokens, budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
+                req.max_model_len - req.num_tokens)
+        if k <= 0:
+            return []
+        buf, n = self._spec_hist.get(req.request_id, (None, 0))
+        if buf is None or len(buf) < req.num_tokens:  # the request's tokens, copied once each
+            old = buf
+            buf = np.empty(max(2 * req.num_tokens, 64), dtype=np.int64)
+            if old is not None:
+                buf[:n] = old[:n]
+        np_ = req.num_prompt_tokens
+        if n < np_:
+            buf[n:np_] = req.prompt_token_ids[n:]
+            n = np_
+        if n < req.num_tokens:
+            buf[n : req.num_tokens] = req.output_token_ids[n - np_ :]
+            n = req.num_tokens
+        self._spec_hist[req.request_id] = (buf, n)
+        drafts = sp.propose(buf[:n], k)
+        return [int(t) for t in drafts[:k]]
+
+    def _accept(self, req: Request, k: int, toks: list[int]) -> str | None:
+        """Apply a verified speculative step: ``toks`` are the accepted
+        drafts then the bonus token; the last token and the accepted drafts
+        now have KV.  Stop conditions run token by token (nothing after a
+        stop is appended); the blocks of rejected positions are released."""
+        a = len(toks) - 1
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += k
+        self.spec_num_accepted += a
+        for j in range(min(a, len(self.spec_accepted_per_pos))):
+            self.spec_accepted_per_pos[j] += 1
+        req.num_computed_tokens += len(toks)
+        reason = None
+        for t in toks:
+            self.num_generated_tokens += 1
+            reason = req.append_token(int(t), None)
+            if reason is not None:
+                break
+        self.kv.trim(req)
+        return reason
+
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        if self.speculator is None:
+            return None
+        return SpecDecodeStats(self.spec_num_drafts, self.spec_num_draft_tokens, self.spec_num_accepted,
+                               tuple(self.spec_accepted_per_pos))
 
     # ------------------------------------------------------------------
     # update
@@ -144,14 +231,21 @@ class BaseScheduler(Scheduler):
         finished: list[Request] = []
         token_ids = output.token_ids.tolist() if hasattr(output.token_ids, "tolist") else list(output.token_ids)
         logprobs = output.logprobs
+        spec = output.spec_token_ids or {}
         kv = self.kv
         for i, seq in enumerate(batch.seqs):
             req = seq.request
             if req.status is not Status.RUNNING:  # removed between schedule and update
                 continue
-            req.num_computed_tokens += seq.num_new_tokens
             tok = token_ids[i]
             reason = None
+            if seq.draft_token_ids and tok >= 0:  # verified drafts (none accepted when the runner did not say)
+                reason = self._accept(req, len(seq.draft_token_ids), spec.get(i) or [int(tok)])
+                kv.commit(req)
+                if reason is not None:
+                    finished.append(req)
+                continue
+            req.num_computed_tokens += seq.num_new_tokens
             if tok >= 0:
                 self.num_generated_tokens += 1
                 reason = req.append_token(int(tok), logprobs[i] if logprobs is not None else None)

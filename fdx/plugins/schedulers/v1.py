@@ -52,13 +52,18 @@ class V1Scheduler(BaseScheduler):
             if num_new <= 0:  # nothing to compute (should not happen)
                 i += 1
                 continue
+            drafts = self.drafts_for(req, budget) if self.speculator is not None else []
+            if drafts and kv.can_allocate(req, num_new + len(drafts)):  # drafts never cause a preemption
+                num_new += len(drafts)
+            else:
+                drafts = []
             while not kv.allocate(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim, batch)
                 if victim is req:
                     break
             else:
-                batch.seqs.append(ScheduledSeq(req, num_new))
+                batch.seqs.append(ScheduledSeq(req, num_new, drafts))
                 budget -= num_new
                 i += 1
                 continue

@@ -1,0 +1,1 @@
+"""Speculative-decoding proposers (``fdx_register_speculators``)."""
