@@ -207,13 +207,15 @@ class BaseScheduler(Scheduler):
         self.spec_num_accepted += a
         for j in range(min(a, len(self.spec_accepted_per_pos))):
             self.spec_accepted_per_pos[j] += 1
-        req.num_computed_tokens += len(toks)
         reason = None
         for t in toks:
             self.num_generated_tokens += 1
             reason = req.append_token(int(t), None)
             if reason is not None:
                 break
+        # KV is there for every token but the last appended (the bonus, or the stop): when a stop ended the
+        # step early, the positions after it are not the request's, so they never count as computed
+        req.num_computed_tokens = req.num_tokens - 1
         self.kv.trim(req)
         return reason
 
