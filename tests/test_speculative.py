@@ -50,9 +50,10 @@ def _reference(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     L = len(tokens)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         suffix = tokens[L - n :]
-        for i in range(L - n - 1, -1, -1):  # most recent earlier occurrence with a token after it
-            if tokens[i : i + n] == suffix:
-                return tokens[i + n : i + n + k]
+        hits = [i for i in range(L - n - 1, -1, -1) if tokens[i : i + n] == suffix]  # latest first
+        if hits:  # the latest with k tokens after it, else the latest
+            i = next((i for i in hits if i + n + k <= L), hits[0])
+            return tokens[i + n : i + n + k]
     return []
 
 

@@ -3,7 +3,8 @@
 The proposer looks for the request's last ``n`` tokens earlier in its own
 prompt + output, for ``n`` from ``--prompt-lookup-max`` down to
 ``--prompt-lookup-min``; at the first ``n`` that matches, the tokens that
-followed the most recent earlier occurrence are the drafts (up to K).  This
+followed the most recent earlier occurrence with K tokens after it (else
+the most recent one) are the drafts (up to K).  This
 wins when the output copies from the context (summaries, code edits, RAG
 answers quoting their sources) and costs one cheap lookup otherwise.
 
@@ -30,8 +31,10 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndarray:
     """Drafts after the most recent earlier occurrence of the longest
-    suffix n-gram (``n_max >= n >= n_min``) of ``tokens``; none when no
-    suffix of those lengths occurs earlier."""
+    suffix n-gram (``n_max >= n >= n_min``) of ``tokens`` that has ``k``
+    tokens after it (else after the most recent one: in a loop of period
+    p < k the latest occurrence is followed by fewer than k tokens); none
+    when no suffix of those lengths occurs earlier."""
     L = len(tokens)
     if k <= 0:
         return _EMPTY
@@ -40,7 +43,8 @@ def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndar
         hist = np.lib.stride_tricks.sliding_window_view(tokens[: L - 1], n)
         hits = np.flatnonzero((hist == tokens[L - n :]).all(axis=1))
         if len(hits):
-            start = int(hits[-1]) + n
+            full = hits[hits + n + k <= L]  # prefer the most recent occurrence with k tokens after it
+            start = int(full[-1] if len(full) else hits[-1]) + n
             return tokens[start : start + k].astype(np.int64, copy=False)
     return _EMPTY
 
