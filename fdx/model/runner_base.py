@@ -38,6 +38,15 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
+def take_rows(logits: Any, sel: np.ndarray) -> Any:
+    """Rows ``sel`` of a step's logits (a NumPy array or a Paddle tensor, kept where it is)."""
+    if isinstance(logits, np.ndarray):
+        return logits[sel]
+    import paddle
+
+    return paddle.index_select(logits, paddle.to_tensor(sel, place=logits.place))
+
+
 class StepLayout:
     """A step's sequences flattened to rows (host arrays, built once per step).
 
@@ -148,12 +157,9 @@ class PagedRunnerBase(ModelRunner):
         layout = self._layout(seqs)
         logits = self._forward(layout)
         if layout.prompt:  # prompt logprobs: only requests asking for them pay
-            import paddle
-
             pick_s, pick_p = layout.pick
-            take = lambda sel: paddle.index_select(logits, paddle.to_tensor(sel, place=logits.place))  # noqa: E731
-            self._prompt_logprobs(take(pick_p), seqs, layout.prompt)
-            logits = take(pick_s) if len(pick_s) else None
+            self._prompt_logprobs(take_rows(logits, pick_p), seqs, layout.prompt)
+            logits = take_rows(logits, pick_s) if len(pick_s) else None
         if layout.num_drafts is not None:
             return self._verify(logits, seqs, layout)
         return self._sample(logits, seqs, layout.samples)
@@ -174,18 +180,11 @@ class PagedRunnerBase(ModelRunner):
         np.cumsum(n_rows[:-1], out=first[1:])
         spec = k[sampled] > 0
 
-        def take(sel: np.ndarray) -> Any:
-            if isinstance(logits, np.ndarray):
-                return logits[sel]
-            import paddle
-
-            return paddle.index_select(logits, paddle.to_tensor(sel, place=logits.place))
-
         plain = sampled[~spec]
         token_ids = np.full(len(seqs), -1, dtype=np.int64)
         logprobs_out: list[Any] | None = None
         if len(plain):
-            toks, lps = self.sampler.sample(take(first[~spec]), [seqs[i].request for i in plain])
+            toks, lps = self.sampler.sample(take_rows(logits, first[~spec]), [seqs[i].request for i in plain])
             token_ids[plain] = toks
             if lps is not None:
                 logprobs_out = [None] * len(seqs)
@@ -193,7 +192,7 @@ class PagedRunnerBase(ModelRunner):
                     logprobs_out[i] = lps[j]
         ns = n_rows[spec]
         spec_rows = np.repeat(first[spec], ns) + np.arange(int(ns.sum())) - np.repeat(np.cumsum(ns) - ns, ns)
-        arr = _to_numpy(take(spec_rows))
+        arr = _to_numpy(take_rows(logits, spec_rows))
         target = arr[:, : self.vocab_size].argmax(axis=1).astype(np.int64)  # the sampler's greedy argmax
         out: dict[int, list[int]] = {}
         pos = 0
