@@ -41,6 +41,7 @@ Redis keys (``P`` = ``fdx:<--dp-cluster>``): see docs/DP.md.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -356,7 +357,7 @@ class GlobalQueueClient:
         self.work: dict[str, Work] = {}
         self._wsink: Sink = asyncio.Queue()
         self._unsent: dict[str, list[tuple[float, bytes]]] = {}  # origin -> outputs waiting for Redis
-        self._sent: dict[str, list[tuple[float, bytes]]] = {}  # origin -> outputs pushed in the last REPLAY_S
+        self._sent: dict[str, collections.deque[tuple[float, bytes]]] = {}  # origin -> pushed in the last REPLAY_S
         self._epoch: bytes | None = None  # the Redis data's incarnation (a key that a restart without data loses)
         self._epoch_unsure = True  # connections were reset since the epoch was last read
         self._flush_lock = asyncio.Lock()  # one push at a time: outputs stay in order
@@ -962,11 +963,12 @@ class GlobalQueueClient:
                 self._finished.extend(finished)
                 raise
             for origin, entries in unsent.items():
-                kept = [e for e in self._sent.get(origin, ()) if now - e[0] < REPLAY_S] + entries
-                if kept:
-                    self._sent[origin] = kept
-                else:
-                    self._sent.pop(origin, None)
+                self._sent.setdefault(origin, collections.deque()).extend(entries)
+            for origin, sent in list(self._sent.items()):  # oldest first: drop from the left what is too old
+                while sent and now - sent[0][0] >= REPLAY_S:
+                    sent.popleft()
+                if not sent:
+                    del self._sent[origin]
 
     async def _check_epoch(self) -> None:
         pipe = self.r.pipeline(transaction=False)
@@ -976,8 +978,8 @@ class GlobalQueueClient:
         if self._epoch is not None and epoch != self._epoch:
             now = time.monotonic()
             n = 0
-            for origin, entries in self._sent.items():
-                again = [e for e in entries if now - e[0] < REPLAY_S]
+            for origin, sent in self._sent.items():
+                again = [e for e in sent if now - e[0] < REPLAY_S]
                 n += len(again)
                 self._unsent[origin] = again + self._unsent.get(origin, [])
             self._sent = {}
