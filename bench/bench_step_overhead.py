@@ -38,23 +38,17 @@ def main() -> None:
     eng = llm.engine
     runner = eng.runner
     timers = {"forward": 0.0, "execute": 0.0}
-    fwd, execute = runner._forward, runner.execute
 
-    def timed_forward(*a, **k):  # type: ignore[no-untyped-def]
-        t = time.perf_counter()
-        try:
-            return fwd(*a, **k)
-        finally:
-            timers["forward"] += time.perf_counter() - t
+    def timed(fn, key):  # type: ignore[no-untyped-def]
+        def wrapper(*a, **k):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                timers[key] += time.perf_counter() - t
+        return wrapper
 
-    def timed_execute(*a, **k):  # type: ignore[no-untyped-def]
-        t = time.perf_counter()
-        try:
-            return execute(*a, **k)
-        finally:
-            timers["execute"] += time.perf_counter() - t
-
-    runner._forward, runner.execute = timed_forward, timed_execute
+    runner._forward, runner.execute = timed(runner._forward, "forward"), timed(runner.execute, "execute")
     rng = np.random.default_rng(0)
     vocab = 40000
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
