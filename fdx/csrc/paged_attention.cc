@@ -21,6 +21,7 @@
 
 #include <omp.h>
 
+#include "kernels.h"
 #include "paddle/extension.h"
 #include "simd_math.h"
 
@@ -78,50 +79,26 @@ inline void axpy(float a, const float* x, float* y, int n) {
 
 }  // namespace
 
-std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& kv_cache,
-                                           const paddle::Tensor& rope, const paddle::Tensor& meta,
-                                           const paddle::Tensor& tables, int num_heads, int num_kv_heads,
-                                           int block_size, float scale) {
-  PD_CHECK(qkv.dtype() == paddle::DataType::FLOAT32, "qkv must be float32");
-  PD_CHECK(kv_cache.dtype() == paddle::DataType::FLOAT32, "kv_cache must be float32");
-  PD_CHECK(meta.dtype() == paddle::DataType::INT32 && tables.dtype() == paddle::DataType::INT32,
-           "meta/tables must be int32");
-  const int64_t T = qkv.shape()[0];
-  const int H = num_heads, KV = num_kv_heads, BS = block_size;
-  PD_CHECK(kv_cache.shape().size() == 5, "kv_cache must be [2, NB, KV, BS, D]");
-  const int64_t NB = kv_cache.shape()[1];
-  const int D = static_cast<int>(kv_cache.shape()[4]);
-  PD_CHECK(kv_cache.shape()[2] == KV && kv_cache.shape()[3] == BS, "kv_cache geometry mismatch");
-  PD_CHECK(qkv.shape()[1] == (int64_t)(H + 2 * KV) * D, "qkv width mismatch");
-  PD_CHECK(H % KV == 0, "num_heads must be a multiple of num_kv_heads");
-  const int G = H / KV;
-  const int64_t W = (int64_t)(H + 2 * KV) * D;
-  const int64_t S = tables.shape()[0];
-  const int64_t MAXB = tables.shape()[1];
-  const int64_t P = rope.shape()[0];
-  const int half = D / 2;
-
-  auto out = paddle::empty({T, (int64_t)H * D}, paddle::DataType::FLOAT32, qkv.place());
-  float* o = out.data<float>();
-  const float* x = qkv.data<float>();
-  float* kc = const_cast<float*>(kv_cache.data<float>());
-  float* vc = kc + (size_t)NB * KV * BS * D;
-  const float* rp = rope.data<float>();
-  const int* mt = meta.data<int>();
-  const int* bt = tables.data<int>();
-
-  // validate metadata once (never touch memory outside the cache)
-  for (int64_t t = 0; t < T; ++t) {
+void fdx::check_attention_meta(const AttnShape& sh, const int* mt, const int* bt) {
+  for (int64_t t = 0; t < sh.T; ++t) {
     const int s = mt[2 * t], p = mt[2 * t + 1];
-    PD_CHECK(s >= 0 && s < S, "token sequence index out of range");
-    PD_CHECK(p >= 0 && p < P, "position out of range of the RoPE table");
-    PD_CHECK(p / BS < MAXB, "position beyond the block table");
-    for (int64_t j = 0; j <= p / BS; ++j) {
-      const int b = bt[s * MAXB + j];
-      PD_CHECK(b >= 0 && b < NB, "block id out of range");
+    PD_CHECK(s >= 0 && s < sh.S, "token sequence index out of range");
+    PD_CHECK(p >= 0 && p < sh.P, "position out of range of the RoPE table");
+    PD_CHECK(p / sh.BS < sh.MAXB, "position beyond the block table");
+    for (int64_t j = 0; j <= p / sh.BS; ++j) {
+      const int b = bt[s * sh.MAXB + j];
+      PD_CHECK(b >= 0 && b < sh.NB, "block id out of range");
     }
   }
+}
 
+void fdx::paged_attention(const AttnShape& sh, const float* x, float* kc, const float* rp, const int* mt,
+                          const int* bt, float* o) {
+  const int64_t T = sh.T, MAXB = sh.MAXB;
+  const int H = sh.H, KV = sh.KV, D = sh.D, BS = sh.BS, G = H / KV, half = D / 2;
+  const float scale = sh.scale;
+  const int64_t W = (int64_t)(H + 2 * KV) * D;
+  float* vc = kc + (size_t)sh.NB * KV * BS * D;
   // phase 1: rotate q into the output buffer (reused as scratch), rotate k,
   // write k and v into their cache slots.
   std::vector<float> q((size_t)T * H * D);
@@ -182,6 +159,28 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const padd
       }
     }
   }
+}
+
+std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& kv_cache,
+                                           const paddle::Tensor& rope, const paddle::Tensor& meta,
+                                           const paddle::Tensor& tables, int num_heads, int num_kv_heads,
+                                           int block_size, float scale) {
+  PD_CHECK(qkv.dtype() == paddle::DataType::FLOAT32, "qkv must be float32");
+  PD_CHECK(kv_cache.dtype() == paddle::DataType::FLOAT32, "kv_cache must be float32");
+  PD_CHECK(meta.dtype() == paddle::DataType::INT32 && tables.dtype() == paddle::DataType::INT32,
+           "meta/tables must be int32");
+  PD_CHECK(kv_cache.shape().size() == 5, "kv_cache must be [2, NB, KV, BS, D]");
+  fdx::AttnShape sh{qkv.shape()[0], num_heads, num_kv_heads, static_cast<int>(kv_cache.shape()[4]), block_size,
+                    kv_cache.shape()[1], tables.shape()[0], tables.shape()[1], rope.shape()[0], scale};
+  PD_CHECK(kv_cache.shape()[2] == sh.KV && kv_cache.shape()[3] == sh.BS, "kv_cache geometry mismatch");
+  PD_CHECK(qkv.shape()[1] == (int64_t)(sh.H + 2 * sh.KV) * sh.D, "qkv width mismatch");
+  PD_CHECK(sh.H % sh.KV == 0, "num_heads must be a multiple of num_kv_heads");
+  PD_CHECK(rope.shape()[1] == sh.D, "rope width mismatch");
+  // validate metadata once (never touch memory outside the cache)
+  fdx::check_attention_meta(sh, meta.data<int>(), tables.data<int>());
+  auto out = paddle::empty({sh.T, (int64_t)sh.H * sh.D}, paddle::DataType::FLOAT32, qkv.place());
+  fdx::paged_attention(sh, qkv.data<float>(), const_cast<float*>(kv_cache.data<float>()), rope.data<float>(),
+                       meta.data<int>(), tables.data<int>(), out.data<float>());
   return {out};
 }
 

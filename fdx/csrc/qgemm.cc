@@ -35,6 +35,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "paddle/extension.h"
 #include "simd_math.h"
 
@@ -230,6 +231,12 @@ void run(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int
 
 }  // namespace
 
+void fdx::qgemm(const float* x, const uint8_t* w, int kind, float* out, int64_t M, int64_t K, int64_t N) {
+  if (M == 0) return;
+  if (kind == 4) run<4>(x, w, out, M, K, N);
+  else run<8>(x, w, out, M, K, N);
+}
+
 std::vector<paddle::Tensor> QGemm(const paddle::Tensor& x, const paddle::Tensor& w, int kind, int64_t n_out) {
   PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "x must be float32");
   PD_CHECK(w.dtype() == paddle::DataType::UINT8, "w must be uint8");
@@ -240,9 +247,7 @@ std::vector<paddle::Tensor> QGemm(const paddle::Tensor& x, const paddle::Tensor&
   PD_CHECK(w.shape()[0] == (n_out + 7) / 8 && w.shape()[1] == K / 32 && w.shape()[2] == (kind == 4 ? kQ4Bytes : kQ8Bytes),
            "packed w does not match K and n_out");
   auto out = paddle::empty({M, n_out}, paddle::DataType::FLOAT32, x.place());
-  if (M == 0) return {out};
-  if (kind == 4) run<4>(x.data<float>(), w.data<uint8_t>(), out.data<float>(), M, K, n_out);
-  else run<8>(x.data<float>(), w.data<uint8_t>(), out.data<float>(), M, K, n_out);
+  fdx::qgemm(x.data<float>(), w.data<uint8_t>(), kind, out.data<float>(), M, K, n_out);
   return {out};
 }
 

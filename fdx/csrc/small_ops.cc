@@ -14,6 +14,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels.h"
 #include "paddle/extension.h"
 #include "simd_math.h"
 
@@ -21,20 +22,8 @@ namespace {
 constexpr int64_t kParallelElems = 1 << 16;
 }
 
-std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x, const paddle::Tensor& residual,
-                                       const paddle::Tensor& weight, float eps) {
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "x must be float32");
-  const int64_t T = x.shape()[0], H = x.shape()[1];
-  const bool has_res = residual.numel() > 0;
-  PD_CHECK(!has_res || residual.numel() == T * H, "residual shape mismatch");
-  PD_CHECK(weight.numel() == H, "weight shape mismatch");
-  auto out = paddle::empty({T, H}, paddle::DataType::FLOAT32, x.place());
-  auto res_out = paddle::empty({T, H}, paddle::DataType::FLOAT32, x.place());
-  const float* xp = x.data<float>();
-  const float* rp = has_res ? residual.data<float>() : nullptr;
-  const float* wp = weight.data<float>();
-  float* op = out.data<float>();
-  float* ro = res_out.data<float>();
+void fdx::add_rms_norm(const float* xp, const float* rp, const float* wp, int64_t T, int64_t H, float eps, float* op,
+                       float* ro) {
 #pragma omp parallel for schedule(static) if (T * H >= kParallelElems)
   for (int64_t t = 0; t < T; ++t) {
     const float* xr = xp + t * H;
@@ -60,6 +49,19 @@ std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x, const paddle::Te
 #pragma omp simd
     for (int64_t i = 0; i < H; ++i) orow[i] = rr[i] * inv * wp[i];
   }
+}
+
+std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x, const paddle::Tensor& residual,
+                                       const paddle::Tensor& weight, float eps) {
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "x must be float32");
+  const int64_t T = x.shape()[0], H = x.shape()[1];
+  const bool has_res = residual.numel() > 0;
+  PD_CHECK(!has_res || residual.numel() == T * H, "residual shape mismatch");
+  PD_CHECK(weight.numel() == H, "weight shape mismatch");
+  auto out = paddle::empty({T, H}, paddle::DataType::FLOAT32, x.place());
+  auto res_out = paddle::empty({T, H}, paddle::DataType::FLOAT32, x.place());
+  fdx::add_rms_norm(x.data<float>(), has_res ? residual.data<float>() : nullptr, weight.data<float>(), T, H, eps,
+                    out.data<float>(), res_out.data<float>());
   return {out, res_out};
 }
 
@@ -81,12 +83,8 @@ PD_BUILD_OP(fdx_add_rms_norm)
     .SetInferShapeFn(PD_INFER_SHAPE(AddRmsNormShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(AddRmsNormDtype));
 
-std::vector<paddle::Tensor> Swiglu(const paddle::Tensor& x) {
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "x must be float32");
-  const int64_t T = x.shape()[0], F2 = x.shape()[1], F = F2 / 2;
-  auto out = paddle::empty({T, F}, paddle::DataType::FLOAT32, x.place());
-  const float* xp = x.data<float>();
-  float* op = out.data<float>();
+void fdx::swiglu(const float* xp, int64_t T, int64_t F, float* op) {
+  const int64_t F2 = 2 * F;
 #pragma omp parallel for schedule(static) if (T * F >= kParallelElems)
   for (int64_t t = 0; t < T; ++t) {
     const float* g = xp + t * F2;
@@ -102,6 +100,13 @@ std::vector<paddle::Tensor> Swiglu(const paddle::Tensor& x) {
     }
     for (; i < F; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
   }
+}
+
+std::vector<paddle::Tensor> Swiglu(const paddle::Tensor& x) {
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "x must be float32");
+  const int64_t T = x.shape()[0], F2 = x.shape()[1], F = F2 / 2;
+  auto out = paddle::empty({T, F}, paddle::DataType::FLOAT32, x.place());
+  fdx::swiglu(x.data<float>(), T, F, out.data<float>());
   return {out};
 }
 

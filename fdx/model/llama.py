@@ -179,6 +179,11 @@ class LlamaModel:
         self.p_lm_head: PackedWeight | None = None
         #: steps with at most this many token rows use the quantized GEMV
         self.quant_max_rows = QUANT_MAX_ROWS if native_ops is not None else 0
+        #: int8: run every layer in one ``fdx_decoder_layers`` call (same
+        #: kernels, same bits as the per-layer path, without ~8 op dispatches a
+        #: layer); ``False`` keeps the per-layer path (tests compare the two)
+        self.fused_layers = native_ops is not None and hasattr(native_ops, "fdx_decoder_layers")
+        self._stack: tuple[Any, ...] | None = None
 
     # ------------------------------------------------------------------ weights
 
@@ -228,6 +233,20 @@ class LlamaModel:
         self.lm_head = None
         self.q_lm_head = None
         self.p_lm_head = None
+        self._stack = None
+
+    def _layer_stack(self) -> tuple[Any, ...]:
+        """The per-layer lists ``fdx_decoder_layers`` takes (built once after load)."""
+        if self._stack is None:
+            empty = paddle.zeros([0], dtype="float32")
+            Ls = self.layers
+            self._stack = (
+                [l.attn_norm for l in Ls], [l.p_qkv.data for l in Ls],  # type: ignore[union-attr]
+                [l.b_qkv if l.b_qkv is not None else empty for l in Ls], [l.p_o.data for l in Ls],  # type: ignore[union-attr]
+                [l.ffn_norm for l in Ls], [l.p_gate_up.data for l in Ls], [l.p_down.data for l in Ls],  # type: ignore[union-attr]
+                [k for l in Ls for k in (l.p_qkv.kind, l.p_o.kind, l.p_gate_up.kind, l.p_down.kind)],  # type: ignore[union-attr]
+            )
+        return self._stack
 
     def _convert_layer(self, lw: LayerWeights, path: str, i: int) -> Layer:
         a = self.args
@@ -336,7 +355,12 @@ class LlamaModel:
 
         x = F.embedding(step.ids, self.embed)
         residual = None
-        for layer, cache in zip(self.layers, caches):
+        if int8 and self.fused_layers:
+            an, wq, bq, wo, fn, wgu, wd, kinds = self._layer_stack()
+            x, residual = self.ops.fdx_decoder_layers(
+                x, self.rope, step.meta, step.tables, an, wq, bq, wo, fn, wgu, wd, list(caches), kinds,
+                a.num_heads, eps, self.scale)
+        for layer, cache in zip([] if int8 and self.fused_layers else self.layers, caches):
             h, residual = add_norm(x, residual, layer.attn_norm)
             qkv = linear(h, layer.w_qkv, layer.q_qkv, layer.p_qkv)
             if layer.b_qkv is not None:

@@ -25,7 +25,10 @@ paged causal attention), ``fdx_qgemv`` (csrc/qgemv.cc: fp32 few-row matmul
 straight from GGUF Q4_0/Q4_1/Q8_0 blocks), ``fdx_qgemm`` (csrc/qgemm.cc:
 the batch-invariant int8 GEMM over packed blocks, every row count),
 ``fdx_add_rms_norm`` and
-``fdx_swiglu`` (csrc/small_ops.cc).  Both use OpenMP through Paddle's
+``fdx_swiglu`` (csrc/small_ops.cc), and ``fdx_decoder_layers``
+(csrc/decoder_layers.cc: every decoder layer of an int8 step in one call,
+through the same kernels, whose plain C++ entry points csrc/kernels.h
+declares).  Both use OpenMP through Paddle's
 libiomp5 -- the runtime MKL uses -- never libgomp.
 """
 
@@ -45,8 +48,8 @@ log = logging.getLogger("fdx.model")
 
 #: the C++ sources, inside the installed package (package data)
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
-SOURCES = ("paged_attention.cc", "qgemv.cc", "qgemm.cc", "small_ops.cc")
-HEADERS = ("simd_math.h",)
+SOURCES = ("paged_attention.cc", "qgemv.cc", "qgemm.cc", "small_ops.cc", "decoder_layers.cc")
+HEADERS = ("simd_math.h", "kernels.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only")
 
 #: extra compiler flags per kernel set (-march=native targets the CPU; the

@@ -1,0 +1,50 @@
+// The plain C++ entry points of fdx's CPU kernels, shared by the Paddle op
+// wrappers of each .cc file and by the fused decoder op (decoder_layers.cc).
+//
+// Each function works on raw row-major buffers and owns no tensor; the op
+// wrappers check dtypes and shapes, allocate the outputs and call these.
+// Invariant kept by every implementation: each output row depends only on
+// its own input row (and, for attention, its own sequence's cache), with a
+// fixed reduction order, so a row's bits never depend on the other rows of
+// the call nor on the thread count (see qgemm.cc's BATCH INVARIANCE note).
+#pragma once
+
+#include <cstdint>
+
+namespace fdx {
+
+// qgemm.cc: out[M, N] = x[M, K] @ W^T in int8 (x quantized per row to Q8),
+// W packed by fdx/model/packed_weights.py (kind 4: Q4_0/Q4_1, kind 8: Q8_0).
+void qgemm(const float* x, const uint8_t* w, int kind, float* out, int64_t M, int64_t K, int64_t N);
+
+// paged_attention.cc: the geometry of one call (see the layout contract there).
+struct AttnShape {
+  int64_t T;     // token rows of the step
+  int H, KV, D;  // query heads, kv heads, head size
+  int BS;        // tokens per cache block
+  int64_t NB;    // blocks in the cache
+  int64_t S;     // sequences (rows of the block table)
+  int64_t MAXB;  // block-table width
+  int64_t P;     // rows of the RoPE table
+  float scale;   // softmax scale
+};
+
+// Throws (PD_CHECK) unless every token's sequence, position and block ids are
+// in range; paged_attention itself trusts them.
+void check_attention_meta(const AttnShape& s, const int* meta, const int* tables);
+
+// RoPE q and k of qkv [T, (H + 2 KV) D], write k and v into the cache
+// (kcache: [2, NB, KV, BS, D], K half first; written in place), attend;
+// out [T, H D].
+void paged_attention(const AttnShape& s, const float* qkv, float* kcache, const float* rope, const int* meta,
+                     const int* tables, float* out);
+
+// small_ops.cc: res_out = x + residual (residual may be null), out =
+// rmsnorm(res_out) * weight, for [T, H] rows.
+void add_rms_norm(const float* x, const float* residual, const float* weight, int64_t T, int64_t H, float eps,
+                  float* out, float* res_out);
+
+// out[T, F] = silu(x[:, :F]) * x[:, F:] for x [T, 2F].
+void swiglu(const float* x, int64_t T, int64_t F, float* out);
+
+}  // namespace fdx
