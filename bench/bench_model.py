@@ -17,6 +17,7 @@ figures.
 
     .venv/bin/python bench/bench_model.py [--decode-steps 64] [--no-peer] [--dtype int8|float32]
     .venv/bin/python bench/bench_model.py --compare-dtypes int8,float32 [--repeats 3]
+    .venv/bin/python bench/bench_model.py --compare-dtypes int8,int8:per-layer   # the fused layer op's gain
 """
 
 from __future__ import annotations
@@ -127,8 +128,12 @@ def bench_modes(args: argparse.Namespace, modes: list[str]) -> dict[str, dict[st
     round), best of ``--repeats``: the ratios survive a noisy machine."""
     runners = {}
     for m in modes:
-        args.dtype = m
+        args.dtype, _, variant = m.partition(":")
         runners[m] = build_runner(args)
+        if variant == "per-layer":  # int8 without the fused fdx_decoder_layers op
+            runners[m].model.fused_layers = False
+        elif variant:
+            raise SystemExit(f"mode {m!r}: the only variant is ':per-layer' (e.g. int8:per-layer)")
         step(runners[m], make_requests(runners[m], prompts_of(2, 16, 9), 4))  # warm-up
 
     def prefill(r, k: int) -> dict[str, float]:  # noqa: ANN001
