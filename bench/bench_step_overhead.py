@@ -8,6 +8,11 @@ step loop could hide.  Printed as shares of the step, which hold on a
 busy machine better than absolute times.
 
     .venv/bin/python bench/bench_step_overhead.py [--concurrency 32] [--tokens 96] [--dtype auto]
+    .venv/bin/python bench/bench_step_overhead.py --by-op [--concurrency 1]
+
+``--by-op`` also times every native op call (the per-layer path, so that
+each kernel is timed on its own: qgemm by output width, attention, norms,
+SwiGLU) and prints each one's share of the step.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--by-op", action="store_true", help="time each native op (runs the per-layer path)")
     args = ap.parse_args()
 
     import numpy as np
@@ -49,6 +55,28 @@ def main() -> None:
         return wrapper
 
     runner._forward, runner.execute = timed(runner._forward, "forward"), timed(runner.execute, "execute")
+    op_times: dict[str, float] = {}
+    if args.by_op and getattr(runner, "model", None) is not None and runner.model.ops is not None:
+        model = runner.model
+        model.fused_layers = False  # the same kernels, one op call each
+
+        class TimedOps:
+            def __init__(self, ops):  # type: ignore[no-untyped-def]
+                self._ops = ops
+
+            def __getattr__(self, name):  # type: ignore[no-untyped-def]
+                fn = getattr(self._ops, name)
+
+                def call(*a, **k):  # type: ignore[no-untyped-def]
+                    key = f"{name} (N={a[3]})" if name == "fdx_qgemm" else name
+                    t = time.perf_counter()
+                    try:
+                        return fn(*a, **k)
+                    finally:
+                        op_times[key] = op_times.get(key, 0.0) + time.perf_counter() - t
+                return call
+
+        model.ops = TimedOps(model.ops)
     rng = np.random.default_rng(0)
     vocab = 40000
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
@@ -60,6 +88,7 @@ def main() -> None:
         eng.step()
     for k in timers:
         timers[k] = 0.0
+    op_times.clear()
     steps, t0 = 0, time.perf_counter()
     while eng.has_work() and steps < args.tokens - 8:
         eng.step()
@@ -73,6 +102,12 @@ def main() -> None:
     print(f"| rest of runner.execute (layout, sampling) | {(e - f) / total:.3f} |")
     print(f"| engine Python (schedule, update, outputs) | {(total - e) / total:.3f} |")
     print(f"| host time an overlapped loop could hide | {(total - f) / total:.3f} |")
+    if op_times:
+        print("\n| native op (per-layer path) | ms a step | share of the step |\n|---|---|---|")
+        for key, v in sorted(op_times.items(), key=lambda kv: -kv[1]):
+            print(f"| {key} | {v / steps * 1000:.2f} | {v / total:.3f} |")
+        rest = f - sum(op_times.values())
+        print(f"| rest of the forward (Python, Paddle dispatch, embedding) | {rest / steps * 1000:.2f} | {rest / total:.3f} |")
 
 
 if __name__ == "__main__":
