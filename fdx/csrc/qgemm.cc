@@ -24,8 +24,8 @@
 // pass then runs the fma chains above (the lanes of a tile only share the
 // loop, never a sum); row blocks keep their activations in L2 while cache
 // tiles of groups keep the weights in L1.  Q8 (sums widened per chunk
-// anyway) keeps one-pass tiles of 4 rows x 1 group, measured faster there.
-// M = 1 (memory bound) streams the weights one group at a time.  The
+// anyway) keeps one-pass tiles of 4 rows x 1 group, measured faster there,
+// and so does M = 1 (memory bound: the weights stream one group at a time).  The
 // quantized activations live in a per-thread scratch that only grows.
 //
 //   x      [M, K]               float32
@@ -215,7 +215,7 @@ void tile(const int8_t* const* xq, const float* const* dx, const float* const* s
     }
 }
 
-// Q8_0: one group of 8 columns against R (1..MR) rows, one pass (its sums
+// Q8_0 (and M = 1): one group of 8 columns against R (1..MR) rows, one pass (its sums
 // are widened per chunk anyway, and this measured faster for Q8 than the
 // two-group tiles above).  The same per-lane float sequence.
 //   xq [R][K] int8, dx/sx [R][nb], blk: the group's packed blocks.
@@ -371,11 +371,7 @@ void gemm_range(const int8_t* xq, const float* dx, const float* sx, const uint8_
             ncols[j] = static_cast<int>(std::min<int64_t>(8, N - 8 * (g + j)));
           }
           for (int r = 0; r < R; ++r) orow[r] = out + (m0 + r) * N + 8 * g;
-          float* orow1[NG][MR];
-          for (int r = 0; r < R; ++r) orow1[0][r] = orow[r], orow1[1][r] = orow[r] + 8;
-          if (M == 1) {  // streams the weights (memory bound): one group at a time, as few-row code always did
-            for (int j = 0; j < ng; ++j) tile<KIND, 1, 1>(xr, dr, sr, blk + j, nb, orow1[j], ncols + j);
-          } else if (ng == NG) {
+          if (ng == NG) {
             tile_rows<KIND, NG>(R, xr, dr, sr, blk, nb, orow, ncols);
           } else {
             tile_rows<KIND, 1>(R, xr, dr, sr, blk, nb, orow, ncols);
@@ -386,7 +382,7 @@ void gemm_range(const int8_t* xq, const float* dx, const float* sx, const uint8_
   }
 }
 
-// Q8_0: groups [g0, g1) of every row, in cache tiles of kGroupTile groups x
+// Q8_0 and M = 1: groups [g0, g1) of every row, in cache tiles of kGroupTile groups x
 // every row, register tiles of MR rows x 1 group.
 template <int KIND>
 void gemm_range_g1(const int8_t* xq, const float* dx, const float* sx, const uint8_t* w, float* out, int64_t M,
@@ -466,7 +462,8 @@ void run(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int
     const int64_t per = (pairs + nth - 1) / nth;
     const int64_t g0 = std::min<int64_t>(G, tid * per * NG), g1 = std::min<int64_t>(G, g0 + per * NG);
     if (g0 < g1) {
-      if constexpr (KIND == 4) gemm_range<KIND>(xq, dx, sx, w, out, M, K, N, g0, g1);
+      // M = 1 streams the weights (memory bound): the one-group tiles
+      if (KIND == 4 && M > 1) gemm_range<KIND>(xq, dx, sx, w, out, M, K, N, g0, g1);
       else gemm_range_g1<KIND>(xq, dx, sx, w, out, M, K, N, g0, g1);
     }
   }
