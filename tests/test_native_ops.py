@@ -250,6 +250,125 @@ def test_qgemm_rows_are_batch_invariant(ops: Any, qtype: int) -> None:
     np.testing.assert_array_equal(run(perm), full[perm])
 
 
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 fma(a, b, c), correctly rounded, elementwise: a*b is exact in
+    float64, the float64 sum's rounding error is recovered exactly (TwoSum)
+    and breaks the one case float64 -> float32 double rounding gets wrong (a
+    float64 sum that lands exactly halfway between two float32s)."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c64 = c.astype(np.float64)
+    s = p + c64
+    bv = s - p
+    err = (p - (s - bv)) + (c64 - bv)
+    r = s.astype(np.float32)
+    r64 = r.astype(np.float64)
+    # halfway: s sits exactly between r and its float32 neighbour on s's side
+    nb = np.where(s > r64, np.nextafter(r, np.float32(np.inf)), np.nextafter(r, np.float32(-np.inf))).astype(np.float64)
+    tie = (s != r64) & ((r64 + nb) / 2 == s) & (err != 0)
+    if tie.any():
+        nudged = np.nextafter(s, np.where(err > 0, np.inf, -np.inf))
+        r = np.where(tie, nudged.astype(np.float32), r)
+    return r
+
+
+def _qgemm_exact(x: np.ndarray, p: Any) -> np.ndarray:
+    """fdx_qgemm's every bit in numpy: the kernel's quantize_row (d = max|x|
+    * (1/127), q = rint(x * (127 / max|x|)), s = d * sum q, float32) and the
+    BATCH INVARIANCE sequence of qgemm.cc, one block at a time in order:
+    acc = fma(isum, dw*dx, acc), then (Q4) acc = fma(mw, sx, acc)."""
+    from fdx.model.packed_weights import dequantize
+
+    data = np.asarray(p.data)
+    G, nb, _ = data.shape
+    M, K = x.shape
+    xb = x.reshape(M, nb, 32)
+    amax = np.abs(xb).max(axis=2)
+    dx = (amax * (np.float32(1) / np.float32(127))).astype(np.float32)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0)).astype(np.float32)
+    qx = np.rint(xb * inv[..., None]).astype(np.int64)
+    sx = (dx * qx.sum(axis=2).astype(np.float32)).astype(np.float32)
+    if p.kind == 8:
+        qw = data[:, :, :256].view(np.int8).reshape(G, nb, 8, 8, 4).transpose(0, 3, 1, 2, 4).reshape(G * 8, nb, 32)
+        dw = data[:, :, 256:272].copy().view(np.float16).transpose(0, 2, 1).reshape(G * 8, nb).astype(np.float32)
+        mw = None
+    else:
+        qs = data[:, :, :128].reshape(G, nb, 4, 8, 4)
+        qw = np.stack([qs & 0x0F, qs >> 4], axis=4).transpose(0, 3, 1, 2, 4, 5).reshape(G * 8, nb, 32)
+        dw = data[:, :, 128:144].copy().view(np.float16).transpose(0, 2, 1).reshape(G * 8, nb).astype(np.float32)
+        mw = data[:, :, 144:160].copy().view(np.float16).transpose(0, 2, 1).reshape(G * 8, nb).astype(np.float32)
+    isum = np.einsum("nbk,mbk->mnb", qw.astype(np.int64), qx).astype(np.float32)  # |isum| < 2^24: exact
+    acc = np.zeros((M, G * 8), np.float32)
+    for b in range(nb):
+        acc = _fma32(isum[:, :, b], (dw[None, :, b] * dx[:, b, None]).astype(np.float32), acc)
+        if mw is not None:
+            acc = _fma32(np.broadcast_to(mw[None, :, b], acc.shape), np.broadcast_to(sx[:, b, None], acc.shape), acc)
+    return acc[:, : p.n_out]
+
+
+@pytest.mark.parametrize("qtype", [2, 3, 8])
+def test_qgemm_bits_match_the_fma_sequence(ops: Any, qtype: int) -> None:
+    """Every output bit is the documented float sequence (so a faster kernel
+    cannot drift from the one before it): all row tiles (M = 1..9 and 70,
+    tails of 1-3 rows), an odd number of column groups with a 5-column tail,
+    more blocks than one integer pass (K = 800: 25 blocks), zero blocks."""
+    import paddle
+
+    from fdx.model.packed_weights import pack_gguf
+
+    rng = np.random.default_rng(1000 + qtype)
+    N, K = 173, 800
+    raw, _ = _quantize(rng, N, K, qtype)
+    p = pack_gguf(raw, qtype)
+    w = paddle.to_tensor(p.data)
+    for M in (1, 2, 3, 4, 5, 9, 70):
+        x = (rng.standard_normal((M, K)) * rng.uniform(0.01, 30, size=(M, 1))).astype(np.float32)
+        x[0, 64:96] = 0.0
+        got = ops.fdx_qgemm(paddle.to_tensor(x), w, p.kind, p.n_out).numpy()
+        want = _qgemm_exact(x, p)
+        assert got.tobytes() == want.tobytes(), f"M={M}: {int((got != want).sum())} elements differ"
+
+
+_THREADS_SCRIPT = r"""
+import sys, numpy as np, paddle
+from fdx.model import native
+from fdx.model.packed_weights import pack_gguf
+ops = native.load_ops()
+rng = np.random.default_rng(7)
+out = []
+for qtype, K, N in ((3, 576, 300), (8, 256, 1000)):
+    nb = K // 32
+    d = rng.uniform(0.005, 0.05, size=(N, nb)).astype(np.float16)
+    if qtype == 8:
+        raw = np.concatenate([d[..., None].view(np.uint8), rng.integers(0, 256, size=(N, nb, 32), dtype=np.uint8)], axis=2)
+    else:
+        m = rng.uniform(-0.3, 0.3, size=(N, nb)).astype(np.float16)
+        raw = np.concatenate([d[..., None].view(np.uint8), m[..., None].view(np.uint8),
+                              rng.integers(0, 256, size=(N, nb, 16), dtype=np.uint8)], axis=2)
+    p = pack_gguf(raw.reshape(N, -1), qtype)
+    for M in (1, 3, 37, 300):
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        out.append(ops.fdx_qgemm(paddle.to_tensor(x), paddle.to_tensor(p.data), p.kind, p.n_out).numpy().tobytes())
+sys.stdout.buffer.write(b"".join(out))
+"""
+
+
+@needs_simd
+def test_qgemm_bits_do_not_depend_on_the_thread_count(ops: Any) -> None:
+    import os
+    import subprocess
+    import sys
+
+    def run(threads: int) -> bytes:
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        r = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT], env=env, capture_output=True, timeout=600)
+        assert r.returncode == 0, r.stderr.decode()[-2000:]
+        return r.stdout
+
+    one, two = run(1), run(2)
+    assert len(one) > 0 and one == two
+    assert run(3) == one
+
+
 @pytest.mark.parametrize("qtype", [2, 3, 8])
 def test_packing_is_exact(qtype: int) -> None:
     from fdx.model.packed_weights import dequantize, pack_float, pack_gguf

@@ -18,6 +18,16 @@
 // columns).  A request's logits are therefore bit-identical alone, in any
 // batch, in a prefill chunk or a decode step.
 //
+// SPEED (AVX2, 2 cores).  Q4: register tiles of 4 rows x 2 column groups,
+// so each x broadcast feeds two groups and each nibble unpack four rows; an
+// integer pass leaves KC blocks' int32 sums in a small scratch and a float
+// pass then runs the fma chains above (the lanes of a tile only share the
+// loop, never a sum); row blocks keep their activations in L2 while cache
+// tiles of groups keep the weights in L1.  Q8 (sums widened per chunk
+// anyway) keeps one-pass tiles of 4 rows x 1 group, measured faster there,
+// and so does M = 1 (memory bound: the weights stream one group at a time).  The
+// quantized activations live in a per-thread scratch that only grows.
+//
 //   x      [M, K]               float32
 //   w      [ceil(N/8), K/32, B] uint8   packed (kind 4: B = 160, kind 8: B = 272)
 //   out    [M, N]               float32
@@ -33,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "kernels.h"
@@ -50,8 +61,12 @@ constexpr const char* kDot = "maddubs";
 
 constexpr int kQ4Bytes = 160;
 constexpr int kQ8Bytes = 272;
-constexpr int MR = 4;        // rows per tile
-constexpr int kGroupTile = 8;  // column groups (of 8) per cache tile
+constexpr int MR = 4;   // rows per register tile
+constexpr int NG = 2;   // column groups (of 8) per register tile: the x broadcasts serve both
+constexpr int KC = 16;  // blocks per integer pass (the int32 block sums wait in a 4 KB scratch)
+constexpr int64_t kRowBytes = 192 << 10;  // activations of a row block (stay in L2 while the weights stream)
+constexpr int kGroupTile = 8;            // Q8: column groups per cache tile
+constexpr int64_t kTileBytes = 12 << 10;  // packed weights per cache tile (stay in L1 across the row tiles)
 
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
@@ -60,6 +75,11 @@ inline __m256i bcast4(const int8_t* p) {
 }
 
 inline __m256 half8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// Keeps v in a register here: stops the compiler from re-associating an
+// accumulation chain into a tree of spilled partial sums (the integers are
+// exact either way; this is only about register pressure).
+#define FDX_PIN(v) asm volatile("" : "+x"(v))
 
 #ifdef FDX_QGEMM_VNNI
 inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
@@ -71,10 +91,136 @@ inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 }
 #endif
 
-// One group of 8 columns against R (1..MR) rows.
+// Integer pass: the exact block sums of blocks [b0, b0 + nbk) for R rows x
+// G groups, isum[b][r][g] = 8 int32 lanes (one per column).
+//   xq[r]: row r's int8 activations, blk[g]: group g's packed blocks.
+template <int KIND, int R, int G>
+inline void block_sums(const int8_t* const* xq, const uint8_t* const* blk, int64_t b0, int nbk, __m256i* isum) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  (void)low4;
+  (void)ones16;
+  for (int bb = 0; bb < nbk; ++bb) {
+    const int64_t b = b0 + bb;
+    __m256i s[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) s[r][g] = _mm256_setzero_si256();
+    if constexpr (KIND == 4) {
+      for (int c = 0; c < 4; ++c) {
+        __m256i lo[G], hi[G];
+        for (int g = 0; g < G; ++g) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g] + b * kQ4Bytes + 32 * c));
+          lo[g] = _mm256_and_si256(raw, low4);
+          hi[g] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xb = xq[r] + b * 32 + 8 * c;
+          const __m256i xl = bcast4(xb), xh = bcast4(xb + 4);
+          for (int g = 0; g < G; ++g) {
+#ifdef FDX_QGEMM_VNNI
+            s[r][g] = dot_u8s8(dot_u8s8(s[r][g], lo[g], xl), hi[g], xh);
+#else
+            // |pair| <= 15*127*2 = 3810; a block's eight pair sums (any
+            // subset, any order) stay within 8*3810 = 30480: no int16 overflow
+            s[r][g] = _mm256_add_epi16(s[r][g], _mm256_maddubs_epi16(lo[g], xl));
+            s[r][g] = _mm256_add_epi16(s[r][g], _mm256_maddubs_epi16(hi[g], xh));
+#endif
+            FDX_PIN(s[r][g]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int g = 0; g < G; ++g) {
+#ifdef FDX_QGEMM_VNNI
+          isum[(bb * R + r) * G + g] = s[r][g];
+#else
+          isum[(bb * R + r) * G + g] = _mm256_madd_epi16(s[r][g], ones16);
+#endif
+        }
+    } else {
+      for (int c = 0; c < 8; ++c) {
+        __m256i w[G], aw[G];
+        for (int g = 0; g < G; ++g) {
+          w[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g] + b * kQ8Bytes + 32 * c));
+          aw[g] = _mm256_sign_epi8(w[g], w[g]);  // |w| as unsigned (-128 -> 128)
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i xb = bcast4(xq[r] + b * 32 + 4 * c);
+          for (int g = 0; g < G; ++g) {
+            const __m256i sx8 = _mm256_sign_epi8(xb, w[g]);
+#ifdef FDX_QGEMM_VNNI
+            s[r][g] = dot_u8s8(s[r][g], aw[g], sx8);
+#else
+            // |pair| <= 128*127*2 = 32512: fits int16, widened per chunk
+            s[r][g] = _mm256_add_epi32(s[r][g], _mm256_madd_epi16(_mm256_maddubs_epi16(aw[g], sx8), ones16));
+#endif
+            FDX_PIN(s[r][g]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int g = 0; g < G; ++g) isum[(bb * R + r) * G + g] = s[r][g];
+    }
+  }
+}
+
+// R (1..MR) rows x G (1..NG) groups of 8 columns: out[r][8g + j].
+//   xq [R][K] int8, dx/sx [R][nb], blk[g]: group g's packed blocks.
+// Each element's float sequence is the one of the BATCH INVARIANCE note,
+// whatever R and G are: (r, g) only pick which lanes share the loop.
+template <int KIND, int R, int G>
+void tile(const int8_t* const* xq, const float* const* dx, const float* const* sx, const uint8_t* const* blk,
+          int64_t nb, float* const* out, const int* ncols) {
+  constexpr int64_t BB = KIND == 4 ? kQ4Bytes : kQ8Bytes;
+  // few lanes: one block at a time, its sums never leave the registers
+  constexpr int kc = R * G == 1 ? 1 : KC;
+  alignas(32) __m256i isum[kc * R * G];
+  __m256 acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < nb; b0 += kc) {
+    const int nbk = static_cast<int>(std::min<int64_t>(kc, nb - b0));
+    block_sums<KIND, R, G>(xq, blk, b0, nbk, isum);
+    for (int bb = 0; bb < nbk; ++bb) {
+      const int64_t b = b0 + bb;
+      __m256 dw[G], mw[G];
+      for (int g = 0; g < G; ++g) {
+        dw[g] = half8(blk[g] + b * BB + (KIND == 4 ? 128 : 256));
+        if constexpr (KIND == 4) mw[g] = half8(blk[g] + b * BB + 144);
+      }
+      (void)mw;
+      for (int r = 0; r < R; ++r) {
+        const __m256 d = _mm256_broadcast_ss(dx[r] + b);
+        for (int g = 0; g < G; ++g) {
+          const __m256 f = _mm256_cvtepi32_ps(isum[(bb * R + r) * G + g]);
+          acc[r][g] = _mm256_fmadd_ps(f, _mm256_mul_ps(dw[g], d), acc[r][g]);
+        }
+        if constexpr (KIND == 4) {
+          const __m256 s = _mm256_broadcast_ss(sx[r] + b);
+          for (int g = 0; g < G; ++g) acc[r][g] = _mm256_fmadd_ps(mw[g], s, acc[r][g]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) {
+      float* o = out[r] + 8 * g;
+      if (ncols[g] == 8) {
+        _mm256_storeu_ps(o, acc[r][g]);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, acc[r][g]);
+        std::memcpy(o, tmp, sizeof(float) * ncols[g]);
+      }
+    }
+}
+
+// Q8_0 (and M = 1): one group of 8 columns against R (1..MR) rows, one pass (its sums
+// are widened per chunk anyway, and this measured faster for Q8 than the
+// two-group tiles above).  The same per-lane float sequence.
 //   xq [R][K] int8, dx/sx [R][nb], blk: the group's packed blocks.
 template <int KIND, int R>
-inline void tile(const int8_t* const* xq, const float* const* dx, const float* const* sx, const uint8_t* blk,
+inline void tile_g1(const int8_t* const* xq, const float* const* dx, const float* const* sx, const uint8_t* blk,
                  int64_t nb, float* const* out, int ncols) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -180,51 +326,145 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* dx, float* sx) {
   }
 }
 
-template <int KIND>
-void run(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int64_t N) {
-  const int64_t nb = K / 32;
-  const int64_t G = (N + 7) / 8;
-  const int64_t BB = KIND == 4 ? kQ4Bytes : kQ8Bytes;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * nb), sx(M * nb);
-  // every row is quantized alone (the same code whatever M is)
-#pragma omp parallel if (M * K >= (1 << 15))
-  {
-    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    for (int64_t m = tid; m < M; m += nth) quantize_row(x + m * K, K, xq.data() + m * K, dx.data() + m * nb, sx.data() + m * nb);
+template <int KIND, int G>
+void tile_rows(int R, const int8_t* const* xr, const float* const* dr, const float* const* sr, const uint8_t* const* blk,
+               int64_t nb, float* const* orow, const int* ncols) {
+  switch (R) {
+    case 1: tile<KIND, 1, G>(xr, dr, sr, blk, nb, orow, ncols); break;
+    case 2: tile<KIND, 2, G>(xr, dr, sr, blk, nb, orow, ncols); break;
+    case 3: tile<KIND, 3, G>(xr, dr, sr, blk, nb, orow, ncols); break;
+    default: tile<KIND, 4, G>(xr, dr, sr, blk, nb, orow, ncols); break;
   }
-  // threads own contiguous column-group ranges; within one, tiles of
-  // kGroupTile groups x MR rows keep a tile's activations in L1
-#pragma omp parallel if (G >= 16)
-  {
-    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t per = (G + nth - 1) / nth;
-    const int64_t g0 = std::min<int64_t>(G, tid * per), g1 = std::min<int64_t>(G, g0 + per);
-    for (int64_t gt = g0; gt < g1; gt += kGroupTile) {
-      const int64_t gt1 = std::min<int64_t>(g1, gt + kGroupTile);
-      for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        const int R = static_cast<int>(std::min<int64_t>(MR, M - m0));
+}
+
+// Groups [g0, g1) of every row: row blocks of kRowBlock (their activations
+// stay in L2), within one cache tiles of groups (their weights stay in L1),
+// within one register tiles of MR rows x NG groups.
+template <int KIND>
+void gemm_range(const int8_t* xq, const float* dx, const float* sx, const uint8_t* w, float* out, int64_t M,
+                int64_t K, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t nb = K / 32;
+  const int64_t BB = KIND == 4 ? kQ4Bytes : kQ8Bytes;
+  const int64_t gtile = std::max<int64_t>(NG, kTileBytes / (nb * BB) / NG * NG);
+  const int64_t rows = std::max<int64_t>(MR, kRowBytes / K / MR * MR);
+  for (int64_t mb = 0; mb < M; mb += rows) {
+    const int64_t mb1 = std::min<int64_t>(M, mb + rows);
+    for (int64_t gt = g0; gt < g1; gt += gtile) {
+      const int64_t gt1 = std::min<int64_t>(g1, gt + gtile);
+      for (int64_t m0 = mb; m0 < mb1; m0 += MR) {
+        const int R = static_cast<int>(std::min<int64_t>(MR, mb1 - m0));
         const int8_t* xr[MR];
         const float* dr[MR];
         const float* sr[MR];
         float* orow[MR];
         for (int r = 0; r < R; ++r) {
-          xr[r] = xq.data() + (m0 + r) * K;
-          dr[r] = dx.data() + (m0 + r) * nb;
-          sr[r] = sx.data() + (m0 + r) * nb;
+          xr[r] = xq + (m0 + r) * K;
+          dr[r] = dx + (m0 + r) * nb;
+          sr[r] = sx + (m0 + r) * nb;
         }
-        for (int64_t g = gt; g < gt1; ++g) {
-          const int ncols = static_cast<int>(std::min<int64_t>(8, N - 8 * g));
+        for (int64_t g = gt; g < gt1; g += NG) {
+          const int ng = static_cast<int>(std::min<int64_t>(NG, gt1 - g));
+          const uint8_t* blk[NG];
+          int ncols[NG];
+          for (int j = 0; j < ng; ++j) {
+            blk[j] = w + (g + j) * nb * BB;
+            ncols[j] = static_cast<int>(std::min<int64_t>(8, N - 8 * (g + j)));
+          }
           for (int r = 0; r < R; ++r) orow[r] = out + (m0 + r) * N + 8 * g;
-          const uint8_t* blk = w + g * nb * BB;
-          switch (R) {
-            case 1: tile<KIND, 1>(xr, dr, sr, blk, nb, orow, ncols); break;
-            case 2: tile<KIND, 2>(xr, dr, sr, blk, nb, orow, ncols); break;
-            case 3: tile<KIND, 3>(xr, dr, sr, blk, nb, orow, ncols); break;
-            default: tile<KIND, 4>(xr, dr, sr, blk, nb, orow, ncols); break;
+          if (ng == NG) {
+            tile_rows<KIND, NG>(R, xr, dr, sr, blk, nb, orow, ncols);
+          } else {
+            tile_rows<KIND, 1>(R, xr, dr, sr, blk, nb, orow, ncols);
           }
         }
       }
+    }
+  }
+}
+
+// Q8_0 and M = 1: groups [g0, g1) of every row, in cache tiles of kGroupTile groups x
+// every row, register tiles of MR rows x 1 group.
+template <int KIND>
+void gemm_range_g1(const int8_t* xq, const float* dx, const float* sx, const uint8_t* w, float* out, int64_t M,
+                   int64_t K, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t nb = K / 32;
+  const int64_t BB = KIND == 4 ? kQ4Bytes : kQ8Bytes;
+  for (int64_t gt = g0; gt < g1; gt += kGroupTile) {
+    const int64_t gt1 = std::min<int64_t>(g1, gt + kGroupTile);
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      const int R = static_cast<int>(std::min<int64_t>(MR, M - m0));
+      const int8_t* xr[MR];
+      const float* dr[MR];
+      const float* sr[MR];
+      float* orow[MR];
+      for (int r = 0; r < R; ++r) {
+        xr[r] = xq + (m0 + r) * K;
+        dr[r] = dx + (m0 + r) * nb;
+        sr[r] = sx + (m0 + r) * nb;
+      }
+      for (int64_t g = gt; g < gt1; ++g) {
+        const int ncols = static_cast<int>(std::min<int64_t>(8, N - 8 * g));
+        for (int r = 0; r < R; ++r) orow[r] = out + (m0 + r) * N + 8 * g;
+        const uint8_t* blk = w + g * nb * BB;
+        switch (R) {
+          case 1: tile_g1<KIND, 1>(xr, dr, sr, blk, nb, orow, ncols); break;
+          case 2: tile_g1<KIND, 2>(xr, dr, sr, blk, nb, orow, ncols); break;
+          case 3: tile_g1<KIND, 3>(xr, dr, sr, blk, nb, orow, ncols); break;
+          default: tile_g1<KIND, 4>(xr, dr, sr, blk, nb, orow, ncols); break;
+        }
+      }
+    }
+  }
+}
+
+// Grown, never shrunk, never zeroed: the quantized activations of a call.
+struct Scratch {
+  std::unique_ptr<int8_t[]> xq;
+  std::unique_ptr<float[]> dx, sx;
+  int64_t nq = 0, ns = 0;
+  void reserve(int64_t q, int64_t s) {
+    if (q > nq) xq.reset(new int8_t[nq = q]);
+    if (s > ns) {
+      dx.reset(new float[s]);
+      sx.reset(new float[s]);
+      ns = s;
+    }
+  }
+};
+
+template <int KIND>
+void run(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int64_t N) {
+  const int64_t nb = K / 32;
+  const int64_t G = (N + 7) / 8;
+  thread_local Scratch scratch;
+  scratch.reserve(M * K, M * nb);
+  int8_t* xq = scratch.xq.get();
+  float* dx = scratch.dx.get();
+  float* sx = scratch.sx.get();
+  // Every row is quantized alone (the same code whatever M is, by whichever
+  // thread): few rows here, before the threads start; many in the same
+  // parallel region as the GEMM (one fork instead of two).  Then threads own
+  // contiguous column-group ranges (pairs of groups, so the register tiles
+  // stay full).
+  const bool par_quant = M * K >= (1 << 15);
+  if (!par_quant)
+    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, xq + m * K, dx + m * nb, sx + m * nb);
+#pragma omp parallel if (G >= 16)
+  {
+    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    if (par_quant) {
+      for (int64_t m = tid; m < M; m += nth) quantize_row(x + m * K, K, xq + m * K, dx + m * nb, sx + m * nb);
+      if (nth > 1) {
+#pragma omp barrier
+      }
+    }
+    const int64_t pairs = (G + NG - 1) / NG;
+    const int64_t per = (pairs + nth - 1) / nth;
+    const int64_t g0 = std::min<int64_t>(G, tid * per * NG), g1 = std::min<int64_t>(G, g0 + per * NG);
+    if (g0 < g1) {
+      // M = 1 streams the weights (memory bound): the one-group tiles
+      if (KIND == 4 && M > 1) gemm_range<KIND>(xq, dx, sx, w, out, M, K, N, g0, g1);
+      else gemm_range_g1<KIND>(xq, dx, sx, w, out, M, K, N, g0, g1);
     }
   }
 }
