@@ -8,7 +8,8 @@ checkout's fdx ops.  Each case (one 512-token prefill, a decode step of 1
 sequence at context 256, a decode step of 32 sequences at context ~300; the
 geometry of SmolLM2-135M: 9 query heads, 3 kv heads, head size 64, block
 size 16) is timed old and new in alternation, ``--rounds`` times, best of
-each; the machine is shared, so read the **ratios**.
+each; the machine is shared, so read the **ratios**.  The last column says
+whether the two kernels' outputs and caches are bit-identical for the case.
 
     .venv/bin/python bench/bench_attention.py [--ref main] [--rounds 7]
 """
@@ -127,13 +128,20 @@ def main() -> None:
         "decode c=1 ctx 256": (case([(0, 255)], rng), 300),
         "decode c=32 ctx ~300": (case([(s, 285 + s) for s in range(32)], rng), 20),
     }
-    print(f"{'case':30s} {'old':>10s} {'new':>10s} {'old/new':>8s}")
+    print(f"{'case':30s} {'old':>10s} {'new':>10s} {'old/new':>8s} {'same bits':>10s}")
     for name, (c, reps) in cases.items():
+        fresh = [x.numpy().copy() for x in c["caches"]]
+        outs = [op(c["qkv"], x, c["rope"], c["meta"], c["tables"], H, KV, BS, float(D) ** -0.5).numpy()
+                for op, x in ((ref.fdx_paged_attention_ref, c["caches"][0]), (new.fdx_paged_attention, c["caches"][1]))]
+        same = np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)) and np.array_equal(
+            c["caches"][0].numpy().view(np.uint32), c["caches"][1].numpy().view(np.uint32))
+        assert np.array_equal(fresh[0], fresh[1])
         best_old = best_new = float("inf")
         for _ in range(args.rounds):
             best_old = min(best_old, timed(ref.fdx_paged_attention_ref, c, c["caches"][0], reps))
             best_new = min(best_new, timed(new.fdx_paged_attention, c, c["caches"][1], reps))
-        print(f"{name:30s} {best_old * 1e6:8.0f}us {best_new * 1e6:8.0f}us {best_old / best_new:7.2f}x", flush=True)
+        print(f"{name:30s} {best_old * 1e6:8.0f}us {best_new * 1e6:8.0f}us {best_old / best_new:7.2f}x "
+              f"{'yes' if same else 'no':>10s}", flush=True)
 
 
 if __name__ == "__main__":
