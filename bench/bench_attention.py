@@ -127,6 +127,8 @@ def main() -> None:
         "prefill 512 (T=512, 1 seq)": (case([(0, p) for p in range(512)], rng), 3),
         "decode c=1 ctx 256": (case([(0, 255)], rng), 300),
         "decode c=32 ctx ~300": (case([(s, 285 + s) for s in range(32)], rng), 20),
+        "decode c=1 ctx 80": (case([(0, 79)], rng), 300),
+        "decode c=32 ctx ~80": (case([(s, 64 + s) for s in range(32)], rng), 50),
     }
     print(f"{'case':30s} {'old':>10s} {'new':>10s} {'old/new':>8s} {'same bits':>10s}")
     for name, (c, reps) in cases.items():
