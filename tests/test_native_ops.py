@@ -10,8 +10,11 @@ on an AVX-512 CPU) and are skipped only on a CPU with neither.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
-from typing import Any
+import os
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -468,6 +471,112 @@ def test_paged_attention_matches_numpy(ops: Any) -> None:
     c = cache.numpy()
     p = lens[1]
     np.testing.assert_allclose(c[0, tables[1, p // BS], :, p % BS], ks[1][p], rtol=1e-6, atol=1e-6)
+
+
+@contextlib.contextmanager
+def _omp_threads(n: int) -> Iterator[bool]:
+    """The OpenMP thread count of the ops' runtime (Paddle's libiomp5) set to
+    ``n`` for the block; yields False where it cannot be set."""
+    import paddle
+
+    lib = os.path.join(os.path.dirname(paddle.__file__), "libs", "libiomp5.so")
+    if not os.path.exists(lib):
+        yield False
+        return
+    omp = ctypes.CDLL(lib)
+    old = omp.omp_get_max_threads()
+    omp.omp_set_num_threads(n)
+    try:
+        assert omp.omp_get_max_threads() == n
+        yield True
+    finally:
+        omp.omp_set_num_threads(old)
+
+
+@pytest.mark.parametrize("H,KV,D,BS,lens", [(9, 3, 64, 16, (300, 130, 37, 5)), (8, 2, 36, 5, (70, 41, 9))])
+def test_paged_attention_rows_are_batch_invariant(ops: Any, H: int, KV: int, D: int, BS: int,
+                                                  lens: tuple[int, ...]) -> None:
+    """A query row's output bits depend only on its own q, its sequence's
+    K/V and its position: the same rows computed one token per call (decode,
+    T=1), as whole prompts (one prefill of up to 300 tokens), in chunks of
+    1/5/37/130 tokens mixed with other sequences' chunks in one call (T from
+    1 to ~170, the rows at every offset of the call) and with 1 or 2 OpenMP
+    threads all give identical outputs and identical caches.  The first
+    geometry is SmolLM2-135M's; the second leaves SIMD tails (head size 36,
+    4 query heads per kv head, blocks of 5)."""
+    import paddle
+
+    rng = np.random.default_rng(11)
+    S, W, half, P = len(lens), (H + 2 * KV) * D, D // 2, max(lens) + 1
+    inv = 1.0 / (10000.0 ** (np.arange(half) * 2.0 / D))
+    ang = np.arange(P)[:, None] * inv[None, :]
+    rope = paddle.to_tensor(np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32))
+    xs = [rng.standard_normal((n, W)).astype(np.float32) for n in lens]  # each token's qkv row
+    nblk = [(n + BS - 1) // BS for n in lens]
+    NB = sum(nblk) + 3
+    perm = rng.permutation(NB)  # the sequences' blocks interleaved over the cache
+    tables = np.full((S, max(nblk)), -1, np.int32)
+    k = 0
+    for s in range(S):
+        for j in range(nblk[s]):
+            tables[s, j] = perm[k]
+            k += 1
+    tables_t = paddle.to_tensor(tables)
+    scale = float(D) ** -0.5
+
+    def run(calls: list[list[tuple[int, int]]]) -> tuple[list[np.ndarray], np.ndarray]:
+        """Run the calls (each a list of (sequence, position)) on a fresh
+        cache; every row's output, per sequence, and the final cache."""
+        cache = paddle.zeros([2, NB, KV, BS, D], "float32")
+        outs = [np.full((n, H * D), np.nan, np.float32) for n in lens]
+        for call in calls:
+            qkv = np.stack([xs[s][p] for s, p in call])
+            out = ops.fdx_paged_attention(paddle.to_tensor(qkv), cache, rope,
+                                          paddle.to_tensor(np.array(call, np.int32)), tables_t,
+                                          H, KV, BS, scale).numpy()
+            for row, (s, p) in zip(out, call):
+                outs[s][p] = row
+        return outs, cache.numpy()
+
+    decode = [[(s, p)] for s in range(S) for p in range(lens[s])]
+    whole = [[(s, p) for p in range(lens[s])] for s in range(S)]
+    sizes = (1, 5, 37, 130)
+    mixed: list[list[tuple[int, int]]] = []
+    done = [0] * S
+    while min(d - n for d, n in zip(done, lens)) < 0:
+        k = len(mixed)
+        call = []
+        for s in [(k + i) % S for i in range(S)]:  # the sequences in a rotating order
+            c = min(sizes[(k + s) % len(sizes)], lens[s] - done[s])
+            call += [(s, p) for p in range(done[s], done[s] + c)]
+            done[s] += c
+        mixed.append(call)
+    assert len({len(c) for c in mixed}) >= 4  # calls of many sizes (SmolLM2's: T = 1 ... 130)
+
+    want, want_cache = run(decode)
+    for s, n in enumerate(lens):  # the reference is attention (spot checks against numpy)
+        q = xs[s][:, : H * D].reshape(n, H, D)
+        kk = xs[s][:, H * D : (H + KV) * D].reshape(n, KV, D)
+        vv = xs[s][:, (H + KV) * D :].reshape(n, KV, D)
+        rp = rope.numpy()
+        for p in {0, n // 2, n - 1}:
+            K_ = np.stack([_rot_half(kk[j], rp[j, :half], rp[j, half:]) for j in range(p + 1)]).astype(np.float64)
+            qr = _rot_half(q[p], rp[p, :half], rp[p, half:]).astype(np.float64)
+            for h in range(H):
+                sc = K_[:, h // (H // KV)] @ qr[h] * scale
+                e = np.exp(sc - sc.max())
+                np.testing.assert_allclose(want[s][p, h * D : (h + 1) * D], (e / e.sum()) @ vv[: p + 1, h // (H // KV)],
+                                           rtol=1e-4, atol=1e-5)
+    variants = {"whole prompts": whole, "mixed chunks": mixed}
+    results = {name: run(calls) for name, calls in variants.items()}
+    with _omp_threads(1) as ok:
+        if ok:
+            results["decode, 1 thread"] = run(decode)
+            results["mixed chunks, 1 thread"] = run(mixed)
+    for name, (outs, cache) in results.items():
+        for s in range(S):
+            assert np.array_equal(outs[s].view(np.uint32), want[s].view(np.uint32)), (name, s)
+        assert np.array_equal(cache.view(np.uint32), want_cache.view(np.uint32)), name
 
 
 # --------------------------------------------------------------------------

@@ -14,6 +14,31 @@
 // so chunks of several new tokens per sequence (prefill) work.
 // RoPE is NEOX "rotate_half" style (Hugging Face q/k order).
 
+//
+// BATCH INVARIANCE BY CONSTRUCTION.  Query row (token t, head h) of
+// sequence s at position p, with q = rope(q), runs
+//   score[j] = dot(q, k_j) * scale   for j = 0..p: lane i of a kLanes-wide
+//              accumulator adds the products q[d] k_j[d] (each rounded: mul,
+//              then add) for d = i, i + kLanes, ... in order; then the lanes
+//              are added by one fixed tree (reduce8/reduce4 below);
+//   w[j]     = softmax(score)[j]: exp(score[j] - max), their sum in a fixed
+//              order that depends only on p, then w[j] = e[j] * (1 / sum);
+//   out[d]   = sum over j = 0..p, in order, of w[j] v_j[d] (fma).
+// These are the same IEEE operations in the same order whatever T is,
+// whichever rows share the call, wherever the row sits in its tile (the
+// score tiles of 1-2 rows and the weighted-sum tiles of 1-3 rows x 1-4
+// vectors run the same per-lane sequence; every dot goes through the same
+// tree) and whatever the thread count: each row is computed entirely by one
+// thread.  They are also, operation for operation, what the previous
+// one-row-at-a-time kernel compiled to (its dot was an "omp simd"
+// reduction: mul + add per lane, then lanes i + i+4, i + i+2, 0 + 1; its
+// RoPE x1 c - x2 s and x2 c + x1 s each one fma and one mul), so with the
+// AVX2 set and head sizes that are a multiple of 8 the results are
+// bit-identical to it (checked: bench/bench_attention.py).  Work is tiled only for reuse: a
+// work item is (a run of <= kRun consecutive tokens of one sequence, a kv
+// head); key blocks stay in L1 while every row of the item uses them, and
+// the G query heads of a token share each key/value load.
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -27,21 +52,215 @@
 
 namespace {
 
+namespace v = fdx::simd;
+constexpr int L = v::kLanes;
+constexpr int kRun = 8;           // tokens per work item (a prefill chunk is cut in runs)
+constexpr int kRows = 3;          // query rows per register tile of the weighted sum
+constexpr int kVecs = 4;          // output vectors per register tile of the weighted sum
+
+inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+inline v::vf fmsub(v::vf a, v::vf b, v::vf c) {  // a*b - c
+#if defined(__AVX512F__)
+  return _mm512_fmsub_ps(a, b, c);
+#else
+  return _mm256_fmsub_ps(a, b, c);
+#endif
+}
+
+// Keeps a vector in a register: stops the compiler from folding a load into
+// each of the rows' operations (3-4 loads instead of 1: the tiles are
+// load-bound then) and from fusing a product into the add that follows it.
+// No instruction is emitted.
+inline void in_register(v::vf& x) { asm("" : "+v"(x)); }
+
+// y = rope(x): NEOX rotate_half over D = 2 * half floats.
 inline void rope_rotate(const float* x, float* y, const float* cs, int half) {
   const float* c = cs;
   const float* s = cs + half;
-#pragma omp simd
-  for (int i = 0; i < half; ++i) {
-    const float x1 = x[i], x2 = x[i + half];
-    y[i] = x1 * c[i] - x2 * s[i];
-    y[i + half] = x2 * c[i] + x1 * s[i];
+  int i = 0;
+  for (; i + L <= half; i += L) {
+    const v::vf x1 = v::load(x + i), x2 = v::load(x + half + i), ci = v::load(c + i), si = v::load(s + i);
+    v::vf a = v::mul(x2, si), b = v::mul(x1, si);
+    in_register(a);
+    in_register(b);
+    v::store(y + i, fmsub(x1, ci, a));
+    v::store(y + half + i, v::fmadd(x2, ci, b));
+  }
+  if (i < half) {
+    const int n = half - i;
+    const v::vf x1 = v::load_first(x + i, n), x2 = v::load_first(x + half + i, n);
+    const v::vf ci = v::load_first(c + i, n), si = v::load_first(s + i, n);
+    v::vf a = v::mul(x2, si), b = v::mul(x1, si);
+    in_register(a);
+    in_register(b);
+    v::store_first(y + i, fmsub(x1, ci, a), n);
+    v::store_first(y + half + i, v::fmadd(x2, ci, b), n);
   }
 }
 
-// In-place softmax of r[0..n).
-inline void softmax(float* r, int n) {
-  namespace v = fdx::simd;
-  constexpr int L = v::kLanes;
+// ---- the fixed lane-sum tree of a dot product -----------------------------
+// An accumulator as 8 lanes (AVX-512: lane i + lane i + 8 first).
+inline __m256 as8(v::vf a) {
+#if defined(__AVX512F__)
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+#else
+  return a;
+#endif
+}
+// Each dot of lanes x0..x7 is ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)).
+// [a0+a4, a1+a5, a2+a6, a3+a7 | b0+b4, ..., b3+b7]
+inline __m256 fold4(__m256 a, __m256 b) {
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+// from fold4(a, b), fold4(c, d): [a.u0, a.u1, c.u0, c.u1 | b.u0, b.u1, d.u0, d.u1],
+// u0 = f0 + f2, u1 = f1 + f3 of the folded lanes f
+inline __m256 fold2(__m256 ab, __m256 cd) {
+  return _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));
+}
+// The dots of 8 accumulators, in the order [x0, x2, x4, x6, x1, x3, x5, x7].
+__attribute__((always_inline)) inline __m256 reduce8(const __m256* x) {
+  const __m256 abcd = fold2(fold4(x[0], x[1]), fold4(x[2], x[3]));
+  const __m256 efgh = fold2(fold4(x[4], x[5]), fold4(x[6], x[7]));
+  return _mm256_add_ps(_mm256_shuffle_ps(abcd, efgh, 0x88), _mm256_shuffle_ps(abcd, efgh, 0xDD));
+}
+// The same tree for 4 accumulators, in the order [x0, x2, x1, x3].
+__attribute__((always_inline)) inline __m128 reduce4(const __m256* x) {
+  const __m256 abcd = fold2(fold4(x[0], x[1]), fold4(x[2], x[3]));
+  const __m128 lo = _mm256_castps256_ps128(abcd), hi = _mm256_extractf128_ps(abcd, 1);
+  return _mm_add_ps(_mm_shuffle_ps(lo, hi, 0x88), _mm_shuffle_ps(lo, hi, 0xDD));
+}
+
+// out[r][0..KT) = dot(q[r], k[0..KT)) * scale over D floats for NR rows:
+// NR = 1 with KT = 12 keys, or NR = 2 with KT = 6 (12 accumulators, plus the
+// rows' q, a key and a product: 15 of AVX2's 16 registers).
+template <int NR, int DT>
+inline void score_tile(const float* const* q, const float* const* k, int Drt, float scale, float* const* out) {
+  constexpr int KT = 12 / NR;
+  const int D = DT ? DT : Drt;  // DT: the head size when known at compile time (same operations)
+  v::vf acc[NR][KT];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < KT; ++j) acc[r][j] = v::zero();
+  int d = 0;
+  for (; d + L <= D; d += L) {
+    v::vf qv[NR];
+    for (int r = 0; r < NR; ++r) qv[r] = v::load(q[r] + d);
+    for (int j = 0; j < KT; ++j) {
+      v::vf kv = v::load(k[j] + d);
+      if (NR > 1) in_register(kv);
+      for (int r = 0; r < NR; ++r) {
+        v::vf pr = v::mul(qv[r], kv);
+        in_register(pr);
+        acc[r][j] = v::add(acc[r][j], pr);
+      }
+    }
+  }
+  if (d < D) {
+    const int n = D - d;
+    v::vf qv[NR];
+    for (int r = 0; r < NR; ++r) qv[r] = v::load_first(q[r] + d, n);
+    for (int j = 0; j < KT; ++j) {
+      const v::vf kv = v::load_first(k[j] + d, n);
+      for (int r = 0; r < NR; ++r) {
+        v::vf pr = v::mul(qv[r], kv);
+        in_register(pr);
+        acc[r][j] = v::add(acc[r][j], pr);
+      }
+    }
+  }
+  const __m256 s8 = _mm256_set1_ps(scale);
+  const __m128 s4 = _mm_set1_ps(scale);
+  __m256 x[8];
+  if (NR == 1) {  // slots so that reduce8 gives [k0 .. k7] and reduce4 [k8 .. k11]
+    for (int j = 0; j < 4; ++j) {
+      x[2 * j] = as8(acc[0][j]);
+      x[2 * j + 1] = as8(acc[0][j + 4]);
+    }
+    _mm256_storeu_ps(out[0], _mm256_mul_ps(reduce8(x), s8));
+    x[0] = as8(acc[0][8]);
+    x[1] = as8(acc[0][10]);
+    x[2] = as8(acc[0][9]);
+    x[3] = as8(acc[0][11]);
+    _mm_storeu_ps(out[0] + 8, _mm_mul_ps(reduce4(x), s4));
+  } else {  // reduce8: [r0: k0 .. k3 | r1: k0 .. k3]; reduce4: [r0: k4 k5, r1: k4 k5]
+    for (int j = 0; j < 4; ++j) {
+      x[2 * j] = as8(acc[0][j]);
+      x[2 * j + 1] = as8(acc[NR - 1][j]);
+    }
+    const __m256 a = _mm256_mul_ps(reduce8(x), s8);
+    _mm_storeu_ps(out[0], _mm256_castps256_ps128(a));
+    _mm_storeu_ps(out[1], _mm256_extractf128_ps(a, 1));
+    x[0] = as8(acc[0][KT - 2]);
+    x[1] = as8(acc[NR - 1][KT - 2]);
+    x[2] = as8(acc[0][KT - 1]);
+    x[3] = as8(acc[NR - 1][KT - 1]);
+    const __m128 b = _mm_mul_ps(reduce4(x), s4);
+    _mm_storel_pi(reinterpret_cast<__m64*>(out[0] + 4), b);
+    _mm_storeh_pi(reinterpret_cast<__m64*>(out[1] + 4), b);
+  }
+}
+
+// s_r[j] = dot(q_r, k_j) * scale for keys j in [j0, j1) (j0 a multiple of
+// kTileKeys; s_r[j1 .. j1 rounded up to 12) are written with scratch),
+// k_j = kc + off[j].
+template <int NR, int DT>
+inline void score_keys(const float* const* q, const float* kc, const int64_t* off, int j0, int j1, int D,
+                       float scale, float* const* s) {
+  constexpr int KT = 12 / NR;
+  float* out[NR];
+  for (int j = j0; j < j1; j += KT) {
+    const float* k[KT];
+    for (int i = 0; i < KT; ++i) k[i] = kc + off[std::min(j + i, j1 - 1)];
+    for (int r = 0; r < NR; ++r) out[r] = s[r] + j;
+    score_tile<NR, DT>(q, k, D, scale, out);
+  }
+}
+
+// acc[r][c*L ..] += sum over keys j in [j0, j1) of p[r][j] * v_j[d0 + c*L ..]
+// for NR rows and NV vectors (the last one masked to `last` lanes if TAIL);
+// v_j = vc + off[j] + d0.
+template <int NR, int NV, bool TAIL>
+inline void pv_tile(const float* const* p, const float* vc, const int64_t* off, int j0, int j1, int last,
+                    float* const* acc) {
+  v::vf a[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NV; ++c) a[r][c] = v::load(acc[r] + c * L);
+  for (int j = j0; j < j1; ++j) {
+    const float* vr = vc + off[j];
+    v::vf pb[NR];
+    for (int r = 0; r < NR; ++r) pb[r] = v::set1(p[r][j]);
+    for (int c = 0; c < NV; ++c) {
+      v::vf vv = (TAIL && c == NV - 1) ? v::load_first(vr + c * L, last) : v::load(vr + c * L);
+      in_register(vv);
+      for (int r = 0; r < NR; ++r) a[r][c] = v::fmadd(pb[r], vv, a[r][c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NV; ++c) v::store(acc[r] + c * L, a[r][c]);
+}
+
+template <int NR>
+inline void pv_rows(const float* const* p, const float* vc, const int64_t* off, int j0, int j1, int nv, bool tail,
+                    int last, float* const* acc) {
+#define FDX_PV(NV)                                                    \
+  case NV:                                                            \
+    if (tail)                                                         \
+      pv_tile<NR, NV, true>(p, vc, off, j0, j1, last, acc);           \
+    else                                                              \
+      pv_tile<NR, NV, false>(p, vc, off, j0, j1, last, acc);          \
+    break;
+  switch (nv) {
+    FDX_PV(1)
+    FDX_PV(2)
+    FDX_PV(3)
+    FDX_PV(4)
+  }
+#undef FDX_PV
+}
+
+// In-place softmax of r[0..n).  One out-of-line copy, so every row runs the
+// very same code.
+__attribute__((noinline)) void softmax(float* r, int n) {
   v::vf vmx = v::set1(-INFINITY);
   int j = 0;
   for (; j + L <= n; j += L) vmx = v::max(vmx, v::load(r + j));
@@ -65,16 +284,102 @@ inline void softmax(float* r, int n) {
   for (; j < n; ++j) r[j] *= inv;
 }
 
-inline float dot(const float* a, const float* b, int n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
+// Per-thread scratch, kept between calls (grown, never shrunk).
+struct Scratch {
+  std::vector<float> sc, acc;
+  std::vector<int64_t> off;
+};
 
-inline void axpy(float a, const float* x, float* y, int n) {
-#pragma omp simd
-  for (int i = 0; i < n; ++i) y[i] += a * x[i];
+struct Geometry {
+  int H, KV, D, BS, G;
+  int64_t MAXB;
+  int kblock;  // keys per L1 block (a multiple of 12)
+  float scale;
+};
+
+// Attention of the rows (t, kh*G + g) for tokens t in [t0, t1) (all of one
+// sequence) and g < G; q' is read from o and the result written over it.
+void attend_item(const Geometry& ge, const float* kc, const float* vc, const int* mt, const int* tb, int64_t t0,
+                 int64_t t1, int kh, float* o, Scratch& w) {
+  const int H = ge.H, KV = ge.KV, D = ge.D, BS = ge.BS, G = ge.G;
+  const int nt = static_cast<int>(t1 - t0), R = nt * G;
+  int nmax = 0;
+  for (int64_t t = t0; t < t1; ++t) nmax = std::max(nmax, mt[2 * t + 1] + 1);
+  // cache offset of key j (K half; the V half is the same offset into vc)
+  w.off.resize(nmax);
+  for (int j0 = 0, b = 0; j0 < nmax; j0 += BS, ++b) {
+    const int64_t base = ((int64_t)tb[b] * KV + kh) * BS * D;
+    const int m = std::min(BS, nmax - j0);
+    for (int jj = 0; jj < m; ++jj) w.off[j0 + jj] = base + (int64_t)jj * D;
+  }
+  const int64_t stride = round_up(nmax, 12);
+  const int64_t Dp = round_up(D, L);
+  w.sc.resize(R * stride);
+  w.acc.assign(R * Dp, 0.f);
+  const int64_t* off = w.off.data();
+  auto qrow = [&](int64_t t, int g) { return o + ((size_t)t * H + (size_t)kh * G + g) * D; };
+  auto srow = [&](int64_t t, int g) { return w.sc.data() + ((t - t0) * G + g) * stride; };
+  auto arow = [&](int64_t t, int g) { return w.acc.data() + ((t - t0) * G + g) * Dp; };
+
+  // scores: the G heads of a token in tiles of 2 rows (and 1), 12 / rows keys at a time
+  for (int kb = 0; kb < nmax; kb += ge.kblock) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int n = mt[2 * t + 1] + 1;
+      if (n <= kb) continue;
+      const int kend = std::min(kb + ge.kblock, n);
+      for (int g0 = 0; g0 < G; g0 += 2) {
+        const int nr = std::min(2, G - g0);
+        const float* q[2];
+        float* out[2];
+        for (int r = 0; r < nr; ++r) {
+          q[r] = qrow(t, g0 + r);
+          out[r] = srow(t, g0 + r);
+        }
+        switch (nr * 1000 + (D == 64 || D == 128 ? D : 0)) {
+          case 1000: score_keys<1, 0>(q, kc, off, kb, kend, D, ge.scale, out); break;
+          case 1064: score_keys<1, 64>(q, kc, off, kb, kend, D, ge.scale, out); break;
+          case 1128: score_keys<1, 128>(q, kc, off, kb, kend, D, ge.scale, out); break;
+          case 2064: score_keys<2, 64>(q, kc, off, kb, kend, D, ge.scale, out); break;
+          case 2128: score_keys<2, 128>(q, kc, off, kb, kend, D, ge.scale, out); break;
+          default: score_keys<2, 0>(q, kc, off, kb, kend, D, ge.scale, out); break;
+        }
+      }
+    }
+  }
+  // softmax weights
+  for (int64_t t = t0; t < t1; ++t)
+    for (int g = 0; g < G; ++g) softmax(srow(t, g), mt[2 * t + 1] + 1);
+  // weighted values, key block by key block (each row's sum runs over j in order)
+  const int nvec = static_cast<int>(Dp / L);
+  const bool odd = D % L != 0;
+  const int last = odd ? D % L : L;
+  for (int kb = 0; kb < nmax; kb += ge.kblock) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int n = mt[2 * t + 1] + 1;
+      if (n <= kb) continue;
+      const int kend = std::min(kb + ge.kblock, n);
+      for (int g0 = 0; g0 < G; g0 += kRows) {
+        const int nr = std::min(kRows, G - g0);
+        const float* p[kRows];
+        float* a[kRows];
+        for (int r = 0; r < nr; ++r) p[r] = srow(t, g0 + r);
+        for (int c0 = 0; c0 < nvec; c0 += kVecs) {
+          const int nv = std::min(kVecs, nvec - c0);
+          const bool tail = odd && c0 + nv == nvec;
+          for (int r = 0; r < nr; ++r) a[r] = arow(t, g0 + r) + c0 * L;
+          const float* vcd = vc + c0 * L;
+          switch (nr) {
+            case 1: pv_rows<1>(p, vcd, off, kb, kend, nv, tail, last, a); break;
+            case 2: pv_rows<2>(p, vcd, off, kb, kend, nv, tail, last, a); break;
+            default: pv_rows<3>(p, vcd, off, kb, kend, nv, tail, last, a); break;
+          }
+        }
+      }
+    }
+  }
+  // into the output rows (over q, which nothing reads any more)
+  for (int64_t t = t0; t < t1; ++t)
+    for (int g = 0; g < G; ++g) std::memcpy(qrow(t, g), arow(t, g), sizeof(float) * D);
 }
 
 }  // namespace
@@ -95,68 +400,54 @@ void fdx::check_attention_meta(const AttnShape& sh, const int* mt, const int* bt
 void fdx::paged_attention(const AttnShape& sh, const float* x, float* kc, const float* rp, const int* mt,
                           const int* bt, float* o) {
   const int64_t T = sh.T, MAXB = sh.MAXB;
-  const int H = sh.H, KV = sh.KV, D = sh.D, BS = sh.BS, G = H / KV, half = D / 2;
-  const float scale = sh.scale;
+  if (T <= 0) return;
+  const int H = sh.H, KV = sh.KV, D = sh.D, BS = sh.BS, half = D / 2;
   const int64_t W = (int64_t)(H + 2 * KV) * D;
   float* vc = kc + (size_t)sh.NB * KV * BS * D;
-  // phase 1: rotate q into the output buffer (reused as scratch), rotate k,
-  // write k and v into their cache slots.
-  std::vector<float> q((size_t)T * H * D);
-  for (int64_t t = 0; t < T; ++t) {
-    const int s = mt[2 * t], p = mt[2 * t + 1];
-    const float* cs = rp + (size_t)p * D;
-    const float* xt = x + t * W;
-    for (int h = 0; h < H; ++h) rope_rotate(xt + h * D, q.data() + ((size_t)t * H + h) * D, cs, half);
-    const int blk = bt[s * MAXB + p / BS];
-    const int off = p % BS;
-    for (int kh = 0; kh < KV; ++kh) {
-      const size_t slot = (((size_t)blk * KV + kh) * BS + off) * D;
-      rope_rotate(xt + (size_t)(H + kh) * D, kc + slot, cs, half);
-      std::memcpy(vc + slot, xt + (size_t)(H + KV + kh) * D, sizeof(float) * D);
-    }
-  }
+  const Geometry ge{H, KV, D, BS, H / KV, MAXB, static_cast<int>(std::max<int64_t>(12, 4096 / D / 12 * 12)), sh.scale};
 
-  // phase 2: attention per (token, kv head); the G query heads of a group
-  // share each key/value load.
-  // Work is split by hand (no "omp for"): only GOMP_parallel and
-  // omp_get_thread_num/num_threads are used, which Paddle's libiomp5 (the
-  // runtime this op links against, shared with MKL) implements.
-  const int64_t items = T * KV;
-#pragma omp parallel if (items >= 8)
+  // work items: runs of <= kRun consecutive tokens of one sequence, times kv heads
+  std::vector<int64_t> runs;  // start of each run, then T
+  int64_t work = 0;           // (row, key) pairs, to decide on threads
+  for (int64_t t = 0; t < T; ++t) {
+    if (t == 0 || mt[2 * t] != mt[2 * (t - 1)] || t - runs.back() >= kRun) runs.push_back(t);
+    work += mt[2 * t + 1] + 1;
+  }
+  runs.push_back(T);
+  const int64_t nruns = (int64_t)runs.size() - 1, items = nruns * KV;
+  work *= H;
+
+  // Work is split by hand (no "omp for"): only GOMP_parallel, GOMP_barrier
+  // and omp_get_thread_num/num_threads are used, which Paddle's libiomp5
+  // (the runtime this op links against, shared with MKL) implements.
+  // Which thread computes a row never changes its bits (see above).
+#pragma omp parallel if (items >= 2 && work >= 2048)
   {
-    std::vector<float> sc;
     const int nth = omp_get_num_threads();
     const int tid = omp_get_thread_num();
-    for (int64_t it = tid; it < items; it += nth) {
-      const int64_t t = it / KV;
-      const int kh = static_cast<int>(it % KV);
+    // phase 1: rope(q) into the output rows (scratch until
+    // overwritten by the result), rotated k and v into their cache slots
+    for (int64_t t = T * tid / nth; t < T * (tid + 1) / nth; ++t) {
       const int s = mt[2 * t], p = mt[2 * t + 1];
-      const int n = p + 1;
-      sc.resize((size_t)G * n);
-      const float* qg = q.data() + ((size_t)t * H + (size_t)kh * G) * D;
-      const int* tb = bt + s * MAXB;
-      // scores
-      for (int j0 = 0; j0 < n; j0 += BS) {
-        const float* kb = kc + (((size_t)tb[j0 / BS] * KV + kh) * BS) * D;
-        const int m = std::min(BS, n - j0);
-        for (int jj = 0; jj < m; ++jj) {
-          const float* kp = kb + (size_t)jj * D;
-          for (int g = 0; g < G; ++g) sc[(size_t)g * n + j0 + jj] = dot(qg + (size_t)g * D, kp, D) * scale;
-        }
+      const float* cs = rp + (size_t)p * D;
+      const float* xt = x + t * W;
+      for (int h = 0; h < H; ++h) rope_rotate(xt + h * D, o + ((size_t)t * H + h) * D, cs, half);
+      const int blk = bt[s * MAXB + p / BS];
+      const int off = p % BS;
+      for (int kh = 0; kh < KV; ++kh) {
+        const size_t slot = (((size_t)blk * KV + kh) * BS + off) * D;
+        rope_rotate(xt + (size_t)(H + kh) * D, kc + slot, cs, half);
+        std::memcpy(vc + slot, xt + (size_t)(H + KV + kh) * D, sizeof(float) * D);
       }
-      // softmax per head
-      for (int g = 0; g < G; ++g) softmax(sc.data() + (size_t)g * n, n);
-      // weighted values
-      float* og = o + ((size_t)t * H + (size_t)kh * G) * D;
-      std::memset(og, 0, sizeof(float) * G * D);
-      for (int j0 = 0; j0 < n; j0 += BS) {
-        const float* vb = vc + (((size_t)tb[j0 / BS] * KV + kh) * BS) * D;
-        const int m = std::min(BS, n - j0);
-        for (int jj = 0; jj < m; ++jj) {
-          const float* vp = vb + (size_t)jj * D;
-          for (int g = 0; g < G; ++g) axpy(sc[(size_t)g * n + j0 + jj], vp, og + (size_t)g * D, D);
-        }
-      }
+    }
+#pragma omp barrier
+    // phase 2: attention, item by item
+    static thread_local Scratch scratch;
+    for (int64_t it = tid; it < items; it += nth) {
+      const int64_t r = it / KV;
+      const int kh = static_cast<int>(it % KV);
+      const int64_t t0 = runs[r];
+      attend_item(ge, kc, vc, mt, bt + (int64_t)mt[2 * t0] * MAXB, t0, runs[r + 1], kh, o, scratch);
     }
   }
 }

@@ -1,0 +1,150 @@
+"""fdx_paged_attention old vs new, side by side in one process.
+
+The "old" kernel is a reference revision's csrc/paged_attention.cc (default
+``main``; ``--ref``), read with ``git show``, renamed (op
+``fdx_paged_attention_ref``, its C++ symbols in another namespace) and
+JIT-built with the flags fdx/model/native.py uses; the "new" one is this
+checkout's fdx ops.  Each case (one 512-token prefill, a decode step of 1
+sequence at context 256, a decode step of 32 sequences at context ~300; the
+geometry of SmolLM2-135M: 9 query heads, 3 kv heads, head size 64, block
+size 16) is timed old and new in alternation, ``--rounds`` times, best of
+each; the machine is shared, so read the **ratios**.  The last column says
+whether the two kernels' outputs and caches are bit-identical for the case.
+
+    .venv/bin/python bench/bench_attention.py [--ref main] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import time
+import warnings
+
+os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+H, KV, D, BS = 9, 3, 64, 16
+
+
+def build_ref(ref: str) -> object:
+    """The reference revision's attention op, renamed so it loads beside fdx's."""
+    from fdx.model import native
+
+    git = lambda path: subprocess.run(["git", "-C", ROOT, "show", f"{ref}:{path}"], check=True,  # noqa: E731
+                                      capture_output=True, text=True).stdout
+    src = git("fdx/csrc/paged_attention.cc")
+    header = git("fdx/csrc/kernels.h").replace("#pragma once", "")
+    header = re.sub(r"\bnamespace fdx\b", "namespace fdx_ref", header)
+    src = src.replace('#include "kernels.h"', header)
+    for name in ("paged_attention(", "check_attention_meta(", "AttnShape"):
+        src = src.replace("fdx::" + name, "fdx_ref::" + name)
+    src = src.replace("fdx_paged_attention", "fdx_paged_attention_ref")
+    src = re.sub(r"\bPagedAttention", "RefPagedAttention", src)
+    key = hashlib.sha256((src + git("fdx/csrc/simd_math.h")).encode()).hexdigest()[:12]
+    d = os.path.join(native.cache_dir(), "bench", f"attn-ref-{key}")
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, "paged_attention_ref.cc")
+    with open(path, "w") as f:
+        f.write(src)
+    with open(os.path.join(d, "simd_math.h"), "w") as f:  # the revision's own SIMD layer, next to the source
+        f.write(git("fdx/csrc/simd_math.h"))
+    isa = native.cpu_isa()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from paddle.utils import cpp_extension
+
+        return cpp_extension.load(name=f"fdx_attn_ref_{key}", sources=[path],
+                                  extra_cxx_cflags=list(native.CFLAGS + native.ISA_CFLAGS[isa]),
+                                  extra_ldflags=native._ldflags(),
+                                  extra_include_paths=[d], build_directory=d, verbose=False)
+
+
+def case(seq_pos: list[tuple[int, int]], rng: np.random.Generator) -> dict:
+    """Inputs for one call: tokens (seq, pos); every sequence's cache
+    filled with random keys/values up to its largest position, blocks shuffled."""
+    import paddle
+
+    S = max(s for s, _ in seq_pos) + 1
+    n = [0] * S
+    for s, p in seq_pos:
+        n[s] = max(n[s], p + 1)
+    nblk = [(x + BS - 1) // BS for x in n]
+    NB = sum(nblk) + 1
+    perm = rng.permutation(NB)
+    MAXB = max(nblk)
+    tables = np.full((S, MAXB), -1, np.int32)
+    k = 0
+    for s in range(S):
+        for j in range(nblk[s]):
+            tables[s, j] = perm[k]
+            k += 1
+    P = max(n) + 1
+    half = D // 2
+    inv = 1.0 / (10000.0 ** (np.arange(half) * 2.0 / D))
+    ang = np.arange(P)[:, None] * inv[None, :]
+    rope = np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
+    T = len(seq_pos)
+    cache = rng.standard_normal((2, NB, KV, BS, D)).astype(np.float32)
+    return dict(qkv=paddle.to_tensor(rng.standard_normal((T, (H + 2 * KV) * D)).astype(np.float32)),
+                caches=[paddle.to_tensor(cache), paddle.to_tensor(cache.copy())], rope=paddle.to_tensor(rope),
+                meta=paddle.to_tensor(np.array(seq_pos, np.int32)), tables=paddle.to_tensor(tables))
+
+
+def timed(op: object, c: dict, cache: object, reps: int) -> float:
+    args = (c["qkv"], cache, c["rope"], c["meta"], c["tables"], H, KV, BS, float(D) ** -0.5)
+    op(*args)  # warm
+    t = time.perf_counter()
+    for _ in range(reps):
+        out = op(*args)
+    out.numpy()
+    return (time.perf_counter() - t) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ref", default="main", help="git revision of the old kernel")
+    ap.add_argument("--rounds", type=int, default=7, help="alternations; best of each side")
+    args = ap.parse_args()
+
+    from fdx.model import native
+
+    new = native.load_ops()
+    if new is None:
+        sys.exit("fdx's native ops are not loaded here")
+    ref = build_ref(args.ref)
+    print(f"machine: {os.cpu_count()} cores (shared), kernel set: {native.loaded_isa()}, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, old = {args.ref}")
+    rng = np.random.default_rng(0)
+    cases = {
+        "prefill 512 (T=512, 1 seq)": (case([(0, p) for p in range(512)], rng), 3),
+        "decode c=1 ctx 256": (case([(0, 255)], rng), 300),
+        "decode c=32 ctx ~300": (case([(s, 285 + s) for s in range(32)], rng), 20),
+        "decode c=1 ctx 80": (case([(0, 79)], rng), 300),
+        "decode c=32 ctx ~80": (case([(s, 64 + s) for s in range(32)], rng), 50),
+    }
+    print(f"{'case':30s} {'old':>10s} {'new':>10s} {'old/new':>8s} {'same bits':>10s}")
+    for name, (c, reps) in cases.items():
+        fresh = [x.numpy().copy() for x in c["caches"]]
+        outs = [op(c["qkv"], x, c["rope"], c["meta"], c["tables"], H, KV, BS, float(D) ** -0.5).numpy()
+                for op, x in ((ref.fdx_paged_attention_ref, c["caches"][0]), (new.fdx_paged_attention, c["caches"][1]))]
+        same = np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)) and np.array_equal(
+            c["caches"][0].numpy().view(np.uint32), c["caches"][1].numpy().view(np.uint32))
+        assert np.array_equal(fresh[0], fresh[1])
+        best_old = best_new = float("inf")
+        for _ in range(args.rounds):
+            best_old = min(best_old, timed(ref.fdx_paged_attention_ref, c, c["caches"][0], reps))
+            best_new = min(best_new, timed(new.fdx_paged_attention, c, c["caches"][1], reps))
+        print(f"{name:30s} {best_old * 1e6:8.0f}us {best_new * 1e6:8.0f}us {best_old / best_new:7.2f}x "
+              f"{'yes' if same else 'no':>10s}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
