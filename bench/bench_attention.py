@@ -1,7 +1,7 @@
 """fdx_paged_attention old vs new, side by side in one process.
 
 The "old" kernel is a reference revision's csrc/paged_attention.cc (default
-``df3be2c``, the last commit with the per-token-row kernel; ``--ref``), read with ``git show``, renamed (op
+``df3be2c``, the last commit with the previous kernel; ``--ref``), read with ``git show``, renamed (op
 ``fdx_paged_attention_ref``, its C++ symbols in another namespace) and
 JIT-built with the flags fdx/model/native.py uses; the "new" one is this
 checkout's fdx ops.  Each case (one 512-token prefill, a decode step of 1
