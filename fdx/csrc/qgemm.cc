@@ -337,6 +337,16 @@ void tile_rows(int R, const int8_t* const* xr, const float* const* dr, const flo
   }
 }
 
+// The R rows from m0: their quantized activations, block scales and scaled sums.
+inline void row_ptrs(int64_t m0, int R, const int8_t* xq, const float* dx, const float* sx, int64_t K, int64_t nb,
+                     const int8_t** xr, const float** dr, const float** sr) {
+  for (int r = 0; r < R; ++r) {
+    xr[r] = xq + (m0 + r) * K;
+    dr[r] = dx + (m0 + r) * nb;
+    sr[r] = sx + (m0 + r) * nb;
+  }
+}
+
 // Groups [g0, g1) of every row: row blocks of kRowBlock (their activations
 // stay in L2), within one cache tiles of groups (their weights stay in L1),
 // within one register tiles of MR rows x NG groups.
@@ -357,11 +367,7 @@ void gemm_range(const int8_t* xq, const float* dx, const float* sx, const uint8_
         const float* dr[MR];
         const float* sr[MR];
         float* orow[MR];
-        for (int r = 0; r < R; ++r) {
-          xr[r] = xq + (m0 + r) * K;
-          dr[r] = dx + (m0 + r) * nb;
-          sr[r] = sx + (m0 + r) * nb;
-        }
+        row_ptrs(m0, R, xq, dx, sx, K, nb, xr, dr, sr);
         for (int64_t g = gt; g < gt1; g += NG) {
           const int ng = static_cast<int>(std::min<int64_t>(NG, gt1 - g));
           const uint8_t* blk[NG];
@@ -397,11 +403,7 @@ void gemm_range_g1(const int8_t* xq, const float* dx, const float* sx, const uin
       const float* dr[MR];
       const float* sr[MR];
       float* orow[MR];
-      for (int r = 0; r < R; ++r) {
-        xr[r] = xq + (m0 + r) * K;
-        dr[r] = dx + (m0 + r) * nb;
-        sr[r] = sx + (m0 + r) * nb;
-      }
+      row_ptrs(m0, R, xq, dx, sx, K, nb, xr, dr, sr);
       for (int64_t g = gt; g < gt1; ++g) {
         const int ncols = static_cast<int>(std::min<int64_t>(8, N - 8 * g));
         for (int r = 0; r < R; ++r) orow[r] = out + (m0 + r) * N + 8 * g;
