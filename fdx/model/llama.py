@@ -8,6 +8,11 @@ layers with a fixed, small number of ops per layer:
 -> ``fused_rms_norm`` (+residual) -> one gate/up matmul -> ``swiglu`` -> down
 matmul.
 
+In int8 mode with the native ops, the whole layer stack is one call of the
+C++ op ``fdx_decoder_layers`` (fdx/csrc/decoder_layers.cc), which runs those
+same kernels in the same order (bit-identical, without ~8 op dispatches a
+layer); :attr:`LlamaModel.fused_layers` ``= False`` keeps the per-layer ops.
+
 Attention (RoPE, KV-cache write, paged causal attention) is either the C++
 op ``fdx_paged_attention`` (fdx/csrc/) or an equivalent pure-Paddle fallback.
 Both read K/V only through the per-sequence block tables.
@@ -355,20 +360,21 @@ class LlamaModel:
 
         x = F.embedding(step.ids, self.embed)
         residual = None
-        if int8 and self.fused_layers:
+        if int8 and self.fused_layers:  # every layer in one op call: the same kernels, the same bits
             an, wq, bq, wo, fn, wgu, wd, kinds = self._layer_stack()
             x, residual = self.ops.fdx_decoder_layers(
                 x, self.rope, step.meta, step.tables, an, wq, bq, wo, fn, wgu, wd, list(caches), kinds,
                 a.num_heads, eps, self.scale)
-        for layer, cache in zip([] if int8 and self.fused_layers else self.layers, caches):
-            h, residual = add_norm(x, residual, layer.attn_norm)
-            qkv = linear(h, layer.w_qkv, layer.q_qkv, layer.p_qkv)
-            if layer.b_qkv is not None:
-                qkv = qkv + layer.b_qkv
-            x = linear(attend(qkv, cache), layer.w_o, layer.q_o, layer.p_o)
-            h, residual = add_norm(x, residual, layer.ffn_norm)
-            x = linear(swiglu(linear(h, layer.w_gate_up, layer.q_gate_up, layer.p_gate_up)), layer.w_down,
-                       layer.q_down, layer.p_down)
+        else:
+            for layer, cache in zip(self.layers, caches):
+                h, residual = add_norm(x, residual, layer.attn_norm)
+                qkv = linear(h, layer.w_qkv, layer.q_qkv, layer.p_qkv)
+                if layer.b_qkv is not None:
+                    qkv = qkv + layer.b_qkv
+                x = linear(attend(qkv, cache), layer.w_o, layer.q_o, layer.p_o)
+                h, residual = add_norm(x, residual, layer.ffn_norm)
+                x = linear(swiglu(linear(h, layer.w_gate_up, layer.q_gate_up, layer.p_gate_up)), layer.w_down,
+                           layer.q_down, layer.p_down)
         if step.sample_rows is None:
             return None
         R = int(step.sample_rows.shape[0])
