@@ -90,3 +90,20 @@ def test_malformed_call_is_a_clear_error(llm: Any) -> None:
         op(x, model.rope, meta, bad_tables, an, wq, bq, wo, fn, wgu, wd, caches, kinds, model.args.num_heads, 1e-5, 0.1)
     with pytest.raises(Exception, match="w_o"):
         op(x, model.rope, meta, tables, an, wq, bq, wq, fn, wgu, wd, caches, kinds, model.args.num_heads, 1e-5, 0.1)
+
+
+def test_reloaded_weights_reach_the_fused_op(llm: Any) -> None:
+    """``update_weights`` loads into the running model without a release:
+    the fused op's per-layer lists must follow the new tensors."""
+    import paddle
+
+    from fdx.model.loader import load_checkpoint
+
+    runner = llm.engine.runner
+    model = runner.model
+    model._layer_stack()
+    with paddle.no_grad():
+        model.load(load_checkpoint(runner._weights_path), progress=False)
+    stack = model._layer_stack()
+    assert all(w is layer.p_qkv.data for w, layer in zip(stack[1], model.layers))
+    assert all(w is layer.p_down.data for w, layer in zip(stack[6], model.layers))

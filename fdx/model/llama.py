@@ -214,6 +214,7 @@ class LlamaModel:
         check_shape(ckpt.embed, (a.vocab_size, a.hidden_size), "embedding", ckpt.source.path)
         check_shape(ckpt.final_norm, (a.hidden_size,), "final norm", ckpt.source.path)
         self.layers = layers
+        self._stack = None  # the fused op's lists point at the old layers
         self.embed = paddle.to_tensor(np.ascontiguousarray(ckpt.embed, dtype=np.float32))
         self.final_norm = paddle.to_tensor(ckpt.final_norm.astype(np.float32))
         self.lm_head = self.q_lm_head = self.p_lm_head = None
