@@ -13,6 +13,11 @@
 
 namespace fdx {
 
+// Bytes of one packed block (8 output columns x 32 inputs): kind 4 (Q4_0/Q4_1)
+// and kind 8 (Q8_0), as fdx/model/packed_weights.py lays them out.
+constexpr int kPackedQ4Bytes = 160;
+constexpr int kPackedQ8Bytes = 272;
+
 // qgemm.cc: out[M, N] = x[M, K] @ W^T in int8 (x quantized per row to Q8),
 // W packed by fdx/model/packed_weights.py (kind 4: Q4_0/Q4_1, kind 8: Q8_0).
 void qgemm(const float* x, const uint8_t* w, int kind, float* out, int64_t M, int64_t K, int64_t N);

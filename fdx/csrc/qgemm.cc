@@ -59,8 +59,8 @@ constexpr const char* kDot = "vnni";
 constexpr const char* kDot = "maddubs";
 #endif
 
-constexpr int kQ4Bytes = 160;
-constexpr int kQ8Bytes = 272;
+constexpr int kQ4Bytes = fdx::kPackedQ4Bytes;
+constexpr int kQ8Bytes = fdx::kPackedQ8Bytes;
 constexpr int MR = 4;   // rows per register tile
 constexpr int NG = 2;   // column groups (of 8) per register tile: the x broadcasts serve both
 constexpr int KC = 16;  // blocks per integer pass (the int32 block sums wait in a 4 KB scratch)
