@@ -57,7 +57,7 @@ class EngineConfig:
     # model
     model: str = "smollm2"
     served_model_name: str | None = None
-    dtype: str = "auto"  # the runner decides: float32 on the CPU, bfloat16/float16 on GPUs
+    dtype: str = "auto"  # the runner decides: int8 (else float32) on the CPU, bfloat16/float16 on GPUs
     max_model_len: int | None = attrs.field(default=None, validator=_positive)
     seed: int = 0
 

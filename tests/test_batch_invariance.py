@@ -1,4 +1,5 @@
-"""Batch invariance of the int8 compute mode (fdx/csrc/qgemm.cc), engine level.
+"""Batch invariance of the packed compute modes, int8 and bfloat16
+(fdx/csrc/qgemm.cc), engine level.
 
 The same 16 greedy prompts run alone, then inside batches of 1, 7, 33 and
 64 requests (the rest filler requests of other lengths, other ``max_tokens``
@@ -29,14 +30,14 @@ TOPICS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def llm() -> Any:
+@pytest.fixture(scope="module", params=["int8", "bfloat16"])
+def llm(request: pytest.FixtureRequest) -> Any:
     import fdx
 
     # 64 requests of ~3 blocks (16 tokens) each overflow 64 blocks: the 64-batch preempts
-    engine = fdx.LLM(dtype="int8", num_kv_blocks=64, max_model_len=512, max_num_seqs=64,
+    engine = fdx.LLM(dtype=request.param, num_kv_blocks=64, max_model_len=512, max_num_seqs=64,
                      max_num_batched_tokens=512)
-    assert engine.engine.runner.compute == "int8"
+    assert engine.engine.runner.compute == request.param
     return engine
 
 

@@ -1,4 +1,5 @@
-"""The fused int8 decoder op (fdx/csrc/decoder_layers.cc) against the per-layer path.
+"""The fused decoder op (fdx/csrc/decoder_layers.cc) against the per-layer path,
+in both packed compute modes (int8 and bfloat16).
 
 ``fdx_decoder_layers`` runs every layer of a step in one call through the
 same C++ kernels the per-layer path dispatches one by one, so the two must
@@ -19,11 +20,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about
            "Once upon a time, in a small village,"]
 
 
-@pytest.fixture(scope="module")
-def llm() -> Any:
+@pytest.fixture(scope="module", params=["int8", "bfloat16"])
+def llm(request: pytest.FixtureRequest) -> Any:
     import fdx
 
-    engine = fdx.LLM(dtype="int8", enable_prefix_caching=False, max_num_batched_tokens=64)
+    engine = fdx.LLM(dtype=request.param, enable_prefix_caching=False, max_num_batched_tokens=64)
     model = engine.engine.runner.model
     if not model.fused_layers:
         pytest.skip("fdx's native CPU ops are not loaded here")

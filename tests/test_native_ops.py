@@ -121,6 +121,11 @@ def test_native_ops_load_on_this_cpu(caplog: pytest.LogCaptureFixture) -> None:
         assert callable(getattr(ops, name))
     assert native.loaded_int8_dot() in ("vpdpbusd", "vpmaddubsw")
     assert native.describe().startswith(f"{native.loaded_isa()} kernel set") and native.loaded_int8_dot() in native.describe()
+    # the bf16 GEMM uses vdpbf16ps exactly where the CPU has AVX512-BF16 (and the build targets it)
+    with open("/proc/cpuinfo") as f:
+        has_bf16 = " avx512_bf16" in f.read() and native.loaded_isa() == "avx512"
+    assert native.loaded_bf16_dot() == ("vdpbf16ps" if has_bf16 else "fma")
+    assert ("bf16: vdpbf16ps" if has_bf16 else "bf16: fma, no AVX512-BF16") in native.describe()
 
 
 @needs_simd
@@ -133,7 +138,7 @@ def test_load_logs_one_line_naming_the_kernels(
         assert fresh_loader.load_ops() is not None
     lines = [r.getMessage() for r in caplog.records if r.name == "fdx.model"]
     assert len(lines) == 1, lines
-    assert native.cpu_isa() in lines[0] and native.loaded_int8_dot() in lines[0]
+    assert native.cpu_isa() in lines[0] and native.loaded_int8_dot() in lines[0] and "bf16: " in lines[0]
 
 
 # --------------------------------------------------------------------------
@@ -227,18 +232,21 @@ def test_qgemm_matches_int8_reference(ops: Any, qtype: int, M: int) -> None:
     assert float(np.abs(got - exact).max()) < 0.02 * float(np.abs(exact).max())
 
 
-@pytest.mark.parametrize("qtype", [3, 8])
-def test_qgemm_rows_are_batch_invariant(ops: Any, qtype: int) -> None:
+@pytest.mark.parametrize("qtype", [3, 8, "bf16"])
+def test_qgemm_rows_are_batch_invariant(ops: Any, qtype: int | str) -> None:
     """Each output row is bit-identical whatever rows share the call: alone,
     in any slice (every tile position and tail size), and shuffled."""
     import paddle
 
-    from fdx.model.packed_weights import pack_gguf
+    from fdx.model.packed_weights import pack_bf16, pack_gguf
 
-    rng = np.random.default_rng(qtype)
+    rng = np.random.default_rng(16 if qtype == "bf16" else qtype)
     N, K, M = 300, 128, 70
-    raw, _ = _quantize(rng, N, K, qtype)
-    p = pack_gguf(raw, qtype)
+    if qtype == "bf16":
+        p = pack_bf16((rng.standard_normal((N, K)) * 0.05).astype(np.float32))
+    else:
+        raw, _ = _quantize(rng, N, K, qtype)
+        p = pack_gguf(raw, qtype)
     w = paddle.to_tensor(p.data)
     x = (rng.standard_normal((M, K)) * rng.uniform(0.1, 10, size=(M, 1))).astype(np.float32)
 
@@ -331,6 +339,76 @@ def test_qgemm_bits_match_the_fma_sequence(ops: Any, qtype: int) -> None:
         assert got.tobytes() == want.tobytes(), f"M={M}: {int((got != want).sum())} elements differ"
 
 
+def _bf16_gemm_exact(x: np.ndarray, p: Any) -> np.ndarray:
+    """fdx_qgemm's kind 16 in numpy: x rounded to bf16 (bf16_round), then
+    per input pair p in order acc = fma(w[2p+1], x[2p+1], acc), acc =
+    fma(w[2p], x[2p], acc) (the vdpbf16ps sequence of qgemm.cc)."""
+    from fdx.model.packed_weights import bf16_bits_to_f32, bf16_round, dequantize
+
+    xb = bf16_bits_to_f32(bf16_round(x))
+    wb = dequantize(p)
+    acc = np.zeros((x.shape[0], wb.shape[0]), np.float32)
+    for k in range(0, x.shape[1], 2):
+        for j in (k + 1, k):
+            acc = _fma32(np.broadcast_to(xb[:, j, None], acc.shape), np.broadcast_to(wb[None, :, j], acc.shape), acc)
+    return acc
+
+
+def test_bf16_gemm_bits_match_the_fma_sequence(ops: Any) -> None:
+    """kind 16: every output bit is the documented sequence, for all row
+    tiles (M = 1..9, 70), a 5-column tail, a zero row, inputs that round
+    to a tie, and denormal inputs (read as zero)."""
+    import paddle
+
+    from fdx.model.packed_weights import pack_bf16
+
+    rng = np.random.default_rng(1616)
+    N, K = 173, 320
+    p = pack_bf16((rng.standard_normal((N, K)) * rng.uniform(0.001, 0.2, size=(N, 1))).astype(np.float32))
+    assert p.kind == 16 and p.data.shape == (22, 10, 512)
+    w = paddle.to_tensor(p.data)
+    for M in (1, 2, 3, 4, 5, 9, 70):
+        x = (rng.standard_normal((M, K)) * rng.uniform(0.01, 30, size=(M, 1))).astype(np.float32)
+        x[0, 32:40] = np.float32(1.00390625)  # halfway between two bf16s: rounds to even
+        x[-1, 40:44] = np.float32(1e-40)      # denormal: zero
+        if M > 3:
+            x[2] = 0.0
+        got = ops.fdx_qgemm(paddle.to_tensor(x), w, 16, p.n_out).numpy()
+        want = _bf16_gemm_exact(x, p)
+        assert got.tobytes() == want.tobytes(), f"M={M}: {int((got != want).sum())} elements differ"
+
+
+def test_bf16_rounding_matches_paddle() -> None:
+    """bf16_round (the packer's, and by the test above the kernel's) rounds
+    as Paddle's own float32 -> bfloat16 cast does: nearest, ties to even."""
+    import paddle
+
+    from fdx.model.packed_weights import bf16_round
+
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(20000) * np.exp(rng.uniform(-20, 20, 20000))).astype(np.float32)
+    x[:4] = [1.00390625, 1.01171875, -1.00390625, 65504.0]  # ties and a large value
+    want = paddle.to_tensor(x).astype("bfloat16").view("uint16").numpy() if hasattr(paddle.Tensor, "view") else None
+    if want is None:
+        pytest.skip("this Paddle cannot view a bfloat16 tensor as uint16")
+    np.testing.assert_array_equal(bf16_round(x), want)
+    assert list(bf16_round(np.array([1e-40, -1e-40, np.inf, np.nan], np.float32))) == [0, 0x8000, 0x7F80, 0x7FC0]
+
+
+def test_bf16_packing_is_exact() -> None:
+    from fdx.model.packed_weights import bf16_bits_to_f32, bf16_round, dequantize, pack_bf16
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((21, 64)).astype(np.float32)
+    p = pack_bf16(w)
+    assert p.data.shape == (3, 2, 512) and p.data.dtype == np.uint8 and p.n_out == 21
+    np.testing.assert_array_equal(dequantize(p), bf16_bits_to_f32(bf16_round(w)))
+    # dword j of pair q of block b: column j's inputs 32b + 2q (low half) and 32b + 2q + 1 (high half)
+    words = np.asarray(p.data).view(np.uint32).reshape(3, 2, 16, 8)
+    bits = bf16_round(w)
+    assert words[1, 1, 3, 4] == int(bits[12, 32 + 6]) | (int(bits[12, 32 + 7]) << 16)
+
+
 _THREADS_SCRIPT = r"""
 import sys, numpy as np, paddle
 from fdx.model import native
@@ -351,6 +429,11 @@ for qtype, K, N in ((3, 576, 300), (8, 256, 1000)):
     for M in (1, 3, 37, 300):
         x = rng.standard_normal((M, K)).astype(np.float32)
         out.append(ops.fdx_qgemm(paddle.to_tensor(x), paddle.to_tensor(p.data), p.kind, p.n_out).numpy().tobytes())
+from fdx.model.packed_weights import pack_bf16
+p = pack_bf16(rng.standard_normal((300, 576)).astype(np.float32) * 0.05)
+for M in (1, 3, 37, 300):
+    x = rng.standard_normal((M, 576)).astype(np.float32)
+    out.append(ops.fdx_qgemm(paddle.to_tensor(x), paddle.to_tensor(p.data), p.kind, p.n_out).numpy().tobytes())
 sys.stdout.buffer.write(b"".join(out))
 """
 
@@ -623,3 +706,25 @@ def test_native_forward_matches_paddle(ops: Any) -> None:
     for a, b in zip(native_logits, logits):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-3 * max(1.0, float(np.abs(b).max())))
+
+
+def test_dtype_choice_on_the_cpu_runner() -> None:
+    """``--dtype`` on the cpu runner: bf16 needs the native ops like int8
+    (a one-line error naming the way out), auto falls back to float32, and
+    an unknown name lists the choices."""
+    from types import SimpleNamespace
+
+    from fdx.core.errors import ModelLoadError
+    from fdx.model.runner import resolve_compute
+
+    args = SimpleNamespace(hidden_size=576, q_size=576, intermediate_size=1536)
+    ops = object()
+    assert [resolve_compute(d, ops, args) for d in ("auto", "int8", "bf16", "BFloat16", "fp32")] == [
+        "int8", "int8", "bfloat16", "bfloat16", "float32"]
+    assert resolve_compute("auto", None, args) == "float32"
+    with pytest.raises(ModelLoadError, match=r"--dtype bf16: fdx's native CPU ops are not loaded.*use --dtype float32"):
+        resolve_compute("bf16", None, args)
+    with pytest.raises(ModelLoadError, match="--dtype bfloat16: the layer widths are not multiples of 32"):
+        resolve_compute("bfloat16", ops, SimpleNamespace(hidden_size=100, q_size=100, intermediate_size=300))
+    with pytest.raises(ModelLoadError, match="auto, int8, bfloat16, float32"):
+        resolve_compute("float16", ops, args)

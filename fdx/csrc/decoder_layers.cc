@@ -36,8 +36,8 @@ using Tensors = std::vector<paddle::Tensor>;
 
 void check_packed(const paddle::Tensor& w, int kind, int64_t K, int64_t N, const char* what) {
   PD_CHECK(w.dtype() == paddle::DataType::UINT8 && w.shape().size() == 3, what, " must be a packed uint8 weight");
-  PD_CHECK(kind == 4 || kind == 8, what, ": kind must be 4 or 8");
-  PD_CHECK(w.shape()[0] == (N + 7) / 8 && w.shape()[1] == K / 32 && w.shape()[2] == (kind == 4 ? fdx::kPackedQ4Bytes : fdx::kPackedQ8Bytes),
+  PD_CHECK(fdx::packed_block_bytes(kind) > 0, what, ": kind must be 4, 8 or 16");
+  PD_CHECK(w.shape()[0] == (N + 7) / 8 && w.shape()[1] == K / 32 && w.shape()[2] == fdx::packed_block_bytes(kind),
            what, " does not match its layer's widths");
 }
 

@@ -13,13 +13,20 @@
 
 namespace fdx {
 
-// Bytes of one packed block (8 output columns x 32 inputs): kind 4 (Q4_0/Q4_1)
-// and kind 8 (Q8_0), as fdx/model/packed_weights.py lays them out.
+// Bytes of one packed block (8 output columns x 32 inputs): kind 4 (Q4_0/Q4_1),
+// kind 8 (Q8_0) and kind 16 (bfloat16), as fdx/model/packed_weights.py lays them out.
 constexpr int kPackedQ4Bytes = 160;
 constexpr int kPackedQ8Bytes = 272;
+constexpr int kPackedBf16Bytes = 512;
 
-// qgemm.cc: out[M, N] = x[M, K] @ W^T in int8 (x quantized per row to Q8),
-// W packed by fdx/model/packed_weights.py (kind 4: Q4_0/Q4_1, kind 8: Q8_0).
+// The packed bytes per block of a kind (0 for an unknown kind).
+constexpr int packed_block_bytes(int kind) {
+  return kind == 4 ? kPackedQ4Bytes : kind == 8 ? kPackedQ8Bytes : kind == 16 ? kPackedBf16Bytes : 0;
+}
+
+// qgemm.cc: out[M, N] = x[M, K] @ W^T, W packed by fdx/model/packed_weights.py:
+// kinds 4 (Q4_0/Q4_1) and 8 (Q8_0) in int8 (x quantized per row to Q8),
+// kind 16 in bfloat16 (x rounded to bf16, fp32 accumulation).
 void qgemm(const float* x, const uint8_t* w, int kind, float* out, int64_t M, int64_t K, int64_t N);
 
 // paged_attention.cc: the geometry of one call (see the layout contract there).

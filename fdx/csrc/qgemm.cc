@@ -36,6 +36,20 @@
 //   -- then d[8] and m[8] as fp16 (w = d*q + m; Q4_0 has m = -8d).
 // kind 8 (Q8_0): 8 chunks of 32 signed bytes, chunk c byte 4*j + i = q[j][4c + i],
 //   then d[8] fp16 (w = d*q).
+// kind 16 (bfloat16, B = 512): 16 pairs of inputs; pair p is one 32-byte
+//   vector whose dword j holds w[j][2p] (low half) and w[j][2p + 1] (high).
+//
+// BFLOAT16 (kind 16).  x is rounded per element to bf16 (round to nearest
+// even; denormals read as zero, as the weights were packed), and element
+// (m, n) is, over the input pairs p in order,
+//   acc = fma(w[n][2p+1], x[m][2p+1], acc);  acc = fma(w[n][2p], x[m][2p], acc)
+// with fp32 accumulation -- the sequence AVX512-BF16's vdpbf16ps is
+// specified to compute (Intel SDM: odd element first, RNE, DAZ/FTZ; each
+// bf16 product is exact in fp32).  A build for a CPU with AVX512-BF16 uses
+// vdpbf16ps (compiled, not run on the machines fdx was measured on); every
+// other build runs the two fmas, with MXCSR's FTZ/DAZ set for the call.
+// Each element has one fixed chain whatever M is: batch-invariant like the
+// int8 kinds, and bit-identical across thread counts.
 
 #include <omp.h>
 
@@ -52,6 +66,13 @@
 
 namespace {
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define FDX_QGEMM_BF16DP 1
+constexpr const char* kBf16Dot = "vdpbf16ps";
+#else
+constexpr const char* kBf16Dot = "fma";
+#endif
+
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define FDX_QGEMM_VNNI 1
 constexpr const char* kDot = "vnni";
@@ -61,6 +82,7 @@ constexpr const char* kDot = "maddubs";
 
 constexpr int kQ4Bytes = fdx::kPackedQ4Bytes;
 constexpr int kQ8Bytes = fdx::kPackedQ8Bytes;
+constexpr int kBf16Bytes = fdx::kPackedBf16Bytes;
 constexpr int MR = 4;   // rows per register tile
 constexpr int NG = 2;   // column groups (of 8) per register tile: the x broadcasts serve both
 constexpr int KC = 16;  // blocks per integer pass (the int32 block sums wait in a 4 KB scratch)
@@ -419,6 +441,142 @@ void gemm_range_g1(const int8_t* xq, const float* dx, const float* sx, const uin
   }
 }
 
+// ---------------------------------------------------------------- bfloat16
+
+// fp32 -> the bf16 bit pattern: round to nearest even, denormals to (signed)
+// zero, NaN kept quiet.  The packer (fdx/model/packed_weights.py pack_bf16)
+// rounds the weights the same way.
+inline uint32_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7F800000u) == 0) return (u >> 16) & 0x8000u;           // zero or denormal: +-0
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return ((u >> 16) | 0x40u) & 0xFFFFu;  // NaN
+  return ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) & 0xFFFFu;
+}
+
+// Row m of x rounded to bf16.  AVX2: as float32 values (the kernel
+// broadcasts them); vdpbf16ps: as K/2 dwords of bf16 pairs (low = even k).
+inline void round_row_bf16(const float* x, int64_t K, float* xr) {
+#ifdef FDX_QGEMM_BF16DP
+  uint32_t* xp = reinterpret_cast<uint32_t*>(xr);
+  for (int64_t k = 0; k < K; k += 2) xp[k / 2] = bf16_bits(x[k]) | (bf16_bits(x[k + 1]) << 16);
+#else
+  for (int64_t k = 0; k < K; ++k) {
+    const uint32_t u = bf16_bits(x[k]) << 16;
+    std::memcpy(xr + k, &u, 4);
+  }
+#endif
+}
+
+constexpr int kBfRows = 6;  // bf16: rows per register tile (12 fp32 sums hide the fma latency)
+
+// R rows x G groups of 8 columns over every input pair: out[r][8g + j].
+// xr[r]: row r as round_row_bf16 left it; blk[g]: group g's packed pairs.
+template <int R, int G>
+void tile_bf16(const float* const* xr, const uint8_t* const* blk, int64_t npairs, float* const* out, const int* ncols) {
+  __m256 acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps();
+#ifndef FDX_QGEMM_BF16DP
+  const __m256i hi16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+#endif
+  for (int64_t p = 0; p < npairs; ++p) {
+#ifdef FDX_QGEMM_BF16DP
+    __m256i wv[G];
+    for (int g = 0; g < G; ++g) wv[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g] + 32 * p));
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, xr[r] + p, 4);
+      const __m256bh xv = (__m256bh)_mm256_set1_epi32(pair);
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm256_dpbf16_ps(acc[r][g], (__m256bh)wv[g], xv);
+    }
+#else
+    // every lane's odd input, then every lane's even one: the per-lane
+    // order above, with few live registers (the sums, a weight vector a
+    // group, one broadcast)
+    __m256 wf[G];
+    for (int g = 0; g < G; ++g)
+      wf[g] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g] + 32 * p)), hi16));
+    for (int r = 0; r < R; ++r) {
+      const __m256 xh = _mm256_broadcast_ss(xr[r] + 2 * p + 1);
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm256_fmadd_ps(wf[g], xh, acc[r][g]);
+    }
+    for (int g = 0; g < G; ++g)
+      wf[g] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g] + 32 * p)), 16));
+    for (int r = 0; r < R; ++r) {
+      const __m256 xl = _mm256_broadcast_ss(xr[r] + 2 * p);
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm256_fmadd_ps(wf[g], xl, acc[r][g]);
+    }
+#endif
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) {
+      float* o = out[r] + 8 * g;
+      if (ncols[g] == 8) {
+        _mm256_storeu_ps(o, acc[r][g]);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, acc[r][g]);
+        std::memcpy(o, tmp, sizeof(float) * ncols[g]);
+      }
+    }
+}
+
+template <int G>
+void tile_bf16_rows(int R, const float* const* xr, const uint8_t* const* blk, int64_t npairs, float* const* out,
+                    const int* ncols) {
+  switch (R) {
+    case 1: tile_bf16<1, G>(xr, blk, npairs, out, ncols); break;
+    case 2: tile_bf16<2, G>(xr, blk, npairs, out, ncols); break;
+    case 3: tile_bf16<3, G>(xr, blk, npairs, out, ncols); break;
+    case 4: tile_bf16<4, G>(xr, blk, npairs, out, ncols); break;
+    case 5: tile_bf16<5, G>(xr, blk, npairs, out, ncols); break;
+    default: tile_bf16<kBfRows, G>(xr, blk, npairs, out, ncols); break;
+  }
+}
+
+// bf16: groups [g0, g1) of every row, in row blocks (activations in L2),
+// cache tiles of groups (weights in L1) and register tiles of MR x NG.
+//   xr: the rounded rows, xs floats apart.
+void gemm_range_bf16(const float* xr, int64_t xs, const uint8_t* w, float* out, int64_t M, int64_t K, int64_t N,
+                     int64_t g0, int64_t g1) {
+  const int64_t nb = K / 32, npairs = K / 2;
+  const int64_t gtile = std::max<int64_t>(NG, 2 * kTileBytes / (nb * kBf16Bytes) / NG * NG);
+  const int64_t rows = std::max<int64_t>(kBfRows, kRowBytes / (4 * xs) / kBfRows * kBfRows);
+  for (int64_t mb = 0; mb < M; mb += rows) {
+    const int64_t mb1 = std::min<int64_t>(M, mb + rows);
+    for (int64_t gt = g0; gt < g1; gt += gtile) {
+      const int64_t gt1 = std::min<int64_t>(g1, gt + gtile);
+      for (int64_t m0 = mb; m0 < mb1; m0 += kBfRows) {
+        const int R = static_cast<int>(std::min<int64_t>(kBfRows, mb1 - m0));
+        const float* rr[kBfRows];
+        float* orow[kBfRows];
+        for (int r = 0; r < R; ++r) rr[r] = xr + (m0 + r) * xs;
+        for (int64_t g = gt; g < gt1; g += NG) {
+          const int ng = static_cast<int>(std::min<int64_t>(NG, gt1 - g));
+          const uint8_t* blk[NG];
+          int ncols[NG];
+          for (int j = 0; j < ng; ++j) {
+            blk[j] = w + (g + j) * nb * kBf16Bytes;
+            ncols[j] = static_cast<int>(std::min<int64_t>(8, N - 8 * (g + j)));
+          }
+          for (int r = 0; r < R; ++r) orow[r] = out + (m0 + r) * N + 8 * g;
+          if (ng == NG) tile_bf16_rows<NG>(R, rr, blk, npairs, orow, ncols);
+          else tile_bf16_rows<1>(R, rr, blk, npairs, orow, ncols);
+        }
+      }
+    }
+  }
+}
+
+// MXCSR's flush-to-zero and denormals-are-zero for the scope (vdpbf16ps
+// behaves so whatever MXCSR says; the fma emulation needs them set).
+struct FtzDaz {
+  unsigned saved;
+  FtzDaz() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040u); }
+  ~FtzDaz() { _mm_setcsr(saved); }
+};
+
 // Grown, never shrunk, never zeroed: the quantized activations of a call.
 struct Scratch {
   std::unique_ptr<int8_t[]> xq;
@@ -439,23 +597,34 @@ void run(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int
   const int64_t nb = K / 32;
   const int64_t G = (N + 7) / 8;
   thread_local Scratch scratch;
-  scratch.reserve(M * K, M * nb);
+  // bf16: the rounded rows (K floats each, or K/2 dwords: K floats' room)
+  thread_local std::vector<float> rounded;
+  if constexpr (KIND == 16) {
+    if (static_cast<int64_t>(rounded.size()) < M * K) rounded.resize(M * K);
+  } else {
+    scratch.reserve(M * K, M * nb);
+  }
   int8_t* xq = scratch.xq.get();
   float* dx = scratch.dx.get();
   float* sx = scratch.sx.get();
-  // Every row is quantized alone (the same code whatever M is, by whichever
-  // thread): few rows here, before the threads start; many in the same
-  // parallel region as the GEMM (one fork instead of two).  Then threads own
-  // contiguous column-group ranges (pairs of groups, so the register tiles
-  // stay full).
-  const bool par_quant = M * K >= (1 << 15);
-  if (!par_quant)
-    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, xq + m * K, dx + m * nb, sx + m * nb);
+  float* xr = rounded.data();
+  // Every row is prepared alone (quantized, or rounded to bf16: the same
+  // code whatever M is, by whichever thread): few rows here, before the
+  // threads start; many in the same parallel region as the GEMM (one fork
+  // instead of two).  Then threads own contiguous column-group ranges
+  // (pairs of groups, so the register tiles stay full).
+  auto prepare = [&](int64_t m) {
+    if constexpr (KIND == 16) round_row_bf16(x + m * K, K, xr + m * K);
+    else quantize_row(x + m * K, K, xq + m * K, dx + m * nb, sx + m * nb);
+  };
+  const bool par_prep = M * K >= (1 << 15);
+  if (!par_prep)
+    for (int64_t m = 0; m < M; ++m) prepare(m);
 #pragma omp parallel if (G >= 16)
   {
     const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
-    if (par_quant) {
-      for (int64_t m = tid; m < M; m += nth) quantize_row(x + m * K, K, xq + m * K, dx + m * nb, sx + m * nb);
+    if (par_prep) {
+      for (int64_t m = tid; m < M; m += nth) prepare(m);
       if (nth > 1) {
 #pragma omp barrier
       }
@@ -464,9 +633,14 @@ void run(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int
     const int64_t per = (pairs + nth - 1) / nth;
     const int64_t g0 = std::min<int64_t>(G, tid * per * NG), g1 = std::min<int64_t>(G, g0 + per * NG);
     if (g0 < g1) {
-      // M = 1 streams the weights (memory bound): the one-group tiles
-      if (KIND == 4 && M > 1) gemm_range<KIND>(xq, dx, sx, w, out, M, K, N, g0, g1);
-      else gemm_range_g1<KIND>(xq, dx, sx, w, out, M, K, N, g0, g1);
+      if constexpr (KIND == 16) {
+        FtzDaz ftz;
+        gemm_range_bf16(xr, K, w, out, M, K, N, g0, g1);
+      } else if (KIND == 4 && M > 1) {
+        gemm_range<KIND>(xq, dx, sx, w, out, M, K, N, g0, g1);
+      } else {  // Q8_0, and M = 1 (memory bound: the weights stream one group at a time)
+        gemm_range_g1<KIND>(xq, dx, sx, w, out, M, K, N, g0, g1);
+      }
     }
   }
 }
@@ -476,6 +650,7 @@ void run(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int
 void fdx::qgemm(const float* x, const uint8_t* w, int kind, float* out, int64_t M, int64_t K, int64_t N) {
   if (M == 0) return;
   if (kind == 4) run<4>(x, w, out, M, K, N);
+  else if (kind == 16) run<16>(x, w, out, M, K, N);
   else run<8>(x, w, out, M, K, N);
 }
 
@@ -483,10 +658,10 @@ std::vector<paddle::Tensor> QGemm(const paddle::Tensor& x, const paddle::Tensor&
   PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "x must be float32");
   PD_CHECK(w.dtype() == paddle::DataType::UINT8, "w must be uint8");
   PD_CHECK(x.shape().size() == 2 && w.shape().size() == 3, "x must be 2-D and w 3-D (packed)");
-  PD_CHECK(kind == 4 || kind == 8, "kind must be 4 (Q4_0/Q4_1) or 8 (Q8_0)");
+  PD_CHECK(fdx::packed_block_bytes(kind) > 0, "kind must be 4 (Q4_0/Q4_1), 8 (Q8_0) or 16 (bfloat16)");
   const int64_t M = x.shape()[0], K = x.shape()[1];
   PD_CHECK(K % 32 == 0, "K must be a multiple of 32");
-  PD_CHECK(w.shape()[0] == (n_out + 7) / 8 && w.shape()[1] == K / 32 && w.shape()[2] == (kind == 4 ? kQ4Bytes : kQ8Bytes),
+  PD_CHECK(w.shape()[0] == (n_out + 7) / 8 && w.shape()[1] == K / 32 && w.shape()[2] == fdx::packed_block_bytes(kind),
            "packed w does not match K and n_out");
   auto out = paddle::empty({M, n_out}, paddle::DataType::FLOAT32, x.place());
   fdx::qgemm(x.data<float>(), w.data<uint8_t>(), kind, out.data<float>(), M, K, n_out);
@@ -508,15 +683,17 @@ PD_BUILD_OP(fdx_qgemm)
     .SetInferShapeFn(PD_INFER_SHAPE(QGemmInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(QGemmInferDtype));
 
-// Which integer dot product the build uses, as a 1-element int32 tensor
-// (1 = vpdpbusd, 0 = vpmaddubsw); native.py logs it once.
+// Which dot products the build uses, as a 2-element int32 tensor: [0] int8
+// (1 = vpdpbusd, 0 = vpmaddubsw), [1] bf16 (1 = vdpbf16ps, 0 = two fmas);
+// native.py logs them once.
 std::vector<paddle::Tensor> QGemmDot(const paddle::Tensor& x) {
-  auto out = paddle::empty({1}, paddle::DataType::INT32, x.place());
+  auto out = paddle::empty({2}, paddle::DataType::INT32, x.place());
   out.data<int32_t>()[0] = std::strcmp(kDot, "vnni") == 0 ? 1 : 0;
+  out.data<int32_t>()[1] = std::strcmp(kBf16Dot, "vdpbf16ps") == 0 ? 1 : 0;
   return {out};
 }
 
-std::vector<std::vector<int64_t>> QGemmDotShape(const std::vector<int64_t>& x) { return {{1}}; }
+std::vector<std::vector<int64_t>> QGemmDotShape(const std::vector<int64_t>& x) { return {{2}}; }
 
 std::vector<paddle::DataType> QGemmDotDtype(const paddle::DataType& x) { return {paddle::DataType::INT32}; }
 

@@ -8,7 +8,7 @@ layers with a fixed, small number of ops per layer:
 -> ``fused_rms_norm`` (+residual) -> one gate/up matmul -> ``swiglu`` -> down
 matmul.
 
-In int8 mode with the native ops, the whole layer stack is one call of the
+In the packed modes (int8, bfloat16), the whole layer stack is one call of the
 C++ op ``fdx_decoder_layers`` (fdx/csrc/decoder_layers.cc), which runs those
 same kernels in the same order (bit-identical, without ~8 op dispatches a
 layer); :attr:`LlamaModel.fused_layers` ``= False`` keeps the per-layer ops.
@@ -17,7 +17,7 @@ Attention (RoPE, KV-cache write, paged causal attention) is either the C++
 op ``fdx_paged_attention`` (fdx/csrc/) or an equivalent pure-Paddle fallback.
 Both read K/V only through the per-sequence block tables.
 
-Two compute modes (:attr:`LlamaModel.mode`):
+Three compute modes (:attr:`LlamaModel.mode`):
 
 * ``"int8"``: every matmul, the LM head included, is the C++ int8 GEMM
   ``fdx_qgemm`` over the GGUF's Q4/Q8 blocks (packed at load by
@@ -27,6 +27,12 @@ Two compute modes (:attr:`LlamaModel.mode`):
   step (norms, attention, SwiGLU, embedding) works row by row, so a
   request's logits are bit-identical whatever else is in the step.  No
   float32 copy of the weights is kept.
+* ``"bfloat16"``: the same op and path with kind-16 weights: every matmul
+  rounds its activations to bf16 and multiplies them with the weights
+  rounded to bf16 at load, accumulating in fp32 (``vdpbf16ps`` where the
+  CPU has AVX512-BF16, else an fma sequence specified to give the same
+  bits); batch-invariant by the same construction.  Norms, attention and
+  the KV cache stay float32.
 * ``"float32"``: float32 weights and maths; steps of at most
   ``quant_max_rows`` rows read the GGUF blocks through the fp32 GEMV
   ``fdx_qgemv`` (exactly the dequantized weights), larger ones use Paddle's
@@ -52,10 +58,12 @@ from paddle.incubate.nn.functional import fused_rms_norm
 from fdx.core.errors import FdxError, ModelLoadError
 from fdx.model.arch import ModelArgs
 from fdx.model.loader import Checkpoint, LayerWeights
-from fdx.model.packed_weights import PackedWeight, pack_float, pack_gguf
+from fdx.model.packed_weights import PackedWeight, pack_bf16, pack_float, pack_gguf
 
 #: the compute modes (``--dtype``): see the module docstring
-MODES = ("int8", "float32")
+MODES = ("int8", "bfloat16", "float32")
+#: the modes whose matmuls are all ``fdx_qgemm`` over packed weights
+PACKED_MODES = ("int8", "bfloat16")
 
 
 #: default row limit for the quantized GEMV path (``FDX_QUANT_MAX_ROWS``)
@@ -90,7 +98,7 @@ class StepInputs:
 class Layer:
     """One decoder layer's tensors.  float32 mode: the ``w_*`` ([in, out])
     and, where the GGUF has them, the ``q_*`` block rows for the fp32 GEMV.
-    int8 mode: only the packed ``p_*`` (the ``w_*`` are ``None``)."""
+    Packed modes (int8, bfloat16): only the packed ``p_*`` (the ``w_*`` are ``None``)."""
 
     attn_norm: paddle.Tensor
     w_qkv: paddle.Tensor | None
@@ -104,7 +112,7 @@ class Layer:
     q_o: tuple[paddle.Tensor, int] | None = None
     q_gate_up: tuple[paddle.Tensor, int] | None = None
     q_down: tuple[paddle.Tensor, int] | None = None
-    # int8 mode: packed for fdx_qgemm
+    # packed modes: for fdx_qgemm
     p_qkv: PackedWeight | None = None
     p_o: PackedWeight | None = None
     p_gate_up: PackedWeight | None = None
@@ -159,8 +167,8 @@ class LlamaModel:
     def __init__(self, args: ModelArgs, max_pos: int, native_ops: Any | None, mode: str = "float32") -> None:
         if mode not in MODES:
             raise ValueError(f"compute mode {mode!r}: choose one of {', '.join(MODES)}")
-        if mode == "int8" and native_ops is None:
-            raise ModelLoadError("int8 compute needs fdx's native CPU ops (not loaded here); use --dtype float32")
+        if mode in PACKED_MODES and native_ops is None:
+            raise ModelLoadError(f"{mode} compute needs fdx's native CPU ops (not loaded here); use --dtype float32")
         self.args = args
         self.ops = native_ops
         self.mode = mode
@@ -184,7 +192,7 @@ class LlamaModel:
         self.p_lm_head: PackedWeight | None = None
         #: steps with at most this many token rows use the quantized GEMV
         self.quant_max_rows = QUANT_MAX_ROWS if native_ops is not None else 0
-        #: int8: run every layer in one ``fdx_decoder_layers`` call (same
+        #: packed modes: run every layer in one ``fdx_decoder_layers`` call (same
         #: kernels, same bits as the per-layer path, without ~8 op dispatches a
         #: layer); ``False`` keeps the per-layer path (tests compare the two)
         self.fused_layers = native_ops is not None and hasattr(native_ops, "fdx_decoder_layers")
@@ -220,6 +228,9 @@ class LlamaModel:
         self.lm_head = self.q_lm_head = self.p_lm_head = None
         if ckpt.lm_head is not None:
             check_shape(ckpt.lm_head, (a.vocab_size, a.hidden_size), "lm_head", ckpt.source.path)
+        if self.mode == "bfloat16":
+            self.p_lm_head = _to_paddle(pack_bf16(ckpt.lm_head if ckpt.lm_head is not None else ckpt.embed))
+            return
         if self.mode == "int8":
             if ckpt.lm_head_raw is not None and ckpt.lm_head_raw[1] in (2, 3, 8):
                 self.p_lm_head = _to_paddle(pack_gguf(*ckpt.lm_head_raw))
@@ -257,7 +268,7 @@ class LlamaModel:
     def _convert_layer(self, lw: LayerWeights, path: str, i: int) -> Layer:
         a = self.args
         check_layer(lw, a, i, path)
-        if self.mode == "int8":
+        if self.mode in PACKED_MODES:
             return self._pack_layer(lw)
         w_qkv = np.concatenate([lw.wq, lw.wk, lw.wv], axis=0).T
         b_qkv = qkv_bias(lw, a)
@@ -286,13 +297,16 @@ class LlamaModel:
         )
 
     def _pack_layer(self, lw: LayerWeights) -> Layer:
-        """int8 mode: the layer's matmuls packed for ``fdx_qgemm`` (the
-        GGUF's own blocks where q|k|v and gate|up share a kernel type, else
-        the float weights quantized to Q8_0)."""
+        """Packed modes: the layer's matmuls packed for ``fdx_qgemm`` -- bfloat16:
+        the float weights rounded to bf16; int8: the GGUF's own blocks where
+        q|k|v and gate|up share a kernel type, else the float weights
+        quantized to Q8_0."""
         a = self.args
         b_qkv = qkv_bias(lw, a)
 
         def pack(*names: str) -> PackedWeight:
+            if self.mode == "bfloat16":
+                return _to_paddle(pack_bf16(np.concatenate([getattr(lw, n) for n in names], axis=0)))
             parts = [lw.raw.get(n) for n in names]
             if all(p is not None for p in parts) and len({p[1] for p in parts}) == 1 and parts[0][1] in (2, 3, 8):  # type: ignore[index]
                 return _to_paddle(pack_gguf(np.concatenate([p[0] for p in parts], axis=0), parts[0][1]))  # type: ignore[index]
@@ -324,11 +338,11 @@ class LlamaModel:
             attend = self._fallback_attention(step, int(caches[0].shape[3]))
 
         T = int(step.ids.shape[0])
-        int8 = self.mode == "int8"
-        if int8 and self.ops is None:
-            raise FdxError("int8 compute needs fdx's native CPU ops, which are not loaded")
+        packed = self.mode in PACKED_MODES
+        if packed and self.ops is None:
+            raise FdxError(f"{self.mode} compute needs fdx's native CPU ops, which are not loaded")
         qgemv = self.ops.fdx_qgemv if self.ops is not None and T <= self.quant_max_rows else None
-        qgemm = self.ops.fdx_qgemm if int8 else None
+        qgemm = self.ops.fdx_qgemm if packed else None
 
         def linear(h: paddle.Tensor, w: paddle.Tensor | None, q: tuple[paddle.Tensor, int] | None,
                    p: PackedWeight | None) -> paddle.Tensor:
@@ -361,7 +375,7 @@ class LlamaModel:
 
         x = F.embedding(step.ids, self.embed)
         residual = None
-        if int8 and self.fused_layers:  # every layer in one op call: the same kernels, the same bits
+        if packed and self.fused_layers:  # every layer in one op call: the same kernels, the same bits
             an, wq, bq, wo, fn, wgu, wd, kinds = self._layer_stack()
             x, residual = self.ops.fdx_decoder_layers(
                 x, self.rope, step.meta, step.tables, an, wq, bq, wo, fn, wgu, wd, list(caches), kinds,

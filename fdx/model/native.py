@@ -62,6 +62,7 @@ ISA_CFLAGS = {
 _ops: Any = None
 _isa: str | None = None
 _dot: str | None = None
+_bf16_dot: str | None = None
 _tried = False
 
 
@@ -72,7 +73,7 @@ def cache_dir() -> str:
 def load_ops() -> Any:
     """The compiled op module, or ``None`` if it cannot be built here
     (``FDX_NATIVE_OPS=0`` disables it)."""
-    global _ops, _isa, _dot, _tried
+    global _ops, _isa, _dot, _bf16_dot, _tried
     if _tried:
         return _ops
     _tried = True
@@ -89,17 +90,19 @@ def load_ops() -> Any:
         _ops = None
         return None
     _isa = isa
-    _dot = _int8_dot(_ops)
+    _dot, _bf16_dot = _dot_products(_ops)
     log.info("fdx native CPU ops: %s", describe())
     return _ops
 
 
 def describe() -> str:
-    """The loaded kernels in words, e.g. ``"avx2 kernel set (fp32: 8 lanes; int8: vpmaddubsw)"``."""
+    """The loaded kernels in words, e.g. ``"avx2 kernel set (fp32: 8 lanes;
+    int8: vpmaddubsw; bf16: fma, no AVX512-BF16)"``."""
     if _ops is None:
         return "none (pure Paddle ops)"
     lanes = 16 if _isa == "avx512" else 8
-    return f"{_isa} kernel set (fp32: {lanes} lanes; int8: {_dot})"
+    bf16 = "vdpbf16ps" if _bf16_dot == "vdpbf16ps" else "fma, no AVX512-BF16"
+    return f"{_isa} kernel set (fp32: {lanes} lanes; int8: {_dot}; bf16: {bf16})"
 
 
 def loaded_int8_dot() -> str | None:
@@ -107,10 +110,16 @@ def loaded_int8_dot() -> str | None:
     return _dot if _ops is not None else None
 
 
-def _int8_dot(ops: Any) -> str:
+def loaded_bf16_dot() -> str | None:
+    """The bf16 GEMM's dot product (``"vdpbf16ps"``, or ``"fma"``: two fmas a pair), or ``None``."""
+    return _bf16_dot if _ops is not None else None
+
+
+def _dot_products(ops: Any) -> tuple[str, str]:
     import paddle
 
-    return "vpdpbusd" if int(ops.fdx_qgemm_dot(paddle.zeros([1], "float32")).numpy()[0]) == 1 else "vpmaddubsw"
+    flags = ops.fdx_qgemm_dot(paddle.zeros([1], "float32")).numpy()
+    return ("vpdpbusd" if int(flags[0]) == 1 else "vpmaddubsw"), ("vdpbf16ps" if int(flags[1]) == 1 else "fma")
 
 
 def loaded_isa() -> str | None:

@@ -10,7 +10,10 @@ and block of 32 inputs, the quants laid out so that one 32-byte vector holds
 4 consecutive inputs of the 8 columns (see csrc/qgemm.cc), then the fp16
 scales: kind 4 (Q4_0/Q4_1, ``B = 160``: nibbles, ``d[8]``, ``m[8]``, with
 ``w = d*q + m``; Q4_0 becomes ``m = -8d``) and kind 8 (Q8_0, ``B = 272``:
-signed bytes, ``d[8]``).
+signed bytes, ``d[8]``).  :func:`pack_bf16` rounds a float matrix to
+bfloat16 instead (kind 16, ``B = 512``: 16 input pairs of 8 columns, a
+column's pair in one dword, the even input in its low half), for the bf16
+GEMM of the same op.
 """
 
 from __future__ import annotations
@@ -26,11 +29,15 @@ _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 @attrs.frozen
 class PackedWeight:
     """A packed matrix for ``fdx_qgemm``: ``data`` (uint8, numpy or paddle),
-    ``kind`` (4 or 8) and ``n_out`` (the output features)."""
+    ``kind`` (4, 8 or 16) and ``n_out`` (the output features)."""
 
     data: object
     kind: int
     n_out: int
+
+
+#: packed bytes per (8 columns, 32 inputs) block of each kind (csrc/kernels.h)
+BLOCK_BYTES = {4: 160, 8: 272, 16: 512}
 
 
 def blocks(raw: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -102,10 +109,39 @@ def pack_float(w: np.ndarray) -> PackedWeight:
     return pack_blocks(q, d, None)
 
 
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 -> the bfloat16 bit patterns (uint16) the kernel uses: round
+    to nearest even, denormals to signed zero, NaN kept (quiet)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    r = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    r = np.where((u & 0x7F800000) == 0, (u >> 16) & 0x8000, r)
+    r = np.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, r)
+    return r.astype(np.uint16)
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns -> the float32 values they encode (exact)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def pack_bf16(w: np.ndarray) -> PackedWeight:
+    """A float ``[N, K]`` matrix (``K % 32 == 0``) -> bfloat16 (:func:`bf16_round`), kind 16."""
+    N, K = w.shape
+    G, nb = -(-N // 8), K // 32
+    bits = np.zeros((G * 8, K), np.uint16)
+    bits[:N] = bf16_round(w)
+    # [G, 8 cols, nb, 16 pairs, 2] -> [G, nb, pair, col, 2]: one dword per column and pair
+    data = bits.reshape(G, 8, nb, 16, 2).transpose(0, 2, 3, 1, 4).reshape(G, nb, 256)
+    return PackedWeight(np.ascontiguousarray(data).view(np.uint8), 16, N)
+
+
 def dequantize(p: PackedWeight) -> np.ndarray:
     """The float32 ``[N, K]`` matrix a packed weight stands for (tests, drift checks)."""
     data = np.asarray(p.data)
     G, nb, _ = data.shape
+    if p.kind == 16:
+        bits = data.view(np.uint16).reshape(G, nb, 16, 8, 2).transpose(0, 3, 1, 2, 4).reshape(G * 8, nb * 32)
+        return bf16_bits_to_f32(bits)[: p.n_out]
     if p.kind == 8:
         q = data[:, :, :256].view(np.int8).reshape(G, nb, 8, 8, 4).transpose(0, 3, 1, 2, 4).reshape(G * 8, nb, 32)
         d = data[:, :, 256:272].copy().view(np.float16).transpose(0, 2, 1).reshape(G * 8, nb)

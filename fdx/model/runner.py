@@ -26,25 +26,31 @@ log = logging.getLogger("fdx.model")
 
 
 def resolve_compute(requested: str, ops: Any, args: Any) -> str:
-    """The compute mode (``"int8"``/``"float32"``, see :mod:`fdx.model.llama`)
-    for ``--dtype``: ``float32``/``fp32``; ``int8`` (needs the native ops and
-    layer widths that are multiples of 32: otherwise a one-line error);
-    ``auto`` = int8 where it can run, else float32."""
+    """The compute mode (``"int8"``/``"bfloat16"``/``"float32"``, see
+    :mod:`fdx.model.llama`) for ``--dtype``: ``float32``/``fp32``; ``int8``
+    or ``bfloat16``/``bf16`` (need the native ops and layer widths that are
+    multiples of 32: otherwise a one-line error); ``auto`` = int8 where it
+    can run, else float32."""
     req = (requested or "auto").lower()
     if req in ("float32", "fp32"):
         return "float32"
-    if req not in ("int8", "auto"):
-        raise ModelLoadError(f"--dtype {requested}: the Paddle CPU runner supports auto, int8, float32")
+    packed = {"int8": "int8", "auto": "int8", "bfloat16": "bfloat16", "bf16": "bfloat16"}.get(req)
+    if packed is None:
+        raise ModelLoadError(f"--dtype {requested}: the Paddle CPU runner supports {', '.join(CPU_DTYPES)}")
     why = None
     if ops is None:
         why = "fdx's native CPU ops are not loaded (FDX_NATIVE_OPS=0, no AVX2/AVX-512, or no compiler)"
     elif any(d % 32 for d in (args.hidden_size, args.q_size, args.intermediate_size)):
         why = "the layer widths are not multiples of 32"
     if why is None:
-        return "int8"
-    if req == "int8":
-        raise ModelLoadError(f"--dtype int8: {why}; use --dtype float32")
+        return packed
+    if req != "auto":
+        raise ModelLoadError(f"--dtype {requested}: {why}; use --dtype float32")
     return "float32"
+
+
+#: what ``--dtype`` accepts on the cpu runner
+CPU_DTYPES = ("auto", "int8", "bfloat16", "float32")
 
 
 class PaddleModelRunner(PagedRunnerBase):
@@ -66,8 +72,8 @@ class PaddleModelRunner(PagedRunnerBase):
         self.device = device
         paddle.set_device(device.paddle_place())
         paddle.disable_static()
-        if (config.dtype or "auto").lower() not in ("float32", "fp32", "auto", "int8"):
-            raise ModelLoadError(f"--dtype {config.dtype}: the Paddle CPU runner supports auto, int8, float32")
+        if (config.dtype or "auto").lower() not in ("float32", "fp32", "auto", "int8", "bfloat16", "bf16"):
+            raise ModelLoadError(f"--dtype {config.dtype}: the Paddle CPU runner supports {', '.join(CPU_DTYPES)}")
         self.dtype = "float32"  # the KV pool's dtype
         ckpt = self._open_checkpoint(config)
 
@@ -77,7 +83,7 @@ class PaddleModelRunner(PagedRunnerBase):
 
             ops = load_ops()
         self.attention_impl = "native" if ops is not None else "paddle"
-        #: "int8" or "float32" (see fdx.model.llama)
+        #: "int8", "bfloat16" or "float32" (see fdx.model.llama)
         self.compute = resolve_compute(config.dtype, ops, self.args)
         self.model = LlamaModel(self.args, self.max_model_len, ops, self.compute)
         with paddle.no_grad():

@@ -22,6 +22,7 @@ import numpy as np
 from fdx.core.errors import FdxError, ModelLoadError
 from fdx.core.interfaces import KVCacheSpec, ModelOutput, ModelRunner, ScheduledBatch
 from fdx.core.messages import TokenLogprob
+from fdx.model.packed_weights import bf16_bits_to_f32
 
 if TYPE_CHECKING:
     from fdx.config import EngineConfig
@@ -31,11 +32,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("fdx.model")
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 bit patterns (uint16) -> the float32 values they encode (exact)."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def take_rows(logits: Any, sel: np.ndarray) -> Any:

@@ -1,6 +1,6 @@
 """Registers the ``cpu`` model runner: fdx's Paddle runner (``--dtype auto``:
 the batch-invariant int8 GEMM over the GGUF blocks where the C++ ops load,
-else float32; float32 KV; mixed prefill/decode forward; NumPy sampling), the default of the
+else float32; ``--dtype bfloat16``: the bf16 GEMM; float32 KV; mixed prefill/decode forward; NumPy sampling), the default of the
 ``cpu`` device.  Paddle and the model are imported only by the factory."""
 
 from __future__ import annotations
@@ -22,4 +22,4 @@ def create(config: EngineConfig, device: Device) -> ModelRunner:
 
 @hookimpl
 def fdx_register_model_runners(register: Any) -> None:
-    register("cpu", create, description="Paddle runner: int8 (batch-invariant) or float32 compute, C++ paged attention on the CPU device")
+    register("cpu", create, description="Paddle runner: int8 or bfloat16 (batch-invariant) or float32 compute, C++ paged attention on the CPU device")
