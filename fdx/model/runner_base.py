@@ -166,7 +166,7 @@ class PagedRunnerBase(ModelRunner):
         greedy path takes) is compared with the drafts, the longest equal
         prefix is accepted and the target's token at the first mismatch
         (or after the last draft) is added.  Other seqs sample normally."""
-        from fdx.model.sampler import _to_numpy
+        from fdx.model.sampler import logits_to_numpy
 
         k = layout.num_drafts
         assert k is not None and logits is not None
@@ -188,7 +188,7 @@ class PagedRunnerBase(ModelRunner):
                     logprobs_out[i] = lps[j]
         ns = n_rows[spec]
         spec_rows = np.repeat(first[spec], ns) + np.arange(int(ns.sum())) - np.repeat(np.cumsum(ns) - ns, ns)
-        arr = _to_numpy(take_rows(logits, spec_rows))
+        arr = logits_to_numpy(take_rows(logits, spec_rows))
         target = arr[:, : self.vocab_size].argmax(axis=1).astype(np.int64)  # the sampler's greedy argmax
         out: dict[int, list[int]] = {}
         pos = 0

@@ -158,7 +158,7 @@ def _is_paddle(x: Any) -> bool:
     return type(x).__module__.startswith("paddle")
 
 
-def _to_numpy(logits: Any) -> np.ndarray:
+def logits_to_numpy(logits: Any) -> np.ndarray:
     if isinstance(logits, np.ndarray):
         arr = logits
     else:
@@ -208,7 +208,7 @@ class Sampler:
             ):
                 fast = False
                 break
-        arr = _to_numpy(logits)
+        arr = logits_to_numpy(logits)
         if width > self.vocab_size:  # padded vocabulary: the padding is never sampled
             arr = arr[:, : self.vocab_size]
         if fast:  # np.argmax on the CPU tensor's buffer beats paddle.argmax ~10x (bench_sampler)
