@@ -96,6 +96,17 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// The first ncols (1..8) lanes of v to o.
+inline void store_cols(float* o, __m256 v, int ncols) {
+  if (ncols == 8) {
+    _mm256_storeu_ps(o, v);
+  } else {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    std::memcpy(o, tmp, sizeof(float) * ncols);
+  }
+}
+
 inline __m256 half8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // Keeps v in a register here: stops the compiler from re-associating an
@@ -225,16 +236,7 @@ void tile(const int8_t* const* xq, const float* const* dx, const float* const* s
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) {
-      float* o = out[r] + 8 * g;
-      if (ncols[g] == 8) {
-        _mm256_storeu_ps(o, acc[r][g]);
-      } else {
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, acc[r][g]);
-        std::memcpy(o, tmp, sizeof(float) * ncols[g]);
-      }
-    }
+    for (int g = 0; g < G; ++g) store_cols(out[r] + 8 * g, acc[r][g], ncols[g]);
 }
 
 // Q8_0 (and M = 1): one group of 8 columns against R (1..MR) rows, one pass (its sums
@@ -303,15 +305,7 @@ inline void tile_g1(const int8_t* const* xq, const float* const* dx, const float
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dw, _mm256_broadcast_ss(dx[r] + b)), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if (ncols == 8) {
-      _mm256_storeu_ps(out[r], acc[r]);
-    } else {
-      alignas(32) float tmp[8];
-      _mm256_store_ps(tmp, acc[r]);
-      std::memcpy(out[r], tmp, sizeof(float) * ncols);
-    }
-  }
+  for (int r = 0; r < R; ++r) store_cols(out[r], acc[r], ncols);
 }
 
 // Row m of x -> xq (int8), dx (block scales), sx (scale * sum of the block's q).
@@ -510,16 +504,7 @@ void tile_bf16(const float* const* xr, const uint8_t* const* blk, int64_t npairs
 #endif
   }
   for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) {
-      float* o = out[r] + 8 * g;
-      if (ncols[g] == 8) {
-        _mm256_storeu_ps(o, acc[r][g]);
-      } else {
-        alignas(32) float tmp[8];
-        _mm256_store_ps(tmp, acc[r][g]);
-        std::memcpy(o, tmp, sizeof(float) * ncols[g]);
-      }
-    }
+    for (int g = 0; g < G; ++g) store_cols(out[r] + 8 * g, acc[r][g], ncols[g]);
 }
 
 template <int G>
