@@ -172,12 +172,14 @@ def test_redis_restart_gives_503s_then_recovery(cluster: dict[str, Any]) -> None
     with ThreadPoolExecutor(6) as pool:
         expected = dict(zip(prompts, pool.map(lambda p: _text(b, p, 48), prompts)))
     outs, threads, started = _start_streams(a, [_body(p, 48) for p in prompts])
-    for s in started[:4]:
-        assert s.wait(120), "a stream never started"
-    deadline = time.monotonic() + 60
+    # watched from the start: an idle B can take A's overflow and finish it
+    # while A's own streams are still starting
+    deadline = time.monotonic() + 120
     while metric_value(b, "fdx:dp_global_queue_held") < 1:  # B runs some of A's streams
         assert time.monotonic() < deadline, "B never took one of A's streams"
-        time.sleep(0.05)
+        time.sleep(0.02)
+    for s in started[:4]:
+        assert s.wait(120), "a stream never started"
     rs.stop()  # Redis goes away (its data with it: --save '')
     stopped = time.monotonic()
     try:
