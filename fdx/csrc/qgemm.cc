@@ -363,6 +363,15 @@ inline void row_ptrs(int64_t m0, int R, const int8_t* xq, const float* dx, const
   }
 }
 
+// The ng groups from g: their packed blocks (BB bytes a block) and output columns.
+inline void group_ptrs(const uint8_t* w, int64_t g, int ng, int64_t nb, int64_t BB, int64_t N, const uint8_t** blk,
+                       int* ncols) {
+  for (int j = 0; j < ng; ++j) {
+    blk[j] = w + (g + j) * nb * BB;
+    ncols[j] = static_cast<int>(std::min<int64_t>(8, N - 8 * (g + j)));
+  }
+}
+
 // Groups [g0, g1) of every row: row blocks of kRowBlock (their activations
 // stay in L2), within one cache tiles of groups (their weights stay in L1),
 // within one register tiles of MR rows x NG groups.
@@ -388,10 +397,7 @@ void gemm_range(const int8_t* xq, const float* dx, const float* sx, const uint8_
           const int ng = static_cast<int>(std::min<int64_t>(NG, gt1 - g));
           const uint8_t* blk[NG];
           int ncols[NG];
-          for (int j = 0; j < ng; ++j) {
-            blk[j] = w + (g + j) * nb * BB;
-            ncols[j] = static_cast<int>(std::min<int64_t>(8, N - 8 * (g + j)));
-          }
+          group_ptrs(w, g, ng, nb, BB, N, blk, ncols);
           for (int r = 0; r < R; ++r) orow[r] = out + (m0 + r) * N + 8 * g;
           if (ng == NG) {
             tile_rows<KIND, NG>(R, xr, dr, sr, blk, nb, orow, ncols);
@@ -521,7 +527,7 @@ void tile_bf16_rows(int R, const float* const* xr, const uint8_t* const* blk, in
 }
 
 // bf16: groups [g0, g1) of every row, in row blocks (activations in L2),
-// cache tiles of groups (weights in L1) and register tiles of MR x NG.
+// cache tiles of groups (weights in L1) and register tiles of kBfRows x NG.
 //   xr: the rounded rows, xs floats apart.
 void gemm_range_bf16(const float* xr, int64_t xs, const uint8_t* w, float* out, int64_t M, int64_t K, int64_t N,
                      int64_t g0, int64_t g1) {
@@ -541,10 +547,7 @@ void gemm_range_bf16(const float* xr, int64_t xs, const uint8_t* w, float* out, 
           const int ng = static_cast<int>(std::min<int64_t>(NG, gt1 - g));
           const uint8_t* blk[NG];
           int ncols[NG];
-          for (int j = 0; j < ng; ++j) {
-            blk[j] = w + (g + j) * nb * kBf16Bytes;
-            ncols[j] = static_cast<int>(std::min<int64_t>(8, N - 8 * (g + j)));
-          }
+          group_ptrs(w, g, ng, nb, kBf16Bytes, N, blk, ncols);
           for (int r = 0; r < R; ++r) orow[r] = out + (m0 + r) * N + 8 * g;
           if (ng == NG) tile_bf16_rows<NG>(R, rr, blk, npairs, orow, ncols);
           else tile_bf16_rows<1>(R, rr, blk, npairs, orow, ncols);
@@ -562,10 +565,13 @@ struct FtzDaz {
   ~FtzDaz() { _mm_setcsr(saved); }
 };
 
-// Grown, never shrunk, never zeroed: the quantized activations of a call.
+// Grown, never shrunk: the prepared activations of a call -- int8: the
+// quantized rows, their scales and scaled sums (never zeroed); bf16: the
+// rounded rows (K floats each, or K/2 dwords: K floats' room).
 struct Scratch {
   std::unique_ptr<int8_t[]> xq;
   std::unique_ptr<float[]> dx, sx;
+  std::vector<float> xr;
   int64_t nq = 0, ns = 0;
   void reserve(int64_t q, int64_t s) {
     if (q > nq) xq.reset(new int8_t[nq = q]);
@@ -582,17 +588,15 @@ void run(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int
   const int64_t nb = K / 32;
   const int64_t G = (N + 7) / 8;
   thread_local Scratch scratch;
-  // bf16: the rounded rows (K floats each, or K/2 dwords: K floats' room)
-  thread_local std::vector<float> rounded;
   if constexpr (KIND == 16) {
-    if (static_cast<int64_t>(rounded.size()) < M * K) rounded.resize(M * K);
+    if (static_cast<int64_t>(scratch.xr.size()) < M * K) scratch.xr.resize(M * K);
   } else {
     scratch.reserve(M * K, M * nb);
   }
   int8_t* xq = scratch.xq.get();
   float* dx = scratch.dx.get();
   float* sx = scratch.sx.get();
-  float* xr = rounded.data();
+  float* xr = scratch.xr.data();
   // Every row is prepared alone (quantized, or rounded to bf16: the same
   // code whatever M is, by whichever thread): few rows here, before the
   // threads start; many in the same parallel region as the GEMM (one fork

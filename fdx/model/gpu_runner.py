@@ -36,7 +36,8 @@ import numpy as np
 from fdx.config import EngineConfig
 from fdx.core.errors import ModelLoadError
 from fdx.core.interfaces import Device
-from fdx.model.runner_base import PagedRunnerBase, StepLayout, bf16_bits_to_f32
+from fdx.model.packed_weights import bf16_bits_to_f32
+from fdx.model.runner_base import PagedRunnerBase, StepLayout
 
 __all__ = ["GPUModelRunner", "bf16_bits_to_f32", "resolve_dtype"]
 

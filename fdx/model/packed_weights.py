@@ -36,10 +36,6 @@ class PackedWeight:
     n_out: int
 
 
-#: packed bytes per (8 columns, 32 inputs) block of each kind (csrc/kernels.h)
-BLOCK_BYTES = {4: 160, 8: 272, 16: 512}
-
-
 def blocks(raw: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """GGUF rows ``uint8 [N, K/32 * bytes]`` -> quants ``[N, K/32, 32]``
     (uint8 0..15 for Q4, int8 for Q8), scales ``d`` and offsets ``m``

@@ -25,37 +25,45 @@ from fdx.model.runner_base import PagedRunnerBase, StepLayout
 log = logging.getLogger("fdx.model")
 
 
+#: ``--dtype`` names the cpu runner accepts -> the compute mode they ask for
+#: (``auto``: int8 where it can run, else float32)
+CPU_DTYPES = {"auto": "int8", "int8": "int8", "bfloat16": "bfloat16", "bf16": "bfloat16",
+              "float32": "float32", "fp32": "float32"}
+
+
+def requested_compute(requested: str | None) -> str:
+    """The compute mode ``--dtype`` asks for; a one-line error listing the
+    choices for a name the cpu runner does not know."""
+    mode = CPU_DTYPES.get((requested or "auto").lower())
+    if mode is None:
+        raise ModelLoadError(f"--dtype {requested}: the Paddle CPU runner supports auto, int8, bfloat16, float32")
+    return mode
+
+
 def resolve_compute(requested: str, ops: Any, args: Any) -> str:
     """The compute mode (``"int8"``/``"bfloat16"``/``"float32"``, see
     :mod:`fdx.model.llama`) for ``--dtype``: ``float32``/``fp32``; ``int8``
     or ``bfloat16``/``bf16`` (need the native ops and layer widths that are
     multiples of 32: otherwise a one-line error); ``auto`` = int8 where it
     can run, else float32."""
-    req = (requested or "auto").lower()
-    if req in ("float32", "fp32"):
-        return "float32"
-    packed = {"int8": "int8", "auto": "int8", "bfloat16": "bfloat16", "bf16": "bfloat16"}.get(req)
-    if packed is None:
-        raise ModelLoadError(f"--dtype {requested}: the Paddle CPU runner supports {', '.join(CPU_DTYPES)}")
+    mode = requested_compute(requested)
+    if mode == "float32":
+        return mode
     why = None
     if ops is None:
         why = "fdx's native CPU ops are not loaded (FDX_NATIVE_OPS=0, no AVX2/AVX-512, or no compiler)"
     elif any(d % 32 for d in (args.hidden_size, args.q_size, args.intermediate_size)):
         why = "the layer widths are not multiples of 32"
     if why is None:
-        return packed
-    if req != "auto":
+        return mode
+    if (requested or "auto").lower() != "auto":
         raise ModelLoadError(f"--dtype {requested}: {why}; use --dtype float32")
     return "float32"
 
 
-#: what ``--dtype`` accepts on the cpu runner
-CPU_DTYPES = ("auto", "int8", "bfloat16", "float32")
-
-
 class PaddleModelRunner(PagedRunnerBase):
-    """The ``cpu`` runner: float32 KV, :class:`LlamaModel` in int8 or float32
-    compute (``--dtype``; C++ ops where the device has them), the NumPy
+    """The ``cpu`` runner: float32 KV, :class:`LlamaModel` in int8, bfloat16 or
+    float32 compute (``--dtype``; C++ ops where the device has them), the NumPy
     sampler.  What it shares with the ``gpu`` runner is in
     :class:`PagedRunnerBase`."""
 
@@ -72,8 +80,7 @@ class PaddleModelRunner(PagedRunnerBase):
         self.device = device
         paddle.set_device(device.paddle_place())
         paddle.disable_static()
-        if (config.dtype or "auto").lower() not in ("float32", "fp32", "auto", "int8", "bfloat16", "bf16"):
-            raise ModelLoadError(f"--dtype {config.dtype}: the Paddle CPU runner supports {', '.join(CPU_DTYPES)}")
+        requested_compute(config.dtype)  # an unknown name fails before the checkpoint opens
         self.dtype = "float32"  # the KV pool's dtype
         ckpt = self._open_checkpoint(config)
 
