@@ -36,6 +36,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="largest request body, e.g. 4M; a bigger one gets 413 before it is read (default 4M)")
     s.add_argument("--max-waiting", type=int, help="requests queued before 429 (default 1024)")
     s.add_argument("--max-logprobs", type=int, help="largest logprobs/top_logprobs allowed (default 20)")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true", default=None,
+                   help="logprobs name each token 'token_id:<id>' unless a request sets "
+                        "return_tokens_as_token_ids false (vLLM's flag)")
     s.add_argument("--log-level", help="debug, info, warning, error")
 
     v = p.add_argument_group("engine supervision")

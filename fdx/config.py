@@ -67,6 +67,8 @@ class EngineConfig:
     api_key: str | None = None
     max_waiting: int = attrs.field(default=1024, validator=_positive)
     max_logprobs: int = attrs.field(default=20, validator=_non_negative)
+    #: vLLM's --return-tokens-as-token-ids: logprobs name tokens "token_id:<id>" unless a request says otherwise
+    return_tokens_as_token_ids: bool = False
     request_timeout: float = attrs.field(default=600.0, validator=_positive)
     #: a request body larger than this is refused with 413 before it is parsed
     max_request_bytes: int = attrs.field(default=4 << 20, validator=_positive)

@@ -32,6 +32,13 @@ class StructuredOutput:
     spec: str = ""
 
 
+#: ``SamplingParams.prompt_logprobs`` asking for the whole vocabulary at every prompt position (vLLM's -1)
+ALL_LOGPROBS = -1
+#: the longest prompt whose prompt logprobs may cover the whole vocabulary: each position is one entry per
+#: vocabulary token (49,152 for SmolLM2), so the reply grows by megabytes per prompt token
+MAX_ALL_LOGPROBS_PROMPT = 64
+
+
 @attrs.frozen
 class SamplingParams:
     """How one request samples and when it stops.
@@ -61,7 +68,8 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     #: ``(token id, bias)`` pairs added to the logits before sampling (OpenAI ``logit_bias``)
     logit_bias: tuple[tuple[int, float], ...] = ()
-    #: top alternatives of each prompt token's logprob (``None``: none computed; such a request skips the prefix cache)
+    #: top alternatives of each prompt token's logprob (``None``: none computed; such a request skips the prefix
+    #: cache; :data:`ALL_LOGPROBS`: the whole vocabulary, for prompts of at most :data:`MAX_ALL_LOGPROBS_PROMPT` tokens)
     prompt_logprobs: int | None = None
 
     @property

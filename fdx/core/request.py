@@ -10,7 +10,8 @@ from typing import Any
 import attrs
 
 from fdx.core.interfaces import GrammarMatcher
-from fdx.core.messages import AddRequest, KVTransferParams, SamplingParams, TokenLogprob
+from fdx.core.messages import (ALL_LOGPROBS, MAX_ALL_LOGPROBS_PROMPT, AddRequest, KVTransferParams, SamplingParams,
+                               TokenLogprob)
 
 INT64_MAX = 2**63 - 1
 
@@ -164,8 +165,10 @@ def check_request(msg: AddRequest, max_model_len: int, vocab_size: int, max_logp
         ("top_k", -1 <= p.top_k <= INT64_MAX, "-1 or 0 (disabled) or a positive 64-bit integer"),
         ("seed", p.seed is None or 0 <= p.seed < 2**64, "an integer in [0, 2**64)"),
         ("logprobs", p.logprobs is None or 0 <= p.logprobs <= max_logprobs, f"in [0, {max_logprobs}]"),
-        ("prompt_logprobs", p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= max_logprobs,
-         f"in [0, {max_logprobs}]"),
+        ("prompt_logprobs", p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= max_logprobs
+         or (p.prompt_logprobs == ALL_LOGPROBS and len(ids) <= MAX_ALL_LOGPROBS_PROMPT),
+         f"in [0, {max_logprobs}], or -1 (the whole vocabulary) for a prompt of at most "
+         f"{MAX_ALL_LOGPROBS_PROMPT} tokens"),
         ("stop_token_ids", all(0 <= t < vocab_size for t in p.stop_token_ids), f"token ids in [0, {vocab_size})"),
         ("logit_bias", all(0 <= t < vocab_size and abs(b) <= 100 for t, b in p.logit_bias), "ids < vocab, |bias|<=100"),
     )

@@ -21,7 +21,7 @@ import numpy as np
 
 from fdx.core.errors import FdxError, ModelLoadError
 from fdx.core.interfaces import KVCacheSpec, ModelOutput, ModelRunner, ScheduledBatch
-from fdx.core.messages import TokenLogprob
+from fdx.core.messages import ALL_LOGPROBS, TokenLogprob
 from fdx.model.packed_weights import bf16_bits_to_f32
 
 if TYPE_CHECKING:
@@ -41,6 +41,15 @@ def take_rows(logits: Any, sel: np.ndarray) -> Any:
     import paddle
 
     return paddle.index_select(logits, paddle.to_tensor(sel, place=logits.place))
+
+
+
+def _prompt_k(asked: int | None, vocab: int, max_logprobs: int) -> int:
+    """How many top alternatives a prompt position of a request gets: the
+    whole vocabulary for :data:`ALL_LOGPROBS`, else at most ``--max-logprobs``."""
+    if asked == ALL_LOGPROBS:
+        return vocab
+    return min(asked or 0, max_logprobs, vocab)
 
 
 class StepLayout:
@@ -311,16 +320,17 @@ class PagedRunnerBase(ModelRunner):
         chosen = paddle.take_along_axis(x, tgt, axis=1)
         ranks = ((x > chosen).astype("int64").sum(axis=1) + 1).numpy()
         chosen_lp = (chosen - lse)[:, 0].numpy().astype(np.float64)
-        kmax = min(max(seqs[i].request.params.prompt_logprobs or 0 for i, _, _ in prompt), self.config.max_logprobs,
-                   int(x.shape[1]))
+        vocab = int(x.shape[1])
+        wants = [_prompt_k(seqs[i].request.params.prompt_logprobs, vocab, self.config.max_logprobs)
+                 for i, _, _ in prompt]
+        kmax = max(wants)
         top_ids = top_lp = None
         if kmax > 0:
             vals, idx = paddle.topk(x, kmax, axis=1)
             top_lp, top_ids = (vals - lse).numpy().astype(np.float64).tolist(), idx.numpy().tolist()
         row = 0
-        for i, lo, k in prompt:
+        for (i, lo, k), want in zip(prompt, wants):
             r = seqs[i].request
-            want = min(r.params.prompt_logprobs or 0, kmax)
             if len(r.prompt_logprobs) == lo:
                 for j in range(row, row + k):
                     top = tuple(zip(top_ids[j][:want], top_lp[j][:want])) if want and top_ids is not None \

@@ -37,6 +37,7 @@ from fdx.server.control import add_control_routes, is_control_path
 from fdx.server.metrics import CONTENT_TYPE, Metrics
 from fdx.server.protocol import (
     SSE_RESPONSE,
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -68,7 +69,8 @@ class _ApiKeyMiddleware:
         self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS"
+        if (scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] == "/invocations")
+                and scope.get("method") != "OPTIONS"
                 and not is_control_path(scope["path"])):
             auth = b""
             for k, v in scope.get("headers", ()):
@@ -273,6 +275,28 @@ def create_app(
                          **gen_errors})
     async def chat(request: Request) -> Response:
         return await serving.chat(request)
+
+    @app.post("/v1/chat/completions/batch", openapi_extra=openapi_body(BatchChatCompletionRequest),
+              responses={200: {"model": ChatCompletionResponse,
+                               "description": "one chat completion, one choice per conversation (vLLM)"},
+                         **gen_errors})
+    async def chat_batch(request: Request) -> Response:
+        return await serving.chat_batch(request)
+
+    @app.post("/invocations",
+              openapi_extra={"requestBody": {"required": True, "description": "a chat completion or a completion "
+                                             "request (SageMaker's route, dispatched by the body as vLLM does)",
+                                             "content": {"application/json": {"schema": {"oneOf": [
+                                                 {"$ref": "#/components/schemas/ChatCompletionRequest"},
+                                                 {"$ref": "#/components/schemas/CompletionRequest"}]}}}}},
+              responses={200: {"content": {"application/json": {"schema": {"oneOf": [
+                                   {"$ref": "#/components/schemas/ChatCompletionResponse"},
+                                   {"$ref": "#/components/schemas/CompletionResponse"}]}},
+                                   **SSE_RESPONSE},
+                               "description": "what /v1/chat/completions or /v1/completions answers"},
+                         **gen_errors})
+    async def invocations(request: Request) -> Response:
+        return await serving.invocations(request)
 
     add_tokenize_routes(app, serving)  # /tokenize, /detokenize (fdx/server/serving/tokenize.py)
     add_control_routes(app, client, config)  # /v1/pause, /v1/sleep, ... (fdx/server/control.py)

@@ -214,7 +214,7 @@ FIELD_HINTS: dict[str, str] = {
     "stop_token_ids": "a list of token ids",
     "logprobs": "for completions an integer >= 0; for chat true or false",
     "top_logprobs": "an integer in [0, 20]",
-    "prompt_logprobs": "an integer >= 0 (at most --max-logprobs)",
+    "prompt_logprobs": "-1 (the whole vocabulary) or an integer >= 0 (at most --max-logprobs)",
     "return_token_ids": "true or false",
     "continue_final_message": "true or false",
     "request_id": "a string of at most 256 characters",
@@ -343,13 +343,15 @@ class _Common(_Strict):
     frequency_penalty: Annotated[float, Strict(), Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
     repetition_penalty: Annotated[float, Strict(), Field(gt=0, le=10, allow_inf_nan=False)] | None = None
     ignore_eos: StrictBool | None = False
-    prompt_logprobs: NonNegInt | None = Field(
-        None, description="logprobs of each prompt token with this many top alternatives (vLLM): a list with "
-                          "null for the first token, then {token_id: {logprob, rank, decoded_token}}")
+    prompt_logprobs: Annotated[int, Strict(), Field(ge=-1)] | None = Field(
+        None, description="logprobs of each prompt token with this many top alternatives, -1 for the whole "
+                          "vocabulary (vLLM): a list with null for the first token, then "
+                          "{token_id: {logprob, rank, decoded_token}}")
     return_token_ids: StrictBool | None = Field(
         False, description="add prompt_token_ids and each choice's token_ids to the response (vLLM)")
     return_tokens_as_token_ids: StrictBool | None = Field(
-        False, description="in logprobs, name each token 'token_id:<id>' instead of its text (vLLM)")
+        None, description="in logprobs, name each token 'token_id:<id>' instead of its text (vLLM; "
+                          "default: --return-tokens-as-token-ids)")
     # structured outputs (fdx/server/serving/structured.py): at most one of these
     response_format: ResponseFormat | None = None
     guided_json: Union[dict[str, Any], StrictStr, None] = Field(None, description="a JSON schema (vLLM)")
@@ -554,6 +556,17 @@ def stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(stops)
 
 
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's ``POST /v1/chat/completions/batch``: the chat fields, with
+    ``messages`` a list of conversations; one choice per conversation
+    (index = its position).  Not streamed, no tools, ``n`` 1, no
+    ``prompt_logprobs`` (as in vLLM)."""
+
+    messages: Annotated[list[Annotated[list[ChatMessage], Field(min_length=1)]],  # type: ignore[assignment]
+                        Field(min_length=1, max_length=MAX_PROMPTS)]
+
+
 def sampling_params(
     req: CompletionRequest | ChatCompletionRequest,
     *,
@@ -610,9 +623,10 @@ def sampling_params(
         param = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
         raise _bad(f"'{param}' must be in [0, {max_logprobs}], got {num_logprobs}", param)
     prompt_lp = req.prompt_logprobs
-    if prompt_lp is not None and not 0 <= prompt_lp <= max_logprobs:
-        raise _bad(f"'prompt_logprobs' must be in [0, {max_logprobs}], got {prompt_lp}", "prompt_logprobs")
-    if isinstance(req, CompletionRequest) and req.echo and num_logprobs is not None:
+    if prompt_lp is not None and prompt_lp != ALL_LOGPROBS and not 0 <= prompt_lp <= max_logprobs:
+        raise _bad(f"'prompt_logprobs' must be -1 (the whole vocabulary) or in [0, {max_logprobs}], got {prompt_lp}",
+                   "prompt_logprobs")
+    if isinstance(req, CompletionRequest) and req.echo and num_logprobs is not None and prompt_lp != ALL_LOGPROBS:
         prompt_lp = max(prompt_lp or 0, num_logprobs)  # echo + logprobs: the echoed prompt has logprobs too
     stop_ids = tuple(req.stop_token_ids or ())
     for t in stop_ids:
@@ -698,6 +712,8 @@ class CompletionChoice(_Doc):
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: Union[FinishReason, None] = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = Field(
+        None, description="vLLM: the prompt's logprobs when prompt_logprobs was asked for, else null")
 
 
 class CompletionResponse(_Doc):
@@ -732,6 +748,8 @@ class ChatCompletionResponse(_Doc):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = Field(
+        None, description="vLLM: the prompt's logprobs when prompt_logprobs was asked for, else null")
 
 
 class ModelCard(_Doc):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+import attrs
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -13,7 +14,7 @@ from fdx.core.errors import RequestError
 from fdx.core.interfaces import ToolCallStream
 from fdx.core.messages import TokenLogprob
 from fdx.output_processor import OutputEvent
-from fdx.server.protocol import ChatCompletionRequest, chat_messages, parse_body
+from fdx.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest, chat_messages, parse_body
 from fdx.server.serving import structured, tool_calls
 from fdx.server.serving.generation import ChoiceResult, Generation, Prompt, json_logprob
 from fdx.server.serving.tool_calls import ToolCalling, merge, new_call_id
@@ -29,9 +30,10 @@ class ChatEndpoint:
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, calling: ToolCalling | None = None, echo: str = "") -> None:
+    def __init__(self, calling: ToolCalling | None = None, echo: Sequence[str] = ("",), batch: bool = False) -> None:
         self.calling = calling
-        self.echo = echo  # vLLM's chat echo: the last (assistant) message's content leads the reply
+        self.echo = list(echo)  # per prompt: vLLM's chat echo, the last (assistant) message's content leads the reply
+        self.batch = batch  # /v1/chat/completions/batch: one choice per conversation, no response-level prompt fields
         self.streams: dict[int, ToolCallStream] = {}
         self.called: set[int] = set()  # choices that produced a tool call
 
@@ -56,8 +58,8 @@ class ChatEndpoint:
         return d, ("tool_calls" if reason == "stop" and ev.index in self.called else reason)
 
     def head(self, gen: Generation) -> list[dict[str, Any]]:
-        return [{"index": s.index, "delta": {"role": "assistant", "content": self.echo}, "logprobs": None,
-                 "finish_reason": None} for s in gen.states]
+        return [{"index": s.index, "delta": {"role": "assistant", "content": self.echo[s.prompt_index]},
+                 "logprobs": None, "finish_reason": None} for s in gen.states]
 
     def delta(self, gen: Generation, ev: OutputEvent) -> dict[str, Any] | None:
         ids = gen.return_token_ids and ev.token_ids
@@ -87,8 +89,9 @@ class ChatEndpoint:
                 reason = "tool_calls" if reason == "stop" else reason
             else:
                 message["content"] = text
-        if self.echo:
-            message["content"] = self.echo + (message["content"] or "")
+        echo = self.echo[res.prompt_index]
+        if echo:
+            message["content"] = echo + (message["content"] or "")
         c = {
             "index": res.index,
             "message": message,
@@ -102,7 +105,9 @@ class ChatEndpoint:
     def top_fields(self, gen: Generation, first_chunk: bool) -> dict[str, Any]:
         """vLLM: the prompt's ids (``return_token_ids``) and
         ``prompt_logprobs`` at the response level (the first chunk's, streaming)."""
-        top: dict[str, Any] = {}
+        top: dict[str, Any] = {} if first_chunk else {"prompt_logprobs": None}  # vLLM: null unless asked
+        if self.batch:
+            return top
         if gen.return_token_ids:
             top["prompt_token_ids"] = list(gen.prompts[0].ids)
         if gen.params.prompt_logprobs is not None:
@@ -149,14 +154,22 @@ def chat_options(req: ChatCompletionRequest) -> tuple[bool, bool, dict[str, Any]
     return add_gen and not cont, cont, dict(req.chat_template_kwargs or {})
 
 
-async def chat(serving: OpenAIServing, request: Request, arrival: float) -> Response:
-    req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
-    serving.check_model(req.model)
-    serving.check_ready()
+@attrs.define
+class Rendered:
+    """One conversation of a chat request, rendered and encoded."""
+
+    ids: list[int]
+    num_tokens: int
+    messages: list[dict[str, Any]]
+    calling: ToolCalling | None
+    explicit: int | None  # max_completion_tokens, else max_tokens, else None
+    param: str  # the field that set the budget
+
+
+async def render(serving: OpenAIServing, req: ChatCompletionRequest) -> Rendered:
+    """The request's messages through the tools and the chat template,
+    encoded off the event loop (a bad template call is a 400)."""
     messages = chat_messages(req)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise RequestError("'top_logprobs' requires 'logprobs' to be true", 400, param="top_logprobs")
-    num_lp = (req.top_logprobs or 0) if req.logprobs else None
     explicit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     mml = serving.client.max_model_len
@@ -171,17 +184,59 @@ async def chat(serving: OpenAIServing, request: Request, arrival: float) -> Resp
     n_prompt = tok.num_tokens
     if n_prompt == 0:
         raise RequestError("the chat template produced an empty prompt", 400, param="messages")
-    if explicit is None:
-        if n_prompt >= mml:
-            raise RequestError(
-                f"This model's maximum context length is {mml} tokens, but the prompt has {n_prompt} tokens "
-                f"(no room for the completion)", 400, param="messages")
-        max_tokens = mml - n_prompt
-    else:
-        max_tokens = explicit
+    if explicit is None and n_prompt >= mml:
+        raise RequestError(
+            f"This model's maximum context length is {mml} tokens, but the prompt has {n_prompt} tokens "
+            f"(no room for the completion)", 400, param="messages")
+    ids = tok.ids if tok.ids is not None else []  # within the limit, or the caller's check_length raises
+    return Rendered(ids, n_prompt, messages, calling, explicit, param_name)
+
+
+def _num_logprobs(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise RequestError("'top_logprobs' requires 'logprobs' to be true", 400, param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+async def chat(serving: OpenAIServing, request: Request, arrival: float) -> Response:
+    req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+    serving.check_model(req.model)
+    serving.check_ready()
+    num_lp = _num_logprobs(req)
+    r = await render(serving, req)
+    max_tokens = r.explicit if r.explicit is not None else serving.client.max_model_len - r.num_tokens
     params = serving.params(req, max_tokens, num_lp)
-    params = await structured.constrain(serving, req, params, calling.spec if calling else None)
-    serving.check_length(n_prompt, max_tokens, param_name)
-    ids = tok.ids if tok.ids is not None else []  # within the limit, or check_length raised
-    return await serving.generate(request, "chatcmpl", req, [Prompt(ids, None)], params, arrival,
-                                  ChatEndpoint(calling, echo_text(req, messages)))
+    params = await structured.constrain(serving, req, params, r.calling.spec if r.calling else None)
+    serving.check_length(r.num_tokens, max_tokens, r.param)
+    return await serving.generate(request, "chatcmpl", req, [Prompt(r.ids, None)], params, arrival,
+                                  ChatEndpoint(r.calling, [echo_text(req, r.messages)]))
+
+
+async def chat_batch(serving: OpenAIServing, request: Request, arrival: float) -> Response:
+    """vLLM's ``POST /v1/chat/completions/batch``: each conversation of
+    ``messages`` is one prompt of one generation (one choice each, indexed by
+    position), so they run together and answer in one chat.completion body.
+    Without ``max_tokens`` every conversation may use what the longest prompt
+    leaves of the context."""
+    batch: BatchChatCompletionRequest = parse_body(await request.body(), BatchChatCompletionRequest)
+    serving.check_model(batch.model)
+    serving.check_ready()
+    for name, bad in (("stream", bool(batch.stream)), ("tools", batch.tools is not None),
+                      ("tool_choice", batch.tool_choice not in (None, "none")), ("n", (batch.n or 1) != 1),
+                      ("prompt_logprobs", batch.prompt_logprobs is not None)):
+        if bad:
+            raise RequestError(f"'{name}' is not supported by /v1/chat/completions/batch (as in vLLM: no streaming, "
+                               "no tools, n 1, no prompt_logprobs)", 400, param=name)
+    num_lp = _num_logprobs(batch)
+    convs = [batch.model_copy(update={"messages": m}) for m in batch.messages]
+    rendered = [await render(serving, c) for c in convs]
+    longest = max(r.num_tokens for r in rendered)
+    r0 = rendered[0]
+    max_tokens = r0.explicit if r0.explicit is not None else serving.client.max_model_len - longest
+    params = serving.params(batch, max_tokens, num_lp)
+    params = await structured.constrain(serving, batch, params)
+    serving.check_length(longest, max_tokens, r0.param)
+    prompts = [Prompt(r.ids, None) for r in rendered]
+    echoes = [echo_text(c, r.messages) for c, r in zip(convs, rendered)]
+    return await serving.generate(request, "chatcmpl", batch, prompts, params, arrival,
+                                  ChatEndpoint(None, echoes, batch=True))

@@ -70,7 +70,8 @@ class CompletionEndpoint:
         if gen.want_logprobs:
             lp = (self.prompt_part(gen, res.index, res.prompt_index, res.logprobs) if self.echo
                   else self.logprobs(gen, res.index, res.logprobs))
-        c: dict[str, Any] = {"index": res.index, "text": text, "logprobs": lp, "finish_reason": res.finish_reason}
+        c: dict[str, Any] = {"index": res.index, "text": text, "logprobs": lp, "finish_reason": res.finish_reason,
+                             "prompt_logprobs": None}  # vLLM: the key is always there (null unless asked)
         self._extras(gen, c, res.prompt_index, res.token_ids, True)
         return c
 
@@ -135,12 +136,12 @@ class CompletionEndpoint:
 
 
 def _top_logprobs(tok: Any, text: str, lp: TokenLogprob, k: int) -> dict[str, float]:
-    """A completion's ``top_logprobs`` entry: the ``k`` alternatives by
-    text (the first of equal texts wins), the chosen token always among them."""
-    top: dict[str, float] = {}
+    """A completion's ``top_logprobs`` entry: the chosen token first (as in
+    vLLM, so the first key names the token of ``tokens``), then the ``k``
+    alternatives by text (the first of equal texts wins)."""
+    top: dict[str, float] = {text: json_logprob(lp.logprob)}
     for tid, v in lp.top[:k]:
         top.setdefault(tok(tid), json_logprob(v))
-    top.setdefault(text, json_logprob(lp.logprob))
     return top
 
 

@@ -15,10 +15,10 @@ from starlette.responses import Response
 
 from fdx.config import EngineConfig
 from fdx.core.errors import RequestError
-from fdx.core.messages import KVTransferParams, SamplingParams
+from fdx.core.messages import ALL_LOGPROBS, MAX_ALL_LOGPROBS_PROMPT, KVTransferParams, SamplingParams
 from fdx.output_processor import OutputProcessor
 from fdx.server.client import EngineClient, EngineUnavailable
-from fdx.server.protocol import sampling_params
+from fdx.server.protocol import loads_object, sampling_params
 from fdx.server.serving import chat as chat_endpoint
 from fdx.server.serving import completions as completions_endpoint
 from fdx.server.serving.generation import Endpoint, Generation, Prompt, respond
@@ -61,6 +61,22 @@ class OpenAIServing:
     async def chat(self, request: Request) -> Response:
         return await chat_endpoint.chat(self, request, time.time())
 
+    async def chat_batch(self, request: Request) -> Response:
+        return await chat_endpoint.chat_batch(self, request, time.time())
+
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's ``POST /invocations`` as vLLM serves it: the body's
+        shape picks the endpoint -- ``messages`` a chat completion,
+        ``prompt`` a completion (vLLM tries its request types in that
+        order); anything else is a 400 naming the shapes."""
+        data = loads_object(await request.body())  # starlette keeps the body: the endpoint reads it again
+        if "messages" in data:
+            return await self.chat(request)
+        if "prompt" in data:
+            return await self.completions(request)
+        raise RequestError("cannot find a suitable handler for this /invocations body: send a chat completion "
+                           "('messages') or a completion ('prompt') request", 400)
+
     # -- checks both endpoints make ---------------------------------------
 
     def check_model(self, name: str | None) -> None:
@@ -96,6 +112,13 @@ class OpenAIServing:
             raise RequestError(
                 f"server is overloaded: {waiting} requests waiting (limit --max-waiting {self.config.max_waiting})",
                 429)
+        if params.prompt_logprobs == ALL_LOGPROBS:
+            longest = max(len(p.ids) for p in prompts)
+            if longest > MAX_ALL_LOGPROBS_PROMPT:
+                raise RequestError(
+                    f"'prompt_logprobs': -1 (the whole vocabulary at every prompt position) is limited to prompts of "
+                    f"at most {MAX_ALL_LOGPROBS_PROMPT} tokens; this prompt has {longest} (ask for at most "
+                    f"{self.config.max_logprobs} alternatives instead)", 400, param="prompt_logprobs")
         assert self.outputs is not None  # check_ready() passed: the tokenizer is set
         gen = Generation(self.config, self.client, self.outputs, req.request_id or f"{prefix}-{uuid.uuid4().hex}",
                          prompts, params, self.model_name)
@@ -107,7 +130,8 @@ class OpenAIServing:
             gen.kv_transfer = KVTransferParams(kp.prefill_addr, kp.prefill_url or "")
         so = req.stream_options
         gen.return_token_ids = bool(req.return_token_ids)
-        gen.tokens_as_ids = bool(req.return_tokens_as_token_ids)
+        as_ids = req.return_tokens_as_token_ids
+        gen.tokens_as_ids = self.config.return_tokens_as_token_ids if as_ids is None else bool(as_ids)
         gen.continuous_usage = bool(req.stream and so and so.include_usage and so.continuous_usage_stats)  # as vLLM
         gen.submit(arrival)
         return await respond(request, gen, endpoint, bool(req.stream), bool(req.stream and so and so.include_usage))

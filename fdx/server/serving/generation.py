@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fdx.core.errors import RequestError
-from fdx.core.messages import KVTransferParams, RequestOutput, SamplingParams, TokenLogprob
+from fdx.core.messages import ALL_LOGPROBS, KVTransferParams, RequestOutput, SamplingParams, TokenLogprob
 from fdx.output_processor import ChoiceState, OutputEvent, OutputProcessor, Usage, choice_params
 from fdx.server.protocol import error_body
 from fdx.server.sse import EventStreamResponse
@@ -134,6 +134,8 @@ class Generation:
         self.continuous_usage = False
         #: vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
         self.tokens_as_ids = False
+        #: completion tokens of each choice sent to the client so far (continuous usage stats)
+        self.shown: list[int] = []
 
     @property
     def want_logprobs(self) -> bool:
@@ -154,6 +156,7 @@ class Generation:
                     kv = {"kv_transfer_params": self.kv_transfer} if self.kv_transfer is not None else {}
                     self.handles.append(self.client.submit(rid, prompt.ids, sp, arrival, self.sink, tag=state, **kv))
                     self.states.append(state)
+                    self.shown.append(0)
         except BaseException:
             self.abort("request rejected")
             raise
@@ -164,6 +167,13 @@ class Generation:
 
     def usage(self) -> Usage:
         return Usage.of(self.states)
+
+    def usage_shown(self) -> Usage:
+        """The usage of what the client was sent so far: the prompts, and
+        the completion tokens of the events rendered (continuous usage stats
+        count per chunk, not per engine batch)."""
+        u = Usage.of(self.states)
+        return Usage(u.prompt_tokens, sum(self.shown), u.cached_tokens)
 
     async def events(self) -> AsyncIterator[list[OutputEvent]]:
         """Batches of events (everything that arrived together) until every
@@ -226,6 +236,8 @@ class Generation:
         k = self.params.prompt_logprobs
         if k is None:
             return None
+        if k == ALL_LOGPROBS:
+            k = None  # the whole vocabulary: every alternative the engine sent
         lps = next((s.prompt_logprobs for s in self.states
                     if s.prompt_index == prompt_index and s.prompt_logprobs is not None), None)
         if lps is None:
@@ -319,7 +331,7 @@ def _chunk(gen: Generation, endpoint: Endpoint, choices: list[dict[str, Any]], i
     if top:
         body.update(top)
     if gen.continuous_usage:  # vLLM: the usage so far on every chunk
-        body["usage"] = usage_body(gen.usage(), details=False)
+        body["usage"] = usage_body(gen.usage_shown(), details=False)
     elif include_usage:
         body["usage"] = None
     return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
@@ -339,6 +351,7 @@ async def _sse(gen: Generation, endpoint: Endpoint, agen: AsyncIterator[list[Out
                 # one chunk per choice event keeps clients that read choices[0] correct
                 out = []
                 for ev in batch:
+                    gen.shown[ev.index] += len(ev.token_ids)
                     c = endpoint.delta(gen, ev)
                     if c is not None:
                         out.append(_chunk(gen, endpoint, [c], include_usage, top))

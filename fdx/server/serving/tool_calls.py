@@ -152,15 +152,40 @@ class ToolCalling:
         return deltas if self.parallel else [d for d in deltas if d.index == 0]
 
 
+def rebase_refs(schema: Any, base: str) -> Any:
+    """``schema`` with every local ``$ref`` (``#``, ``#/$defs/X``, ...)
+    pointing into ``base`` (a JSON pointer such as ``#/$defs/tool_0``), for a
+    schema moved from the root of its own document to ``base``."""
+    if isinstance(schema, dict):
+        out = {k: rebase_refs(v, base) for k, v in schema.items()}
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            out["$ref"] = base + ref[1:]
+        return out
+    if isinstance(schema, list):
+        return [rebase_refs(v, base) for v in schema]
+    return schema
+
+
 def required_schema(tools: list[ToolSpec], parallel: bool) -> dict[str, Any]:
-    items = [{
-        "type": "object",
-        "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                       "parameters": t.function.parameters if t.function.parameters is not None else {"type": "object"}},
-        "required": ["name", "parameters"],
-        "additionalProperties": False,
-    } for t in tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items} if len(items) > 1 else items[0]}
+    """The JSON list of calls that ``tool_choice: required`` generates.  Each
+    tool's parameter schema moves to the root's ``$defs`` (``tool_<i>``) with
+    its local ``$ref`` pointers rebased, so a schema using its own
+    ``$defs``/``definitions`` still resolves inside the combined document."""
+    defs: dict[str, Any] = {}
+    items = []
+    for i, t in enumerate(tools):
+        params = t.function.parameters if t.function.parameters is not None else {"type": "object"}
+        defs[f"tool_{i}"] = rebase_refs(params, f"#/$defs/tool_{i}")
+        items.append({
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                           "parameters": {"$ref": f"#/$defs/tool_{i}"}},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        })
+    schema: dict[str, Any] = {"$defs": defs, "type": "array", "minItems": 1,
+                              "items": {"anyOf": items} if len(items) > 1 else items[0]}
     if not parallel:
         schema["maxItems"] = 1
     return schema
