@@ -31,7 +31,7 @@ from typing import Annotated, Any, Iterator, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr, ValidationError
 
 from fdx.core.errors import RequestError
-from fdx.core.messages import SamplingParams
+from fdx.core.messages import ALL_LOGPROBS, SamplingParams
 
 # HTTP status -> OpenAI error ``type``
 ERROR_TYPES: dict[int, str] = {
