@@ -49,7 +49,11 @@ def grammar_text(spec: StructuredOutput) -> str:
 
     kind = spec.kind
     if kind == "json":
-        return str(llg.LLMatcher.grammar_from_json_schema(spec.spec, defaults=JSON_OPTIONS))
+        try:
+            schema = json.loads(spec.spec)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        return str(llg.LLMatcher.grammar_from_json_schema(json.dumps(closed_objects(schema)), defaults=JSON_OPTIONS))
     if kind == "json_object":
         return str(llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS))
     if kind == "regex":
@@ -65,6 +69,32 @@ def grammar_text(spec: StructuredOutput) -> str:
     if kind == "grammar":
         return str(llg.grammar_from("grammar", spec.spec))  # Lark, or GBNF converted to Lark
     raise ValueError(f"unknown structured output kind {kind!r} (json, json_object, regex, choice, grammar)")
+
+
+#: keywords whose values are data, not sub-schemas
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "required"})
+
+
+def closed_objects(schema: Any, closable: bool = True) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object
+    schema that lists ``properties`` and says nothing about other keys
+    (no ``additionalProperties``, ``patternProperties`` or
+    ``unevaluatedProperties``): the default of vLLM's xgrammar backend
+    (its strict mode).  JSON Schema's own default lets any other key in, and
+    a small model given that freedom adds keys until ``max_tokens`` (a
+    generation that runs for minutes and ends as broken JSON).  The parts of
+    an ``allOf`` stay open (closing each would refuse the others' keys)."""
+    if isinstance(schema, list):
+        return [closed_objects(x, closable) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _DATA_KEYWORDS else closed_objects(v, k != "allOf")) for k, v in schema.items()}
+    if "properties" in schema and isinstance(schema["properties"], dict):
+        out["properties"] = {k: closed_objects(v) for k, v in schema["properties"].items()}
+        if closable and not any(k in schema for k in ("additionalProperties", "patternProperties",
+                                                      "unevaluatedProperties")):
+            out["additionalProperties"] = False
+    return out
 
 
 class LLGuidanceMatcher(GrammarMatcher):
