@@ -336,3 +336,24 @@ def test_unknown_backend_or_parser_names_fail_at_start_listing_the_choices() -> 
         with pytest.raises(PluginError) as ei:
             check_component_names(make_config(**kw), get_plugins())
         assert "'nope'" in str(ei.value) and choice in str(ei.value)
+
+
+def test_closed_objects_closes_only_objects_that_leave_extra_keys_unsaid() -> None:
+    from fdx.plugins.grammar.llguidance_backend import closed_objects
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "open": {"type": "object", "properties": {}, "additionalProperties": True},
+        "free": {"type": "object"},
+        "pat": {"type": "object", "properties": {}, "patternProperties": {"^k": {}}},
+    }, "allOf": [{"properties": {"p": {}}}], "$defs": {"D": {"properties": {"q": {}}}},
+        "enum": [{"properties": {}}]}
+    out = closed_objects(schema)
+    props = out["properties"]
+    assert out["additionalProperties"] is False and props["a"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True and "additionalProperties" not in props["free"]
+    assert "additionalProperties" not in props["pat"]
+    assert "additionalProperties" not in out["allOf"][0]  # closing an allOf part would refuse the other parts' keys
+    assert out["$defs"]["D"]["additionalProperties"] is False
+    assert out["enum"] == [{"properties": {}}]  # data, not a schema
+    assert "additionalProperties" not in schema  # the input is left alone

@@ -179,3 +179,20 @@ def test_tool_parser_plugin_kind_on_a_fresh_manager() -> None:
             pm.unregister(dup)
     finally:
         pm.unregister(plugin)
+
+
+def test_required_schema_rebases_each_tools_local_refs() -> None:
+    from fdx.server.protocol import ToolSpec
+    from fdx.server.serving.tool_calls import required_schema
+
+    a = {"$defs": {"T": {"type": "string"}}, "type": "object", "properties": {"t": {"$ref": "#/$defs/T"},
+                                                                            "me": {"$ref": "#"}}}
+    b = {"definitions": {"T": {"type": "integer"}}, "type": "object", "properties": {"t": {"$ref": "#/definitions/T"}}}
+    tools = [ToolSpec.model_validate({"type": "function", "function": {"name": n, "parameters": p}})
+             for n, p in (("a", a), ("b", b))]
+    s = required_schema(tools, parallel=True)
+    assert s["$defs"]["tool_0"]["properties"]["t"] == {"$ref": "#/$defs/tool_0/$defs/T"}
+    assert s["$defs"]["tool_0"]["properties"]["me"] == {"$ref": "#/$defs/tool_0"}
+    assert s["$defs"]["tool_1"]["properties"]["t"] == {"$ref": "#/$defs/tool_1/definitions/T"}
+    assert [i["properties"]["parameters"] for i in s["items"]["anyOf"]] == [{"$ref": "#/$defs/tool_0"},
+                                                                             {"$ref": "#/$defs/tool_1"}]
