@@ -5,7 +5,7 @@ OpenAI handlers, then calls the ``fdx_add_routes`` hook once.  Every error
 leaves as the OpenAI envelope (FastAPI's 422 becomes a 400; a 500 names
 no exception type and no path, only a reference to the server log).  When
 ``config.api_key`` is set, every ``/v1/*`` route (plugin routes included)
-needs ``Authorization: Bearer <key>``; the control routes have their own
+and ``/invocations`` need ``Authorization: Bearer <key>``; the control routes have their own
 guard (``--control-api-key``, fdx/server/control.py); ``/health``,
 ``/version`` and ``/metrics`` stay open.  A body larger than
 ``--max-request-bytes`` gets 413 before it is parsed (Content-Length, or
