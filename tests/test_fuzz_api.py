@@ -60,6 +60,9 @@ def _clamp(body: Any) -> Any:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) > 4:
         body["prompt"] = prompt[:4]
+    convs = body.get("messages")
+    if isinstance(convs, list) and convs and all(isinstance(c, list) for c in convs):
+        body["messages"] = convs[:4]  # /v1/chat/completions/batch: a few conversations
     if isinstance(body.get("messages"), list) and "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = 4
     return body
@@ -70,6 +73,7 @@ def _clamp(body: Any) -> Any:
 ROUTES = [
     ("GET", "/health"), ("GET", "/ping"), ("GET", "/version"), ("GET", "/v1/models"), ("GET", "/metrics"),
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/chat/completions/batch"), ("POST", "/invocations"),
     ("POST", "/v1/pause"), ("POST", "/v1/resume"), ("GET", "/v1/is_paused"), ("POST", "/v1/abort_requests"),
     ("POST", "/v1/sleep"), ("POST", "/v1/wakeup"), ("POST", "/v1/update_weights"),
     ("POST", "/v1/control/{method}"),
