@@ -21,7 +21,7 @@ from fdx.core.interfaces import ModelOutput, ScheduledBatch, Scheduler
 from fdx.core.kv_cache import cdiv
 from fdx.core.messages import SpecDecodeStats, TokenLogprob
 from fdx.core.request import Request, Status
-from fdx.plugins.schedulers.beam import BeamGroup, beam_conflict, stop_ids
+from fdx.plugins.schedulers.beam import BeamGroup, OutOfBlocks, beam_conflict, stop_ids
 
 if TYPE_CHECKING:
     from fdx.config import EngineConfig
@@ -101,7 +101,10 @@ class BaseScheduler(Scheduler):
         """Blocks a request may hold at its largest: KV exists for every
         token but the last sampled one."""
         n = min(request.num_prompt_tokens + request.params.max_tokens, request.max_model_len) - 1
-        return cdiv(max(n, request.num_prompt_tokens), self.kv.block_size) * max(1, request.params.beam_width)
+        w, bs = request.params.beam_width, self.kv.block_size
+        if w:  # the prompt's blocks once, then each beam's own (from the prompt's last, partial block on)
+            return cdiv(request.num_prompt_tokens, bs) + w * (cdiv(max(n - request.num_prompt_tokens, 0), bs) + 1)
+        return cdiv(max(n, request.num_prompt_tokens), bs)
 
     def never_fits(self, request: Request) -> str | None:
         """An error message when ``request`` can never complete here."""
@@ -295,8 +298,12 @@ class BaseScheduler(Scheduler):
             if len(lps) != len(group.rows) or any(lp is None or len(lp.top) < group.keep for lp in lps):
                 self.running = [r for r in self.running if r is not group.parent]
                 self._fail(group.parent, "beam search: the model runner did not return the top logprobs", 500)
-            elif group.advance(kv, [lp for lp in lps if lp is not None]):
-                finished.append(self._finish_beams(group, batch))
+            else:
+                try:
+                    if group.advance(kv, [lp for lp in lps if lp is not None]):
+                        finished.append(self._finish_beams(group, batch))
+                except OutOfBlocks:
+                    self.restart_beams(group)
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
@@ -307,6 +314,17 @@ class BaseScheduler(Scheduler):
                 self._on_removed(req)
             self.num_finished += len(finished)
 
+    def restart_beams(self, group: BeamGroup) -> None:
+        """Start ``group`` again from its prompt (front of the queue), its blocks freed."""
+        parent = group.parent
+        group.reset(self.kv)
+        self.kv.free(parent)
+        self.running = [r for r in self.running if r is not parent]
+        parent.status = Status.PREEMPTED
+        parent.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(parent)
+
     def _finish_beams(self, group: BeamGroup, batch: ScheduledBatch) -> Request:
         """The parent of a finished search, with its result; sent through
         ``batch.emitted`` unless it ran this step (its prompt's step)."""
@@ -315,6 +333,7 @@ class BaseScheduler(Scheduler):
         best = group.finished[0] if group.finished else None
         parent.beams = tuple(group.finished)
         parent.output_token_ids = list(best.token_ids) if best else []
+        parent.pending_token_ids = list(parent.output_token_ids)  # the best beam, for readers of new_token_ids
         parent.finish_reason = best.finish_reason if best else "length"
         if not any(s.request is parent for s in batch.seqs):
             batch.emitted.append(parent)

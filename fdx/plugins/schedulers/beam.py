@@ -35,7 +35,10 @@ hypotheses, best first (:attr:`Request.beams`).
 
 Preemption restarts a group: its beams are freed and the parent goes back
 to the waiting queue with its prompt (beam search is deterministic, so the
-restart finds the same beams; nothing was streamed yet).
+restart finds the same beams; nothing was streamed yet).  So does a step
+whose forks find no free block (:class:`OutOfBlocks`; v1 keeps
+``width - 1`` blocks free when it schedules a group, so only requests
+admitted later in the same step can take them).
 """
 
 from __future__ import annotations
@@ -94,6 +97,10 @@ def candidates_per_step(width: int, num_stop_ids: int) -> int:
 def stop_ids(req: Request) -> frozenset[int]:
     p = req.params
     return (frozenset() if p.ignore_eos else req.eos_token_ids) | frozenset(p.stop_token_ids)
+
+
+class OutOfBlocks(Exception):
+    """No free block for a fork's partial last block: the group restarts."""
 
 
 @attrs.define(eq=False)
@@ -215,6 +222,10 @@ class BeamGroup:
             if bi not in firsts and b.seq is not self.parent:
                 kv.free(b.seq)
                 b.seq.status = Status.FINISHED
+        bs = kv.block_size
+        need = sum(1 for _, bi, _, first in plan if not first and sources[bi].seq.num_computed_tokens % bs)
+        if need > kv.num_free_blocks:
+            raise OutOfBlocks(f"{need} blocks to fork beams, {kv.num_free_blocks} free")
         live: list[Beam | None] = [None] * len(plan)
         for i, (cum, bi, t, first) in enumerate(plan):
             if not first:

@@ -124,6 +124,11 @@ class V1Scheduler(BaseScheduler):
                 self._preempt(victim, batch)
                 if victim is group.parent:
                     return None
+        while self.kv.num_free_blocks < n - 1:  # room for the forks this step's candidates may need
+            victim = self.running.pop()
+            self._preempt(victim, batch)
+            if victim is group.parent:
+                return None
         batch.seqs.extend(ScheduledSeq(b.seq, 1) for b in group.live)
         batch.block_copies.extend(group.take_copies())
         return n

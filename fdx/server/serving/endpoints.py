@@ -19,6 +19,7 @@ from fdx.core.messages import KVTransferParams, SamplingParams
 from fdx.output_processor import OutputProcessor
 from fdx.server.client import EngineClient, EngineUnavailable
 from fdx.server.protocol import sampling_params
+from fdx.server.serving.beam_search import beam_params
 from fdx.server.serving import chat as chat_endpoint
 from fdx.server.serving import completions as completions_endpoint
 from fdx.server.serving.generation import Endpoint, Generation, Prompt, respond
@@ -74,8 +75,9 @@ class OpenAIServing:
             raise EngineUnavailable(reason)
 
     def params(self, req: Any, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
-        return sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
-                               max_logprobs=self.config.max_logprobs, vocab_size=self.tokenizer.vocab_size)
+        return beam_params(req, sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
+                                                max_logprobs=self.config.max_logprobs,
+                                                vocab_size=self.tokenizer.vocab_size))
 
     def check_length(self, n_prompt: int, max_tokens: int, param: str) -> None:
         mml = self.client.max_model_len
