@@ -24,6 +24,7 @@ import attrs
 
 from fdx.core.errors import RequestError
 from fdx.core.messages import RequestOutput, SamplingParams
+from fdx.plugins.schedulers.beam import candidates_per_step
 
 if TYPE_CHECKING:
     from fdx.output_processor import ChoiceState, OutputEvent
@@ -55,11 +56,13 @@ CONFLICTS: tuple[tuple[str, Callable[[Any], bool]], ...] = (
 EARLY_STOPPING = {True: "true", False: "false", "never": "never"}
 
 
-def beam_params(req: Any, params: SamplingParams) -> SamplingParams:
+def beam_params(req: Any, params: SamplingParams, max_logprobs: int, eos_token_ids: frozenset[int]) -> SamplingParams:
     """The engine params of a request: unchanged without
     ``use_beam_search`` (then ``length_penalty`` / ``early_stopping`` must be
     left at their defaults), else beam search with ``n`` beams, greedy
-    scoring (sampling defaults, such as a model's, do not apply)."""
+    scoring (sampling defaults, such as a model's, do not apply).  ``n`` is
+    at most what ``--max-logprobs`` lets each step read (HF's ``max(2, 1 +
+    #stop ids) * n`` candidates per beam)."""
     if not req.use_beam_search:
         for name, default in (("length_penalty", 1.0), ("early_stopping", False)):
             v = getattr(req, name)
@@ -71,6 +74,12 @@ def beam_params(req: Any, params: SamplingParams) -> SamplingParams:
         if name in type(req).model_fields and asks(getattr(req, name)):
             raise RequestError(f"'{name}' is not supported with use_beam_search (beam search is deterministic "
                                f"and scores the raw log-probabilities)", 400, param=name)
+    stops = (frozenset() if params.ignore_eos else eos_token_ids) | frozenset(params.stop_token_ids)
+    mult = candidates_per_step(1, len(stops))
+    if params.n * mult > max_logprobs:
+        raise RequestError(f"'n' (the beam width) must be at most {max_logprobs // mult} with use_beam_search: each "
+                           f"step reads {mult} x n top logprobs per beam (--max-logprobs {max_logprobs})", 400,
+                           param="n")
     es = False if req.early_stopping is None else req.early_stopping
     lp = 1.0 if req.length_penalty is None else float(req.length_penalty)
     return attrs.evolve(params, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0,

@@ -75,9 +75,10 @@ class OpenAIServing:
             raise EngineUnavailable(reason)
 
     def params(self, req: Any, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
-        return beam_params(req, sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
-                                                max_logprobs=self.config.max_logprobs,
-                                                vocab_size=self.tokenizer.vocab_size))
+        cfg = self.config
+        params = sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
+                                 max_logprobs=cfg.max_logprobs, vocab_size=self.tokenizer.vocab_size)
+        return beam_params(req, params, cfg.max_logprobs, frozenset(self.tokenizer.eos_token_ids))
 
     def check_length(self, n_prompt: int, max_tokens: int, param: str) -> None:
         mml = self.client.max_model_len

@@ -311,11 +311,13 @@ async def respond(request: Request, gen: Generation, endpoint: Endpoint, stream:
             "system_fingerprint": None,
             **endpoint.top_fields(gen, False),
         })
-    try:
-        first = await agen.__anext__()  # an error before any output -> a plain HTTP error
-    except BaseException:
-        gen.abort("request failed")
-        raise
+    first: list[OutputEvent] = []
+    if not gen.params.beam_width:  # (a beam search's beams come at its end: the stream opens at once)
+        try:
+            first = await agen.__anext__()  # an error before any output -> a plain HTTP error
+        except BaseException:
+            gen.abort("request failed")
+            raise
     return EventStreamResponse(_sse(gen, endpoint, agen, first, include_usage),
                                lambda: gen.abort("client disconnected"))
 
