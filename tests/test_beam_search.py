@@ -64,8 +64,8 @@ def test_engine_beams_and_scores_match_transformers() -> None:
     from fdx.core.engine import Engine
     from fdx.core.messages import AddRequest, SamplingParams
 
-    # 48 blocks: the eight searches (up to 15 blocks each) cannot all run at once, so groups are preempted
-    eng = Engine(EngineConfig(dtype="float32", num_kv_blocks=48, max_model_len=2048))
+    # 24 blocks: the eight searches (up to 15 blocks each) cannot all run at once, so groups are preempted
+    eng = Engine(EngineConfig(dtype="float32", num_kv_blocks=24, max_model_len=2048))
     for i, c in enumerate(GOLDENS):
         sp = SamplingParams(max_tokens=c["max_tokens"], temperature=0.0, beam_width=c["width"],
                             length_penalty=c["length_penalty"], early_stopping=ES[c["early_stopping"]])
