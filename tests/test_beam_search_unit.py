@@ -115,3 +115,11 @@ def test_api_maps_the_fields() -> None:
         with pytest.raises(RequestError) as ei:
             params_of(body)
         assert ei.value.code == 400 and ei.value.param == param
+
+
+def test_wider_than_max_num_seqs_is_refused() -> None:
+    cfg = make_config(num_kv_blocks=64, block_size=4, max_num_seqs=2)
+    sched = V1Scheduler(cfg, KVCacheManager(64, 4))
+    req = beam_request("r", [1, 2, 3], 3)
+    sched.add_request(req)
+    assert req.error_code == 400 and "--max-num-seqs" in (req.error or "") and not sched.beams

@@ -90,6 +90,9 @@ class BaseScheduler(Scheduler):
         """Why this scheduler cannot run ``request``'s beam search, or ``None``."""
         if not self.supports_beam_search:
             return f"use_beam_search is not supported by the {self.config.scheduler!r} scheduler (use v1)"
+        if request.params.beam_width > self.config.max_num_seqs:
+            return (f"use_beam_search: n (the beam width, {request.params.beam_width}) must be at most "
+                    f"--max-num-seqs ({self.config.max_num_seqs}): every beam is a row of the batch")
         return beam_conflict(request.params, self.config.max_logprobs, len(stop_ids(request)))
 
     def num_rows(self) -> int:
@@ -365,7 +368,7 @@ class BaseScheduler(Scheduler):
         ids = [r.request_id for r in live] + [r.request_id for r in self._failed]
         assert len(ids) == len(set(ids)), "a request is queued twice"
         assert set(ids) == set(self.requests), "request table out of sync"
-        assert len(self.running) <= self.config.max_num_seqs
+        assert self.num_rows() <= self.config.max_num_seqs
         for r in self.running:
             assert r.status is Status.RUNNING
         for r in self.waiting:

@@ -86,7 +86,8 @@ class V1Scheduler(BaseScheduler):
 
         # 2. waiting requests, FIFO (preempted ones first)
         if not batch.preempted:
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            while self.waiting and budget > 0 and (self.num_rows() if self.beams else len(self.running)) \
+                    < cfg.max_num_seqs:
                 req = self.waiting[0]
                 if req.params.beam_width and self.num_rows() + req.params.beam_width > cfg.max_num_seqs:
                     break  # its beams would overrun --max-num-seqs rows
