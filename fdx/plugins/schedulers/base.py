@@ -21,15 +21,13 @@ from fdx.core.interfaces import ModelOutput, ScheduledBatch, Scheduler
 from fdx.core.kv_cache import cdiv
 from fdx.core.messages import SpecDecodeStats, TokenLogprob
 from fdx.core.request import Request, Status
-from fdx.plugins.schedulers.beam import BeamGroup, OutOfBlocks, beam_conflict, stop_ids
+from fdx.plugins.schedulers.beam import GREEDY_EPS, BeamGroup, OutOfBlocks, beam_conflict, stop_ids
 
 if TYPE_CHECKING:
     from fdx.config import EngineConfig
     from fdx.core.interfaces import Speculator
     from fdx.core.kv_cache import KVCacheManager
 
-#: temperatures below this are greedy (the sampler's ``GREEDY_EPS``)
-GREEDY_EPS = 1e-5
 
 
 def speculation_is_exact(req: Request) -> bool:
