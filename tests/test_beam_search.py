@@ -216,7 +216,7 @@ def test_concurrent_greedy_request_is_not_stalled(server: str) -> None:
 
     one()  # warm (prefix cache, first-request costs)
     alone = statistics.median(one() for _ in range(3))
-    beam = {"prompt": "Once upon a time", "max_tokens": 400, "use_beam_search": True, "n": 4, "ignore_eos": True}
+    beam = {"prompt": "Once upon a time", "max_tokens": 200, "use_beam_search": True, "n": 4, "ignore_eos": True}
     res: dict[str, Any] = {}
 
     def run_beam() -> None:
