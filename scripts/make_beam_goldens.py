@@ -38,8 +38,11 @@ PROMPTS = [
 ]
 #: (width, max_new_tokens, length_penalty, early_stopping) for every prompt
 CASES = [(2, 20, 1.0, False), (4, 20, 1.0, False)]
-#: extra cases on the first text prompt: length_penalty and early_stopping semantics
-EXTRA = [(4, 20, 0.5, True), (4, 20, 2.0, "never")]
+#: extra cases per prompt: length_penalty and early_stopping semantics (``capital`` ends beams on eos)
+EXTRA = {
+    "language": [(4, 20, 0.5, True), (4, 20, 2.0, "never")],
+    "capital": [(4, 20, 1.0, True), (4, 24, 0.0, "never"), (2, 20, 2.0, False)],
+}
 
 
 def tokenize() -> None:
@@ -78,7 +81,7 @@ def main() -> int:
     assert eos == [2], eos
     goldens = []
     for p in info["prompts"]:
-        cases = CASES + (EXTRA if p["name"] == "language" else [])
+        cases = CASES + EXTRA.get(p["name"], [])
         for width, max_new, lp, es in cases:
             ids = torch.tensor([p["prompt_token_ids"]], dtype=torch.long)
             # a fresh config: no model defaults (repetition penalty, min length, ...) beyond these

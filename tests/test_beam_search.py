@@ -64,7 +64,7 @@ def test_engine_beams_and_scores_match_transformers() -> None:
     from fdx.core.engine import Engine
     from fdx.core.messages import AddRequest, SamplingParams
 
-    # 24 blocks: the eight searches (up to 15 blocks each) cannot all run at once, so groups are preempted
+    # 24 blocks: the eleven searches (up to 15 blocks each) cannot all run at once, so groups are preempted
     eng = Engine(EngineConfig(dtype="float32", num_kv_blocks=24, max_model_len=2048))
     for i, c in enumerate(GOLDENS):
         sp = SamplingParams(max_tokens=c["max_tokens"], temperature=0.0, beam_width=c["width"],
@@ -143,9 +143,9 @@ def test_completions_match_transformers(server: str, c: dict[str, Any]) -> None:
     assert r.json()["usage"]["completion_tokens"] == sum(len(ch["token_ids"]) for ch in choices)
 
 
-@pytest.mark.parametrize("width", [2, 4])
-def test_chat_streamed_and_not(server: str, width: int) -> None:
-    c = golden("capital", width)
+@pytest.mark.parametrize("c", [c for c in GOLDENS if c["kind"] == "chat"], ids=case_id)
+def test_chat_streamed_and_not(server: str, c: dict[str, Any]) -> None:
+    width = c["width"]
     body = {"messages": [{"role": "user", "content": c["text"]}], **beam_body(c)}
     r = httpx.post(server + "/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
