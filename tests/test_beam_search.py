@@ -99,6 +99,15 @@ def server() -> Iterator[str]:
         yield base
 
 
+@pytest.fixture(scope="module")
+def default_server() -> Iterator[str]:
+    """fdx's default compute (int8, batch-invariant GEMM): what the latency bound is about.  In
+    float32 (qgemv, a few rows at a time) five rows cost about three times one on this CPU, beam
+    rows or not."""
+    with start_server("--max-num-seqs", "16") as (base, _proc):
+        yield base
+
+
 def golden(name: str, width: int, lp: float = 1.0, es: Any = False) -> dict[str, Any]:
     return next(c for c in GOLDENS if c["name"] == name and c["width"] == width and c["length_penalty"] == lp
                 and c["early_stopping"] == es)
@@ -203,9 +212,11 @@ def test_too_wide_is_refused(server: str) -> None:
     assert r.json()["error"]["param"] == "n" and "beam width" in r.json()["error"]["message"]
 
 
-def test_concurrent_greedy_request_is_not_stalled(server: str) -> None:
+def test_concurrent_greedy_request_is_not_stalled(default_server: str) -> None:
     """The bound issue 23 asks for: a plain greedy request's latency while a
-    width-4 beam search runs is at most 2x its latency alone (medians)."""
+    width-4 beam search runs is at most 2x its latency alone (medians), on
+    a server with the default compute."""
+    server = default_server
     plain = {"prompt": "The three primary colours are", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
     def one() -> float:
