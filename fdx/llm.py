@@ -145,6 +145,8 @@ class LLM:
             plist = list(params)
             if len(plist) != len(items):
                 raise RequestError(f"{len(plist)} sampling params for {len(items)} prompts")
+        if any(p.beam_width for p in plist):
+            raise RequestError("beam_width: beam search is served by `fdx serve` (use_beam_search), not by fdx.LLM")
         results: list[RequestResult] = []
         live: dict[str, tuple[ChoiceState, Completion, RequestResult]] = {}
         now = time.time()

@@ -68,6 +68,8 @@ class EchoRunner(ModelRunner):
             raise FdxError(f"echo runner is sleeping ({','.join(sorted(self.released))})")
         out = np.full(len(batch.seqs), -1, dtype=np.int64)
         bs = self.block_size
+        for src, dst in batch.block_copies:  # a forked beam's partial last block
+            self.slots[dst * bs : (dst + 1) * bs] = self.slots[src * bs : (src + 1) * bs]
         for i, seq in enumerate(batch.seqs):
             r = seq.request
             c, n = r.num_computed_tokens, seq.num_new_tokens
@@ -272,15 +274,17 @@ def check_kv_invariants(kv: KVCacheManager, requests: Iterable[Request] = ()) ->
     assert len(set(free)) == len(free), "a block is twice in the free list"
     assert not set(free) & set(evict), "a block is both free and evictable"
     refs = [0] * n
+    partial: set[int] = set()  # blocks some table holds past its full, computed ones
     for r in requests:
         assert len(set(r.block_ids)) == len(r.block_ids), f"{r.request_id}: block twice in its table"
         assert len(r.block_ids) * kv.block_size >= r.num_computed_tokens, f"{r.request_id}: too few blocks"
         for b in r.block_ids:
             refs[b] += 1
+        partial.update(r.block_ids[r.num_computed_tokens // kv.block_size :])
     for b in range(n):
         assert refs[b] == kv.ref_cnt[b], f"block {b}: ref_cnt {kv.ref_cnt[b]} != tables {refs[b]}"
-        if refs[b] > 1:
-            assert kv.block_hash[b] is not None, f"block {b} shared but not cached"
+        if refs[b] > 1:  # a cached block, or a full one shared by forked beams (never written again)
+            assert kv.block_hash[b] is not None or b not in partial, f"block {b} shared but not cached"
     for b in free:
         assert kv.ref_cnt[b] == 0 and kv.block_hash[b] is None, f"free block {b} in use or cached"
     for b in evict:

@@ -231,7 +231,7 @@ class Engine:
                 req.queue_time_sent = True
             outs.append(RequestOutput(req.request_id, toks, req.finish_reason, req.num_prompt_tokens,
                                       req.num_cached_tokens, req.num_output_tokens, lps, queue_time=qt,
-                                      prompt_logprobs=req.take_prompt_logprobs()))
+                                      prompt_logprobs=req.take_prompt_logprobs(), beams=req.beams))
         if self.storage is not None and batch:
             self.storage.flush()  # copy this step's newly full blocks out for the storage tier
         return outs

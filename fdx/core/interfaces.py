@@ -69,6 +69,8 @@ class ScheduledBatch:
     preempted: list[Request] = attrs.field(factory=list)
     failed: list[Request] = attrs.field(factory=list)
     emitted: list[Request] = attrs.field(factory=list)
+    #: ``(src, dst)`` KV blocks the runner copies before the forward (a forked beam's partial last block)
+    block_copies: list[tuple[int, int]] = attrs.field(factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -25,7 +25,8 @@ Invariants (checked by :func:`fdx.testing.check_kv_invariants`):
 * a block is never handed out twice (free list, evictable set and used set
   are disjoint and cover the pool);
 * reference counts equal the number of block tables holding each block;
-* a block shared by two tables is a registered (cached) block;
+* a block shared by two tables is a registered (cached) block, or a full
+  block shared by the beams of one beam search (:meth:`fork`);
 * once every request is finished or aborted, ``free + evictable == total``.
 
 Storage hooks (KV storage tier, :mod:`fdx.plugins.cache_backends.kv_storage`): when
@@ -100,8 +101,8 @@ class KVCacheManager:
         self._free: collections.deque[int] = collections.deque(range(num_blocks))
         #: ref-0 registered blocks, LRU order (first = evicted first)
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
-        #: request_id -> number of leading blocks already committed
-        self._committed: dict[str, int] = {}
+        #: request -> number of leading blocks already committed (by object: a beam's rows share its id)
+        self._committed: dict[Request, int] = {}
         self.num_used_blocks = 0
         # counters (tokens, like vLLM's prefix_cache_queries / hits)
         self.prefix_queries = 0
@@ -184,7 +185,7 @@ class KVCacheManager:
                 self._touch(b)
             request.block_ids.extend(computed)
             request.num_computed_tokens = n_hit
-            self._committed[request.request_id] = len(computed)
+            self._committed[request] = len(computed)
         total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
         for _ in range(total - len(request.block_ids)):
             b = self._pop_free_block()
@@ -201,7 +202,31 @@ class KVCacheManager:
         request.block_ids.clear()
         request.num_computed_tokens = 0
         request.storage_probed = False
-        self._committed.pop(request.request_id, None)
+        self._committed.pop(request, None)
+
+    def fork(self, src: Request, dst: Request) -> int | None:
+        """Give ``dst`` (holding no blocks) the KV of ``src``'s computed
+        positions, copy on write: full blocks are shared (ref counts), a
+        partial last block gets a fresh block for ``dst``, returned so the
+        caller has the runner copy ``src``'s last block into it (``None``
+        when every block is full).  May evict a cached block; the caller
+        checks :attr:`num_free_blocks` first."""
+        assert not dst.block_ids, "fork into a request holding blocks"
+        n = src.num_computed_tokens
+        n_full = n // self.block_size
+        for b in src.block_ids[:n_full]:
+            self._touch(b)
+        dst.block_ids = src.block_ids[:n_full]
+        dst.block_hashes = src.block_hashes[:n_full]
+        dst.num_computed_tokens = n
+        self._committed[dst] = min(self._committed.get(src, 0), n_full)
+        if n_full * self.block_size == n:
+            return None
+        b = self._pop_free_block()
+        self.ref_cnt[b] = 1
+        self.num_used_blocks += 1
+        dst.block_ids.append(b)
+        return b
 
     def trim(self, request: Request) -> None:
         """Release the tail blocks past those holding the request's
@@ -345,8 +370,7 @@ class KVCacheManager:
         after ``num_computed_tokens`` advanced)."""
         if not self.enable_prefix_caching:
             return
-        rid = request.request_id
-        start = self._committed.get(rid, 0)
+        start = self._committed.get(request, 0)
         n_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         if n_full <= start:
             return
@@ -360,7 +384,7 @@ class KVCacheManager:
                 self.block_hash[b] = h
                 if storage is not None:
                     storage.on_block_full(b, h)
-        self._committed[rid] = n_full
+        self._committed[request] = n_full
 
     def reset_prefix_cache(self) -> bool:
         """Forget every registered block (evictable ones become free; used

@@ -71,6 +71,11 @@ class SamplingParams:
     #: top alternatives of each prompt token's logprob (``None``: none computed; such a request skips the prefix
     #: cache; :data:`ALL_LOGPROBS`: the whole vocabulary, for prompts of at most :data:`MAX_ALL_LOGPROBS_PROMPT` tokens)
     prompt_logprobs: int | None = None
+    #: beam search with this many beams (0: off); HF's ``length_penalty`` and ``early_stopping``
+    #: (``"true"``, ``"false"`` or ``"never"``), see :mod:`fdx.plugins.schedulers.beam`
+    beam_width: int = 0
+    length_penalty: float = 1.0
+    early_stopping: str = "false"
 
     @property
     def greedy(self) -> bool:
@@ -159,6 +164,17 @@ class TokenLogprob:
 
 
 @attrs.frozen
+class BeamSequence:
+    """One of a beam-search request's best sequences: its generated tokens,
+    their summed logprob and its score (``sum / len ** length_penalty``)."""
+
+    token_ids: tuple[int, ...]
+    cumulative_logprob: float
+    score: float
+    finish_reason: str
+
+
+@attrs.frozen
 class RequestOutput:
     """New tokens of one request since its last output.
 
@@ -181,6 +197,8 @@ class RequestOutput:
     queue_time: float | None = None
     #: logprobs of prompt tokens 1.. (``params.prompt_logprobs``), sent once, with the first output
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    #: a beam-search request's best sequences, best first (with its final output only)
+    beams: tuple[BeamSequence, ...] | None = None
 
 
 @attrs.frozen

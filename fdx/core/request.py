@@ -10,8 +10,8 @@ from typing import Any
 import attrs
 
 from fdx.core.interfaces import GrammarMatcher
-from fdx.core.messages import (ALL_LOGPROBS, MAX_ALL_LOGPROBS_PROMPT, AddRequest, KVTransferParams, SamplingParams,
-                               TokenLogprob)
+from fdx.core.messages import (ALL_LOGPROBS, MAX_ALL_LOGPROBS_PROMPT, AddRequest, BeamSequence, KVTransferParams,
+                               SamplingParams, TokenLogprob)
 
 INT64_MAX = 2**63 - 1
 
@@ -68,6 +68,8 @@ class Request:
     #: logprobs of prompt tokens 1.. (``params.prompt_logprobs``), filled by the model runner, sent once
     prompt_logprobs: list[TokenLogprob] = attrs.field(factory=list)
     prompt_logprobs_sent: bool = False
+    #: a beam-search request's best sequences, set by the scheduler when it finishes
+    beams: tuple[BeamSequence, ...] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -135,7 +137,7 @@ class Request:
 FLOAT_BOUNDS = {
     "temperature": (0.0, math.inf, False), "top_p": (0.0, 1.0, True), "min_p": (0.0, 1.0, False),
     "presence_penalty": (-math.inf, math.inf, True), "frequency_penalty": (-math.inf, math.inf, True),
-    "repetition_penalty": (0.0, math.inf, True),
+    "repetition_penalty": (0.0, math.inf, True), "length_penalty": (-math.inf, math.inf, True),
 }
 
 
@@ -171,6 +173,8 @@ def check_request(msg: AddRequest, max_model_len: int, vocab_size: int, max_logp
          f"{MAX_ALL_LOGPROBS_PROMPT} tokens"),
         ("stop_token_ids", all(0 <= t < vocab_size for t in p.stop_token_ids), f"token ids in [0, {vocab_size})"),
         ("logit_bias", all(0 <= t < vocab_size and abs(b) <= 100 for t, b in p.logit_bias), "ids < vocab, |bias|<=100"),
+        ("beam_width", 0 <= p.beam_width <= 128, "in [0, 128] (0: no beam search)"),
+        ("early_stopping", p.early_stopping in ("true", "false", "never"), '"true", "false" or "never"'),
     )
     for name, ok, what in checks:
         if not ok:

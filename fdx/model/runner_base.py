@@ -159,6 +159,8 @@ class PagedRunnerBase(ModelRunner):
             return ModelOutput(np.zeros(0, dtype=np.int64), None)
         if self.caches is None or not self.model.loaded:
             raise FdxError("model runner is sleeping (call wakeup first)")
+        if batch.block_copies:
+            self.copy_kv_blocks(batch.block_copies)
         layout = self._layout(seqs)
         logits = self._forward(layout)
         if layout.prompt:  # prompt logprobs: only requests asking for them pay
@@ -401,6 +403,20 @@ class PagedRunnerBase(ModelRunner):
         per_layer = [paddle.index_select(v, idx).numpy() for v in views]  # bf16 -> uint16 bits
         arr = np.stack(per_layer).reshape(len(per_layer), ids.size, -1).transpose(1, 0, 2)  # [n, L, 2*X]
         return [np.ascontiguousarray(arr[i]).tobytes() for i in range(ids.size)]
+
+    def copy_kv_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy each ``src`` block's KV (every layer, K and V) into ``dst``
+        (a forked beam's partial last block: copy on write)."""
+        import paddle
+
+        src = self._check_ids([s for s, _ in pairs])
+        dst = self._check_ids([d for _, d in pairs])
+        if src.size == 0:
+            return
+        isrc = paddle.to_tensor(self._block_rows(src).reshape(-1))
+        idst = paddle.to_tensor(self._block_rows(dst).reshape(-1))
+        for view in self._views():
+            paddle.scatter_(view, idst, paddle.index_select(view, isrc), overwrite=True)
 
     def write_kv_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
         import paddle

@@ -218,6 +218,9 @@ FIELD_HINTS: dict[str, str] = {
     "return_token_ids": "true or false",
     "continue_final_message": "true or false",
     "request_id": "a string of at most 256 characters",
+    "use_beam_search": "true or false",
+    "length_penalty": "a finite number",
+    "early_stopping": "true, false or \"never\"",
 }
 
 
@@ -362,6 +365,14 @@ class _Common(_Strict):
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[StrictStr, Finite] | None = Field(
         None, description="token id (a string) -> bias in [-100, 100] added to its logit")
+    # beam search (vLLM's fields; fdx/server/serving/beam_search.py)
+    use_beam_search: StrictBool | None = Field(
+        False, description="beam search with n beams: the n best sequences as n choices, best first (vLLM)")
+    length_penalty: Finite | None = Field(
+        1.0, description="beam search: a sequence scores sum_logprobs / len ** length_penalty (HF)")
+    early_stopping: Union[StrictBool, Literal["never"], None] = Field(
+        False, description="beam search: stop at n finished (true), by HF's heuristic (false) or its exact bound "
+                           "(\"never\")")
     # no effect (NO_EFFECT_FIELDS)
     user: StrictStr | None = None
     metadata: dict[str, StrictStr] | None = None

@@ -19,16 +19,15 @@ import numpy as np
 
 from fdx.core.interfaces import ModelOutput, ScheduledBatch, Scheduler
 from fdx.core.kv_cache import cdiv
-from fdx.core.messages import SpecDecodeStats
+from fdx.core.messages import SpecDecodeStats, TokenLogprob
 from fdx.core.request import Request, Status
+from fdx.plugins.schedulers.beam import GREEDY_EPS, BeamGroup, OutOfBlocks, beam_conflict, stop_ids
 
 if TYPE_CHECKING:
     from fdx.config import EngineConfig
     from fdx.core.interfaces import Speculator
     from fdx.core.kv_cache import KVCacheManager
 
-#: temperatures below this are greedy (the sampler's ``GREEDY_EPS``)
-GREEDY_EPS = 1e-5
 
 
 def speculation_is_exact(req: Request) -> bool:
@@ -43,6 +42,9 @@ def speculation_is_exact(req: Request) -> bool:
 
 
 class BaseScheduler(Scheduler):
+    #: whether :meth:`schedule` runs beam groups (:mod:`fdx.plugins.schedulers.beam`); v1 does
+    supports_beam_search = False
+
     def __init__(self, config: EngineConfig, kv: KVCacheManager, speculator: Speculator | None = None) -> None:
         super().__init__(config, kv)
         #: ``--speculative``: proposes drafts for decoding requests (:meth:`drafts_for`)
@@ -62,6 +64,8 @@ class BaseScheduler(Scheduler):
         self.num_scheduled_tokens = 0  # cumulative
         self.num_generated_tokens = 0  # cumulative sampled tokens
         self.last_step_tokens = 0
+        #: beam-search requests by id (their parent is in the tables above)
+        self.beams: dict[str, BeamGroup] = {}
 
     # ------------------------------------------------------------------
     # request tables
@@ -71,16 +75,37 @@ class BaseScheduler(Scheduler):
         request.status = Status.WAITING
         self.requests[request.request_id] = request
         error = self.never_fits(request)
+        if error is None and request.params.beam_width:
+            error = self.beam_error(request)
+            if error is None:
+                self.beams[request.request_id] = BeamGroup.of(request)
         if error is not None:
             self._fail(request, error, 400)
             return
         self.waiting.append(request)
 
+    def beam_error(self, request: Request) -> str | None:
+        """Why this scheduler cannot run ``request``'s beam search, or ``None``."""
+        if not self.supports_beam_search:
+            return f"use_beam_search is not supported by the {self.config.scheduler!r} scheduler (use v1)"
+        if request.params.beam_width > self.config.max_num_seqs:
+            return (f"use_beam_search: n (the beam width, {request.params.beam_width}) must be at most "
+                    f"--max-num-seqs ({self.config.max_num_seqs}): every beam is a row of the batch")
+        return beam_conflict(request.params, self.config.max_logprobs, len(stop_ids(request)))
+
+    def num_rows(self) -> int:
+        """Rows the running requests decode per step (a beam group: its width)."""
+        extra = sum(g.width - 1 for g in self.beams.values() if g.parent.status is Status.RUNNING)
+        return len(self.running) + extra
+
     def max_blocks_needed(self, request: Request) -> int:
         """Blocks a request may hold at its largest: KV exists for every
         token but the last sampled one."""
         n = min(request.num_prompt_tokens + request.params.max_tokens, request.max_model_len) - 1
-        return cdiv(max(n, request.num_prompt_tokens), self.kv.block_size)
+        w, bs = request.params.beam_width, self.kv.block_size
+        if w:  # the prompt's blocks once, then each beam's own (from the prompt's last, partial block on)
+            return cdiv(request.num_prompt_tokens, bs) + w * (cdiv(max(n - request.num_prompt_tokens, 0), bs) + 1)
+        return cdiv(max(n, request.num_prompt_tokens), bs)
 
     def never_fits(self, request: Request) -> str | None:
         """An error message when ``request`` can never complete here."""
@@ -101,6 +126,9 @@ class BaseScheduler(Scheduler):
     def _fail(self, request: Request, error: str, code: int) -> None:
         """End ``request`` with an error; it is reported in the next batch."""
         self.kv.free(request)
+        group = self.beams.pop(request.request_id, None)
+        if group is not None:
+            group.release(self.kv)
         request.fail(error, code)
         self._failed.append(request)
         self.num_failed += 1
@@ -159,8 +187,11 @@ class BaseScheduler(Scheduler):
         return self.abort(list(self.requests))
 
     def _on_removed(self, request: Request) -> None:
-        """Hook for subclasses (v0 drops chunk plans)."""
+        """Hook for subclasses (v0 drops chunk plans); a beam group frees its beams."""
         self._spec_hist.pop(request.request_id, None)
+        group = self.beams.pop(request.request_id, None)
+        if group is not None:
+            group.release(self.kv)
 
     # ------------------------------------------------------------------
     # speculative decoding
@@ -235,11 +266,19 @@ class BaseScheduler(Scheduler):
         logprobs = output.logprobs
         spec = output.spec_token_ids or {}
         kv = self.kv
+        beams = self.beams
+        beam_rows: dict[str, list[TokenLogprob | None]] = {}
         for i, seq in enumerate(batch.seqs):
             req = seq.request
             if req.status is not Status.RUNNING:  # removed between schedule and update
                 continue
             tok = token_ids[i]
+            if beams and req.request_id in beams:  # a beam row: the group picks its tokens after the loop
+                req.num_computed_tokens += seq.num_new_tokens
+                kv.commit(req)
+                if tok >= 0:
+                    beam_rows.setdefault(req.request_id, []).append(logprobs[i] if logprobs is not None else None)
+                continue
             reason = None
             if seq.draft_token_ids and tok >= 0:  # verified drafts (none accepted when the runner did not say)
                 reason = self._accept(req, len(seq.draft_token_ids), spec.get(i) or [int(tok)])
@@ -254,6 +293,18 @@ class BaseScheduler(Scheduler):
             kv.commit(req)
             if reason is not None:
                 finished.append(req)
+        for rid, lps in beam_rows.items():
+            group = beams[rid]
+            self.num_generated_tokens += len(lps)
+            if len(lps) != len(group.rows) or any(lp is None or len(lp.top) < group.keep for lp in lps):
+                self.running = [r for r in self.running if r is not group.parent]
+                self._fail(group.parent, "beam search: the model runner did not return the top logprobs", 500)
+            else:
+                try:
+                    if group.advance(kv, [lp for lp in lps if lp is not None]):
+                        finished.append(self._finish_beams(group, batch))
+                except OutOfBlocks:
+                    self.restart_beams(group)
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
@@ -263,6 +314,31 @@ class BaseScheduler(Scheduler):
                 self.requests.pop(req.request_id, None)
                 self._on_removed(req)
             self.num_finished += len(finished)
+
+    def restart_beams(self, group: BeamGroup) -> None:
+        """Start ``group`` again from its prompt (front of the queue), its blocks freed."""
+        parent = group.parent
+        group.reset(self.kv)
+        self.kv.free(parent)
+        self.running = [r for r in self.running if r is not parent]
+        parent.status = Status.PREEMPTED
+        parent.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(parent)
+
+    def _finish_beams(self, group: BeamGroup, batch: ScheduledBatch) -> Request:
+        """The parent of a finished search, with its result; sent through
+        ``batch.emitted`` unless it ran this step (its prompt's step)."""
+        parent = group.parent
+        self.beams.pop(parent.request_id, None)
+        best = group.finished[0] if group.finished else None
+        parent.beams = tuple(group.finished)
+        parent.output_token_ids = list(best.token_ids) if best else []
+        parent.pending_token_ids = list(parent.output_token_ids)  # the best beam, for readers of new_token_ids
+        parent.finish_reason = best.finish_reason if best else "length"
+        if not any(s.request is parent for s in batch.seqs):
+            batch.emitted.append(parent)
+        return parent
 
     def _record(self, batch: ScheduledBatch) -> None:
         n = batch.num_tokens
@@ -290,7 +366,7 @@ class BaseScheduler(Scheduler):
         ids = [r.request_id for r in live] + [r.request_id for r in self._failed]
         assert len(ids) == len(set(ids)), "a request is queued twice"
         assert set(ids) == set(self.requests), "request table out of sync"
-        assert len(self.running) <= self.config.max_num_seqs
+        assert self.num_rows() <= self.config.max_num_seqs
         for r in self.running:
             assert r.status is Status.RUNNING
         for r in self.waiting:
@@ -300,4 +376,5 @@ class BaseScheduler(Scheduler):
             assert not r.block_ids
         from fdx.testing import check_kv_invariants
 
-        check_kv_invariants(self.kv, live)
+        rows = [b.seq for g in self.beams.values() for b in g.live]
+        check_kv_invariants(self.kv, live + rows)

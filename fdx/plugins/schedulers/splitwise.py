@@ -168,11 +168,12 @@ class SplitwiseScheduler(Scheduler):
     def add_request(self, request: Request) -> None:
         p = request.params
         if request.kv_transfer is not None and self.role == "decode" and (
-                p.prompt_logprobs is not None or p.structured is not None):
+                p.prompt_logprobs is not None or p.structured is not None or p.beam_width):
             # prompt logprobs need the prompt's logits, a grammar must constrain the first token too:
-            # such a request is computed here, whole, as on a mixed instance
+            # beam search forks the prompt's KV: such a request is computed here, whole, as on a mixed instance
             log.debug("splitwise %s: computed on the decode instance (%s)", request.request_id,
-                      "prompt_logprobs" if p.prompt_logprobs is not None else "structured output")
+                      "prompt_logprobs" if p.prompt_logprobs is not None else
+                      "beam search" if p.beam_width else "structured output")
             request.kv_transfer = None
         if request.kv_transfer is None:
             self.local.add_request(request)

@@ -16,6 +16,10 @@ Like vLLM v1 / FastDeploy's ResourceManagerV1:
   + output are recomputed (mostly from the prefix cache), so greedy
   decoding yields the same tokens;
 * no request is admitted in a step that preempted one (avoids thrash);
+* a beam-search request (:mod:`fdx.plugins.schedulers.beam`) is one unit:
+  its prompt is admitted like any prompt, then all its live beams decode
+  in the same step as rows of the batch (or wait for a step with budget
+  for all of them); preempting it frees every beam and restarts it;
 * with ``enable_chunked_prefill`` off a prompt is admitted only whole;
   resumed requests are still recomputed in chunks.
 
@@ -31,12 +35,15 @@ from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import ScheduledBatch, ScheduledSeq
 from fdx.core.request import Request, Status
 from fdx.plugins.schedulers.base import BaseScheduler
+from fdx.plugins.schedulers.beam import BeamGroup
 
 if TYPE_CHECKING:
     from fdx.core.hookspecs import Register
 
 
 class V1Scheduler(BaseScheduler):
+    supports_beam_search = True
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         self._take_failed(batch)
@@ -48,6 +55,14 @@ class V1Scheduler(BaseScheduler):
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            group = self.beams.get(req.request_id) if self.beams else None
+            if group is not None and group.live:  # a beam group decodes all its beams, or waits
+                got = self._schedule_beams(group, budget, batch)
+                if got is None:
+                    break  # the group itself was preempted: every newer request is gone too
+                budget -= got
+                i += 1
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to compute (should not happen)
                 i += 1
@@ -71,8 +86,11 @@ class V1Scheduler(BaseScheduler):
 
         # 2. waiting requests, FIFO (preempted ones first)
         if not batch.preempted:
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            while self.waiting and budget > 0 and (self.num_rows() if self.beams else len(self.running)) \
+                    < cfg.max_num_seqs:
                 req = self.waiting[0]
+                if req.params.beam_width and self.num_rows() + req.params.beam_width > cfg.max_num_seqs:
+                    break  # its beams would overrun --max-num-seqs rows
                 computed = kv.get_computed_blocks(req)
                 n_cached = len(computed) * kv.block_size
                 num_new = req.num_tokens - n_cached
@@ -93,7 +111,33 @@ class V1Scheduler(BaseScheduler):
         self._record(batch)
         return batch
 
+    def _schedule_beams(self, group: BeamGroup, budget: int, batch: ScheduledBatch) -> int | None:
+        """One decode row per live beam of ``group``, with the partial
+        blocks its last forks copy; the tokens scheduled (0: no room in the
+        budget this step), or ``None`` when a block shortage preempted the
+        group itself."""
+        n = len(group.live)
+        if n > budget:
+            return 0
+        for beam in group.live:
+            while not self.kv.allocate(beam.seq, 1):
+                victim = self.running.pop()
+                self._preempt(victim, batch)
+                if victim is group.parent:
+                    return None
+        while self.kv.num_free_blocks < n - 1:  # room for the forks this step's candidates may need
+            victim = self.running.pop()
+            self._preempt(victim, batch)
+            if victim is group.parent:
+                return None
+        batch.seqs.extend(ScheduledSeq(b.seq, 1) for b in group.live)
+        batch.block_copies.extend(group.take_copies())
+        return n
+
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        group = self.beams.get(req.request_id) if self.beams else None
+        if group is not None:  # a beam search restarts from its prompt
+            group.reset(self.kv)
         self.kv.free(req)
         req.status = Status.PREEMPTED
         req.num_preemptions += 1

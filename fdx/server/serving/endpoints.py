@@ -19,6 +19,7 @@ from fdx.core.messages import ALL_LOGPROBS, MAX_ALL_LOGPROBS_PROMPT, KVTransferP
 from fdx.output_processor import OutputProcessor
 from fdx.server.client import EngineClient, EngineUnavailable
 from fdx.server.protocol import loads_object, sampling_params
+from fdx.server.serving.beam_search import beam_params
 from fdx.server.serving import chat as chat_endpoint
 from fdx.server.serving import completions as completions_endpoint
 from fdx.server.serving.generation import Endpoint, Generation, Prompt, respond
@@ -90,8 +91,10 @@ class OpenAIServing:
             raise EngineUnavailable(reason)
 
     def params(self, req: Any, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
-        return sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
-                               max_logprobs=self.config.max_logprobs, vocab_size=self.tokenizer.vocab_size)
+        cfg = self.config
+        params = sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
+                                 max_logprobs=cfg.max_logprobs, vocab_size=self.tokenizer.vocab_size)
+        return beam_params(req, params, cfg.max_logprobs, frozenset(self.tokenizer.eos_token_ids))
 
     def check_length(self, n_prompt: int, max_tokens: int, param: str) -> None:
         mml = self.client.max_model_len

@@ -2,7 +2,8 @@
 
 :class:`Generation` submits a request's ``len(prompts) * n`` engine
 requests (choice ``j`` of prompt ``p`` has index ``p * n + j`` and seed
-``seed + j``), all feeding one sink queue, and turns what arrives into
+``seed + j``; a beam search: one engine request per prompt, whose ``n``
+beams are its choices, :mod:`~fdx.server.serving.beam_search`), all feeding one sink queue, and turns what arrives into
 batches of :class:`~fdx.output_processor.OutputEvent` through the shared
 :class:`~fdx.output_processor.OutputProcessor` (the same one ``fdx.LLM``
 uses).  :func:`respond` builds the reply from that one event stream: SSE
@@ -33,6 +34,7 @@ from fdx.core.errors import RequestError
 from fdx.core.messages import ALL_LOGPROBS, KVTransferParams, RequestOutput, SamplingParams, TokenLogprob
 from fdx.output_processor import ChoiceState, OutputEvent, OutputProcessor, Usage, choice_params
 from fdx.server.protocol import error_body
+from fdx.server.serving.beam_search import BeamChoices, beam_events
 from fdx.server.sse import EventStreamResponse
 
 if TYPE_CHECKING:
@@ -148,6 +150,14 @@ class Generation:
         total = len(self.prompts) * n
         try:
             for p_idx, prompt in enumerate(self.prompts):
+                if self.params.beam_width:  # one engine request, its n beams are the n choices
+                    rid = self.id if len(self.prompts) == 1 else f"{self.id}-{p_idx}"
+                    states = [self.outputs.open(rid, p_idx * n + j, p_idx, prompt.ids, self.params) for j in range(n)]
+                    kv = {"kv_transfer_params": self.kv_transfer} if self.kv_transfer is not None else {}
+                    self.handles.append(self.client.submit(rid, prompt.ids, self.params, arrival, self.sink,
+                                                           tag=BeamChoices(states), **kv))
+                    self.states.extend(states)
+                    continue
                 for j in range(n):
                     idx = p_idx * n + j
                     sp = choice_params(self.params, j)
@@ -193,19 +203,22 @@ class Generation:
                 if not isinstance(x, RequestOutput):
                     error = self._cut_short(x)
                     break
-                ev = process(h.tag, x)
-                if ev is None:
-                    continue
-                if ev.failure is not None:
-                    if ev.abort_in_engine:
-                        self.client.abort([h], ev.failure.message)
-                    error = RequestError(ev.failure.message, ev.failure.code)
+                evs = beam_events(process, h.tag, x) if isinstance(h.tag, BeamChoices) else (process(h.tag, x),)
+                for ev in evs:
+                    if ev is None:
+                        continue
+                    if ev.failure is not None:
+                        if ev.abort_in_engine:
+                            self.client.abort([h], ev.failure.message)
+                        error = RequestError(ev.failure.message, ev.failure.code)
+                        break
+                    if ev.abort_in_engine:  # a stop string: ends normally, the engine is told to stop
+                        self.client.finish(h, "stop")
+                    if ev.finish_reason is not None:
+                        pending -= 1
+                    batch.append(ev)
+                if error is not None:
                     break
-                if ev.abort_in_engine:  # a stop string: ends normally, the engine is told to stop
-                    self.client.finish(h, "stop")
-                if ev.finish_reason is not None:
-                    pending -= 1
-                batch.append(ev)
             if batch:
                 yield batch
             if error is not None:
@@ -310,11 +323,13 @@ async def respond(request: Request, gen: Generation, endpoint: Endpoint, stream:
             "system_fingerprint": None,
             **endpoint.top_fields(gen, False),
         })
-    try:
-        first = await agen.__anext__()  # an error before any output -> a plain HTTP error
-    except BaseException:
-        gen.abort("request failed")
-        raise
+    first: list[OutputEvent] = []
+    if not gen.params.beam_width:  # (a beam search's beams come at its end: the stream opens at once)
+        try:
+            first = await agen.__anext__()  # an error before any output -> a plain HTTP error
+        except BaseException:
+            gen.abort("request failed")
+            raise
     return EventStreamResponse(_sse(gen, endpoint, agen, first, include_usage),
                                lambda: gen.abort("client disconnected"))
 
