@@ -176,7 +176,9 @@ async def chat(serving: OpenAIServing, request: Request, arrival: float) -> Resp
             raise RequestError(
                 f"This model's maximum context length is {mml} tokens, but the prompt has {n_prompt} tokens "
                 f"(no room for the completion)", 400, param="messages")
-        max_tokens = mml - n_prompt
+        max_tokens = mml - n_prompt  # as vLLM: the rest of the context, or the model's default if smaller
+        if serving.defaults.max_tokens is not None:
+            max_tokens = min(max_tokens, serving.defaults.max_tokens)
     else:
         max_tokens = explicit
     params = serving.params(req, max_tokens, num_lp)

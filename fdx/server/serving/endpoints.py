@@ -6,6 +6,7 @@ entry points, which hand over to ``completions.py`` and ``chat.py``."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
@@ -14,7 +15,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from fdx.config import EngineConfig
-from fdx.core.errors import RequestError
+from fdx.core.errors import ModelLoadError, RequestError
+from fdx.generation_config import GenerationDefaults, load_generation_defaults
 from fdx.core.messages import KVTransferParams, SamplingParams
 from fdx.output_processor import OutputProcessor
 from fdx.server.client import EngineClient, EngineUnavailable
@@ -23,6 +25,21 @@ from fdx.server.serving import chat as chat_endpoint
 from fdx.server.serving import completions as completions_endpoint
 from fdx.server.serving.generation import Endpoint, Generation, Prompt, respond
 from fdx.server.serving.prompts import PromptTokenizer
+
+log = logging.getLogger("fdx.server")
+
+
+def generation_defaults(config: EngineConfig) -> GenerationDefaults:
+    """The served model's sampling defaults, logged once (a model that
+    cannot be found gets none: the engine reports that failure itself)."""
+    try:
+        d = load_generation_defaults(config.generation_config, config.model, config.override_generation_config)
+    except ModelLoadError:
+        return GenerationDefaults()
+    log.info("generation defaults: %s", d.describe())
+    if d.ignored:
+        log.warning("%s: not sampling defaults, not used: %s", d.source, ", ".join(d.ignored))
+    return d
 
 
 class OpenAIServing:
@@ -36,6 +53,7 @@ class OpenAIServing:
         self.processor: Any = None
         self.outputs: OutputProcessor | None = None
         self.prompts: PromptTokenizer = None  # type: ignore[assignment]  # set with the tokenizer
+        self.defaults = generation_defaults(config)
 
     @property
     def model_name(self) -> str:
@@ -75,7 +93,8 @@ class OpenAIServing:
 
     def params(self, req: Any, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
         return sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
-                               max_logprobs=self.config.max_logprobs, vocab_size=self.tokenizer.vocab_size)
+                               max_logprobs=self.config.max_logprobs, vocab_size=self.tokenizer.vocab_size,
+                               defaults=self.defaults)
 
     def check_length(self, n_prompt: int, max_tokens: int, param: str) -> None:
         mml = self.client.max_model_len
