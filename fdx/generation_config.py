@@ -17,8 +17,9 @@ Only the keys in :data:`SAMPLING_KEYS` become defaults.  Other keys of a
 ``generation_config.json`` (``bos_token_id``, ``do_sample``, ...) are listed
 in :attr:`GenerationDefaults.ignored` and logged at start-up; an override key
 fdx does not implement is a :class:`ConfigError`.  A field the request sets
-always wins.  ``max_new_tokens`` becomes the default ``max_tokens`` (in vLLM
-it caps every request; here a request's own ``max_tokens`` wins).
+always wins.  ``max_new_tokens`` caps a request that sets no ``max_tokens``
+(chat: otherwise the rest of the context; completions: otherwise 16); in
+vLLM it caps every request, here a request's own ``max_tokens`` wins.
 """
 
 from __future__ import annotations
@@ -45,9 +46,12 @@ SAMPLING_KEYS: dict[str, str] = {
 #: ``--generation-config auto`` for a model without a generation_config.json
 #: of its own: the sampling its model card recommends (SmolLM2-135M-Instruct's
 #: card: ``generate(..., temperature=0.2, top_p=0.9, do_sample=True)``; its HF
-#: generation_config.json carries only token ids)
+#: generation_config.json carries only token ids), and fdx's own cap on a
+#: request without ``max_tokens``: at temperature 0.2 the 135M model can still
+#: fall into a loop ("la France, la France, ...") that would otherwise run to
+#: the end of its 8,192-token context (minutes on a CPU)
 KNOWN_MODELS: dict[str, dict[str, Any]] = {
-    "smollm2": {"temperature": 0.2, "top_p": 0.9},
+    "smollm2": {"temperature": 0.2, "top_p": 0.9, "max_new_tokens": 512},
 }
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -92,7 +96,7 @@ class GenerationDefaults:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    #: default ``max_tokens`` of a request without one
+    #: cap on ``max_tokens`` of a request without one (generation_config's ``max_new_tokens``)
     max_tokens: int | None = None
     #: where they came from, e.g. ``"fdx's defaults for smollm2"``
     source: str = "none"
