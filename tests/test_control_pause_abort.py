@@ -112,19 +112,20 @@ def test_pause_ends_non_streaming_requests_with_an_error(server: str) -> None:
         assert "paused" in r.json()["error"]["message"]
 
 
+def cached_tokens(server: str, prompt: str) -> int:
+    """Prompt tokens of a 2-token greedy completion that came from the prefix cache."""
+    code, js = greedy(server, prompt, 2)
+    assert code == 200, js
+    return int(js["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
 def test_pause_resets_the_prefix_cache(server: str) -> None:
     long_prompt = "Here is a long preamble that spans several KV blocks. " * 8
-
-    def cached() -> int:
-        code, js = greedy(server, long_prompt, 2)
-        assert code == 200, js
-        return int(js["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-    cached()
-    assert cached() > 0  # the prompt's full blocks are in the prefix cache
+    cached_tokens(server, long_prompt)
+    assert cached_tokens(server, long_prompt) > 0  # the prompt's full blocks are in the prefix cache
     ok(server, "pause")
     ok(server, "resume")
-    assert cached() == 0
+    assert cached_tokens(server, long_prompt) == 0
 
 
 # --------------------------------------------------------------------------
@@ -303,17 +304,11 @@ def test_vllm_dev_mode_pause_resume_and_prefix_cache(server: str) -> None:
     assert raw_call(server, "GET", "/is_sleeping").json() == {"is_sleeping": False}
 
     long_prompt = "A preamble long enough to fill several KV blocks of the prefix cache. " * 8
-
-    def cached() -> int:
-        code, js = greedy(server, long_prompt, 2)
-        assert code == 200, js
-        return int(js["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-    cached()
-    assert cached() > 0
+    cached_tokens(server, long_prompt)
+    assert cached_tokens(server, long_prompt) > 0
     r = raw_call(server, "POST", "/reset_prefix_cache")  # while serving, as vLLM
     assert r.status_code == 200 and r.content == b"", r.text
-    assert cached() == 0
+    assert cached_tokens(server, long_prompt) == 0
 
 
 def test_unknown_control_arguments_are_refused(server: str) -> None:
