@@ -21,6 +21,13 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", help="compute/KV dtype: auto (default: int8 compute on the CPU where fdx's C++ ops load, else float32; bfloat16 or float16 on GPUs), int8 (CPU: batch-invariant int8 GEMMs), bfloat16 (CPU: bf16 GEMMs, vdpbf16ps with AVX512-BF16, else fmas; GPUs), float16, float32")
     m.add_argument("--max-model-len", type=int, help="longest prompt + output, in tokens")
     m.add_argument("--seed", type=int, help="default sampling seed")
+    m.add_argument("--generation-config", metavar="auto|vllm|PATH",
+                   help="sampling defaults of requests that leave a field out: auto (default: the model folder's "
+                        "generation_config.json, or fdx's defaults for a known model such as smollm2), vllm (none: "
+                        "the OpenAI defaults), or a generation_config.json file or a folder holding one")
+    m.add_argument("--override-generation-config", metavar="JSON",
+                   help="sampling defaults on top of --generation-config, e.g. '{\"temperature\": 0.5}' (keys: "
+                        "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)")
 
     s = p.add_argument_group("server")
     s.add_argument("--host", help="bind address (default 127.0.0.1)")

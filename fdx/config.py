@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 
 from fdx.core.errors import ConfigError
+from fdx.generation_config import check_mode, parse_override
 
 
 def _flag(name: str) -> str:
@@ -60,6 +61,11 @@ class EngineConfig:
     dtype: str = "auto"  # the runner decides: int8 (else float32) on the CPU, bfloat16/float16 on GPUs
     max_model_len: int | None = attrs.field(default=None, validator=_positive)
     seed: int = 0
+    #: sampling defaults: ``auto`` (the model's generation_config.json or fdx's
+    #: defaults for a known model), ``vllm`` (none) or a path (fdx/generation_config.py)
+    generation_config: str = "auto"
+    #: ``--override-generation-config``: sampling defaults on top (checked keys)
+    override_generation_config: dict[str, Any] = attrs.field(factory=dict)
 
     # server
     host: str = "127.0.0.1"
@@ -192,6 +198,12 @@ def make_config(**kwargs: Any) -> EngineConfig:
             raise ConfigError(f"--kv-connector-config is not valid JSON: {exc}") from None
         if not isinstance(kwargs["kv_connector_config"], dict):
             raise ConfigError("--kv-connector-config must be a JSON object")
+    if "override_generation_config" in kwargs:
+        kwargs["override_generation_config"] = parse_override(kwargs["override_generation_config"])
+    if kwargs.get("generation_config") is not None:
+        check_mode(kwargs["generation_config"])
+        if kwargs["generation_config"] not in ("auto", "vllm"):  # a path: the same file in every child process
+            kwargs["generation_config"] = os.path.abspath(os.path.expanduser(kwargs["generation_config"]))
     if kwargs.get("splitwise_role") and not kwargs.get("kv_connector"):
         kwargs["kv_connector"] = "zmq"
     if isinstance(kwargs.get("disable_plugins"), list):

@@ -1,5 +1,5 @@
 """The engine's control plane: ``pause``, ``resume``, ``sleep``, ``wakeup``,
-``update_weights``, ``abort_requests`` and ``is_paused``, dispatched by name
+``update_weights``, ``abort_requests``, ``is_paused`` and ``reset_prefix_cache``, dispatched by name
 through :meth:`fdx.core.engine.Engine.control` (the HTTP routes are in
 :mod:`fdx.server.control`).
 
@@ -44,7 +44,8 @@ class ControlPlane:
     """The control methods of one :class:`~fdx.core.engine.Engine`; method
     ``m`` of the API is :meth:`ControlPlane.m`."""
 
-    METHODS = ("pause", "resume", "is_paused", "sleep", "wakeup", "update_weights", "abort_requests")
+    METHODS = ("pause", "resume", "is_paused", "sleep", "wakeup", "update_weights", "abort_requests",
+               "reset_prefix_cache")
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -107,6 +108,12 @@ class ControlPlane:
 
     def is_paused(self) -> dict[str, Any]:
         return {"is_paused": self.engine.is_paused, "sleeping": sorted(self.engine.sleeping)}
+
+    def reset_prefix_cache(self) -> dict[str, Any]:
+        """Forget every cached prefix block (vLLM's ``/reset_prefix_cache``);
+        running requests keep their blocks.  Works while serving."""
+        self.engine.kv.reset_prefix_cache()
+        return {"reset": True}
 
     def sleep(self, tags: str | list[str] | None = None) -> dict[str, Any]:
         """Pause (implicitly), then free the memory of ``tags`` (``weight``,

@@ -69,8 +69,45 @@ def test_post_needs_json_content_type(open_app: TestClient) -> None:
         assert "application/json" in envelope(r, 415)["message"], headers
     envelope(open_app.post("/v1/pause", content=b"", headers={"content-type": "application/json; charset=utf-8"}),
              503)
+    # a form or text/plain content type is refused even empty (a browser sends those without a preflight)
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        r = open_app.post("/pause", content=b"", headers={"content-type": ctype})
+        assert "application/json" in envelope(r, 415)["message"], ctype
+    # no body and no content type (curl -X POST) passes the guard (503: no engine here)
+    for path in ("/v1/pause", "/v1/resume", "/pause", "/resume", "/sleep", "/wake_up", "/reset_prefix_cache"):
+        envelope(open_app.post(path), 503)
+    envelope(open_app.post("/v1/sleep?tags=weights"), 503)
+    envelope(open_app.post("/sleep?level=2"), 503)
     # a GET has no body to type
     envelope(open_app.get("/v1/is_paused"), 503)
+    envelope(open_app.get("/is_paused"), 503)
+    envelope(open_app.get("/is_sleeping"), 503)
+
+
+def test_unknown_arguments_are_refused_before_the_engine(open_app: TestClient) -> None:
+    for method, path, kw, name in (
+            ("POST", "/v1/control/is_paused", {"json": {"x": 1}}, "x"),
+            ("GET", "/v1/is_paused?x=1", {}, "x"),
+            ("POST", "/v1/pause?now=1", {}, "now"),
+            ("POST", "/v1/sleep", {"json": {"tags": "weight", "level": 1}}, "level"),
+            ("POST", "/pause?bogus=1", {}, "bogus"),
+            ("POST", "/pause?mode=wait", {}, "mode"),
+            ("POST", "/sleep?level=3", {}, "level"),
+            ("POST", "/wake_up?tags=weights&level=1", {}, "level"),
+            ("GET", "/is_sleeping?x=1", {}, "x"),
+            ("POST", "/reset_prefix_cache?reset_running_requests=true", {}, "reset_running_requests"),
+            ("POST", "/v1/abort_requests?abort_all=maybe", {}, "abort_all")):
+        js = envelope(open_app.request(method, path, **kw), 400)
+        assert name in js["message"] and js["error"]["param"] == name, (path, js)
+
+
+def test_vllm_paths_take_the_control_key(tmp_path: Path) -> None:
+    for http in _app(tmp_path, api_key="data-key", control_api_key="ctl-key"):
+        for method, path in (("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/sleep"),
+                             ("POST", "/wake_up"), ("GET", "/is_sleeping"), ("POST", "/reset_prefix_cache")):
+            envelope(http.request(method, path), 401)
+            envelope(http.request(method, path, headers={"Authorization": "Bearer data-key"}), 401)
+            envelope(http.request(method, path, headers={"Authorization": "Bearer ctl-key"}), 503)
 
 
 def test_control_key_defaults_to_api_key_and_can_differ(tmp_path: Path) -> None:

@@ -112,19 +112,20 @@ def test_pause_ends_non_streaming_requests_with_an_error(server: str) -> None:
         assert "paused" in r.json()["error"]["message"]
 
 
+def cached_tokens(server: str, prompt: str) -> int:
+    """Prompt tokens of a 2-token greedy completion that came from the prefix cache."""
+    code, js = greedy(server, prompt, 2)
+    assert code == 200, js
+    return int(js["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
 def test_pause_resets_the_prefix_cache(server: str) -> None:
     long_prompt = "Here is a long preamble that spans several KV blocks. " * 8
-
-    def cached() -> int:
-        code, js = greedy(server, long_prompt, 2)
-        assert code == 200, js
-        return int(js["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-    cached()
-    assert cached() > 0  # the prompt's full blocks are in the prefix cache
+    cached_tokens(server, long_prompt)
+    assert cached_tokens(server, long_prompt) > 0  # the prompt's full blocks are in the prefix cache
     ok(server, "pause")
     ok(server, "resume")
-    assert cached() == 0
+    assert cached_tokens(server, long_prompt) == 0
 
 
 # --------------------------------------------------------------------------
@@ -245,7 +246,7 @@ def test_unknown_method_bad_args_and_timeout(server: str) -> None:
     assert code == 400 and js["message"] == "unknown control method: no_such_method"
     # /v1/control/<named method> takes the named route's checks
     code, js = control(server, "control/pause", {"bogus": 1})
-    assert code == 400 and "unknown field(s) bogus" in js["message"] and js["error"]["param"] == "bogus", js
+    assert code == 400 and "unknown argument(s) bogus" in js["message"] and js["error"]["param"] == "bogus", js
     code, js = control(server, "sleep", params={"tags": "weight,gpu"})
     assert code == 400 and "gpu" in js["message"]
     # a timeout below a second is refused (it could only end in a 504)
@@ -256,3 +257,107 @@ def test_unknown_method_bad_args_and_timeout(server: str) -> None:
     assert code == 400
     # the engine is fine afterwards
     assert greedy(server, PROMPT, 4)[0] == 200
+
+
+# --------------------------------------------------------------------------
+# calls without a body, arguments in the query string, vLLM's dev-mode paths
+# --------------------------------------------------------------------------
+
+
+def raw_call(server: str, method: str, path: str, **kw: Any) -> httpx.Response:
+    """A control call exactly as a client sends it (no JSON body unless given)."""
+    return httpx.request(method, server + path, timeout=120, **kw)
+
+
+def test_bodyless_and_query_string_calls(server: str) -> None:
+    # what `curl -X POST` sends: no body, no content type
+    r = raw_call(server, "POST", "/v1/pause")
+    assert r.status_code == 200 and r.json()["result"]["is_paused"] is True, r.text
+    assert raw_call(server, "GET", "/v1/is_paused").json()["result"]["is_paused"] is True
+    r = raw_call(server, "POST", "/v1/resume")
+    assert r.status_code == 200 and r.json()["result"] == {"is_paused": False}, r.text
+    # arguments in the query string
+    r = raw_call(server, "POST", "/v1/abort_requests", params={"req_ids": "cmpl-nope"})
+    assert r.status_code == 200 and r.json()["result"] == {"aborted": [], "not_found": ["cmpl-nope"]}, r.text
+    r = raw_call(server, "POST", "/v1/abort_requests", params={"abort_all": "true"})
+    assert r.status_code == 200 and r.json()["result"]["aborted"] == [], r.text
+    r = raw_call(server, "POST", "/v1/control/abort_requests", params=[("req_ids", "a"), ("req_ids", "b")])
+    assert r.status_code == 200 and r.json()["result"]["not_found"] == ["a", "b"], r.text
+    # an empty JSON body is no arguments too
+    r = raw_call(server, "POST", "/v1/pause", content=b"", headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert raw_call(server, "POST", "/v1/resume").status_code == 200
+
+
+def test_vllm_dev_mode_pause_resume_and_prefix_cache(server: str) -> None:
+    r = raw_call(server, "POST", "/pause")
+    assert r.status_code == 200 and r.json() == {"status": "paused"}, r.text
+    assert raw_call(server, "GET", "/is_paused").json() == {"is_paused": True}
+    assert greedy(server, PROMPT, 2)[0] == 503  # really paused
+    r = raw_call(server, "POST", "/resume")
+    assert r.status_code == 200 and r.json() == {"status": "resumed"}, r.text
+    assert raw_call(server, "GET", "/is_paused").json() == {"is_paused": False}
+    r = raw_call(server, "POST", "/pause", params={"mode": "abort", "clear_cache": "true",
+                                                  "wait_for_inflight_requests": "false"})
+    assert r.status_code == 200 and r.json() == {"status": "paused"}, r.text
+    assert raw_call(server, "POST", "/resume").json() == {"status": "resumed"}
+    assert raw_call(server, "GET", "/is_sleeping").json() == {"is_sleeping": False}
+
+    long_prompt = "A preamble long enough to fill several KV blocks of the prefix cache. " * 8
+    cached_tokens(server, long_prompt)
+    assert cached_tokens(server, long_prompt) > 0
+    r = raw_call(server, "POST", "/reset_prefix_cache")  # while serving, as vLLM
+    assert r.status_code == 200 and r.content == b"", r.text
+    assert cached_tokens(server, long_prompt) == 0
+
+
+def test_unknown_control_arguments_are_refused(server: str) -> None:
+    cases = [
+        ("POST", "/v1/control/is_paused", {"json": {"x": 1}}, "x"),
+        ("GET", "/v1/is_paused", {"params": {"verbose": "1"}}, "verbose"),
+        ("POST", "/v1/pause", {"params": {"now": "1"}}, "now"),
+        ("POST", "/v1/resume", {"json": {"force": True}}, "force"),
+        ("POST", "/v1/sleep", {"params": {"tags": "weight", "level": "1"}}, "level"),
+        ("POST", "/v1/abort_requests", {"params": {"req_ids": "a", "everything": "1"}}, "everything"),
+        ("POST", "/pause", {"params": {"bogus": "1"}}, "bogus"),
+        ("GET", "/is_sleeping", {"params": {"level": "1"}}, "level"),
+        ("POST", "/reset_prefix_cache", {"params": {"all": "true"}}, "all"),
+    ]
+    for method, path, kw, name in cases:
+        r = raw_call(server, method, path, **kw)
+        js = r.json()
+        assert r.status_code == 400 and name in js["message"] and js["error"]["param"] == name, (path, r.text)
+    # values fdx does not implement: named, 400, nothing done
+    for path, params, name in (("/pause", {"mode": "wait"}, "mode"), ("/pause", {"mode": "keep"}, "mode"),
+                               ("/pause", {"wait_for_inflight_requests": "true"}, "wait_for_inflight_requests"),
+                               ("/pause", {"clear_cache": "false"}, "clear_cache"),
+                               ("/sleep", {"level": "3"}, "level"),
+                               ("/reset_prefix_cache", {"reset_external": "true"}, "reset_external")):
+        r = raw_call(server, "POST", path, params=params)
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, (path, params, r.text)
+    # the same name in the query and the body
+    r = raw_call(server, "POST", "/v1/abort_requests", params={"req_ids": "a"}, json={"req_ids": ["b"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "req_ids", r.text
+    assert ok(server, "is_paused", method="GET") == {"is_paused": False, "sleeping": []}
+
+
+def test_guard_still_refuses_browsers_forms_and_text_plain(server: str) -> None:
+    for path in ("/v1/pause", "/pause", "/sleep"):
+        # a page elsewhere: Origin, or Sec-Fetch-Site without one
+        r = raw_call(server, "POST", path, headers={"origin": "http://evil.example"})
+        assert r.status_code == 403 and "cross-origin" in r.json()["message"], (path, r.text)
+        r = raw_call(server, "POST", path, headers={"sec-fetch-site": "cross-site"})
+        assert r.status_code == 403, (path, r.text)
+        # what an HTML form or a no-cors fetch can send without a preflight, empty or not
+        r = raw_call(server, "POST", path, data={"tags": "weight"})
+        assert r.status_code == 415, (path, r.text)
+        for content in (b"{}", b""):
+            r = raw_call(server, "POST", path, content=content, headers={"content-type": "text/plain"})
+            assert r.status_code == 415, (path, content, r.text)
+        r = raw_call(server, "POST", path, content=b"", headers={"content-type": "multipart/form-data; boundary=x"})
+        assert r.status_code == 415, (path, r.text)
+        # a body with content but no JSON content type
+        r = raw_call(server, "POST", path, content=b"{}")
+        assert r.status_code == 415, (path, r.text)
+    # nothing reached the engine
+    assert ok(server, "is_paused", method="GET") == {"is_paused": False, "sleeping": []}

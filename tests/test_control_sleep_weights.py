@@ -122,6 +122,35 @@ def test_sleep_kv_cache_only(server: str, baseline: list[str]) -> None:
     assert outputs(server) == baseline
 
 
+def test_bodyless_sleep_and_vllm_sleep_wake_up(server: str, baseline: list[str]) -> None:
+    def post(path: str, **kw: Any) -> httpx.Response:  # no body, no content type: what curl -X POST sends
+        return httpx.post(server + path, timeout=600, **kw)
+
+    # FastDeploy's form, arguments in the query string only (vLLM's 'weights' spelling accepted)
+    r = post("/v1/sleep", params={"tags": "weights"})
+    assert r.status_code == 200 and r.json()["result"]["released"] == ["weight"], r.text
+    r = post("/v1/wakeup")
+    assert r.status_code == 200 and r.json()["result"]["restored"] == ["weight"], r.text
+    # vLLM's: POST /sleep?level=1 and POST /wake_up answer an empty 200; /is_sleeping says so
+    r = post("/sleep", params={"level": "1"})
+    assert r.status_code == 200 and r.content == b"", r.text
+    assert httpx.get(server + "/is_sleeping", timeout=60).json() == {"is_sleeping": True}
+    assert httpx.get(server + "/is_paused", timeout=60).json() == {"is_paused": True}
+    assert ok(server, "is_paused", method="GET")["sleeping"] == ["kv_cache", "weight"]
+    assert greedy(server, PROMPTS[0])[0] == 503
+    r = post("/wake_up", params=[("tags", "weights")])  # a partial wake-up: still asleep, still paused
+    assert r.status_code == 200 and r.content == b"", r.text
+    assert ok(server, "is_paused", method="GET") == {"is_paused": True, "sleeping": ["kv_cache"]}
+    r = post("/wake_up", params=[("tags", "kv_cache")])
+    assert r.status_code == 200, r.text
+    assert httpx.get(server + "/is_sleeping", timeout=60).json() == {"is_sleeping": False}
+    r = post("/sleep", params={"level": "2"})
+    assert r.status_code == 200, r.text
+    assert post("/wake_up").status_code == 200  # no tags: everything asleep
+    assert httpx.get(server + "/is_sleeping", timeout=60).json() == {"is_sleeping": False}
+    assert outputs(server) == baseline
+
+
 # --------------------------------------------------------------------------
 # update_weights
 # --------------------------------------------------------------------------

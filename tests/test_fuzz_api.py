@@ -77,6 +77,9 @@ ROUTES = [
     ("POST", "/v1/pause"), ("POST", "/v1/resume"), ("GET", "/v1/is_paused"), ("POST", "/v1/abort_requests"),
     ("POST", "/v1/sleep"), ("POST", "/v1/wakeup"), ("POST", "/v1/update_weights"),
     ("POST", "/v1/control/{method}"),
+    # vLLM's dev-mode aliases
+    ("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/sleep"), ("POST", "/wake_up"),
+    ("GET", "/is_sleeping"), ("POST", "/reset_prefix_cache"),
 ]
 CONTROL_ROUTES = [r for r in ROUTES if r[1] in ("/v1/resume", "/v1/is_paused", "/v1/abort_requests",
                                                  "/v1/update_weights", "/v1/control/{method}")]

@@ -252,6 +252,8 @@ def create_app(
             "parent": None,
             "max_model_len": client.max_model_len or None,
             "version": client.weights_version,
+            "generation_defaults": serving.defaults.values(),
+            "generation_defaults_source": serving.defaults.source,
         }
         return JSONResponse({"object": "list", "data": [card]})
 

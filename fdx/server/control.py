@@ -12,6 +12,16 @@
 ``POST /v1/control/{method}``  any engine control method, JSON body = args
 =============================  ============================================
 
+Arguments come as a JSON body, in the query string, or both (a name given
+in both is a 400); an argument a route does not take is a 400 naming it.
+vLLM's dev-mode routes are served as aliases with vLLM's argument names and
+replies (:data:`VLLM_PATHS`): ``POST /pause?mode=abort`` ->
+``{"status": "paused"}``, ``POST /resume`` -> ``{"status": "resumed"}``,
+``GET /is_paused`` -> ``{"is_paused": bool}``, ``POST /sleep?level=1|2``
+and ``POST /wake_up?tags=weights`` (an empty 200), ``GET /is_sleeping`` ->
+``{"is_sleeping": bool}``, ``POST /reset_prefix_cache`` (an empty 200).
+Their errors are fdx's (the envelope below).
+
 Every route sends one ``ControlRequest`` over the same IPC as requests
 (:meth:`EngineClient.call`); the engine dispatches it to
 ``Engine._control_<method>`` by name.  Replies are
@@ -33,8 +43,11 @@ The guard (:func:`check_guard`, run before any argument is read):
   page is same-origin with itself, but sends its own name as ``Host``);
 * ``--control-api-key`` (default: ``--api-key``) must come as
   ``Authorization: Bearer <key>`` (401);
-* a POST must say ``Content-Type: application/json`` (415), so a browser
-  cannot send one without a CORS preflight, which this server never grants;
+* a POST body, when there is one, must be JSON with ``Content-Type:
+  application/json`` (415), and a form or ``text/plain`` content type is
+  refused even empty (:func:`check_body`): those are what a browser can send
+  across origins without a CORS preflight, which this server never grants.
+  A POST with no body (``curl -X POST``) is fine;
 * ``update_weights`` (directly or through ``/v1/control/update_weights``)
   only loads from inside an ``--allowed-weights-dir``
   (:func:`resolve_weights_path`; none by default: 403).
@@ -75,14 +88,18 @@ TIMEOUTS: dict[str, float] = {
     "sleep": 300.0,
     "wakeup": 600.0,
     "update_weights": 600.0,
+    "reset_prefix_cache": 30.0,
 }
 DEFAULT_TIMEOUT = 60.0
 MIN_TIMEOUT = 1.0
 MAX_TIMEOUT = 3600.0
 
 #: the control routes (the ``--api-key`` middleware leaves them to :func:`check_guard`)
+#: vLLM's dev-mode control routes (``VLLM_SERVER_DEV_MODE=1``), served as aliases
+VLLM_PATHS = frozenset({"/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping",
+                        "/reset_prefix_cache"})
 CONTROL_PATHS = frozenset({"/v1/pause", "/v1/resume", "/v1/is_paused", "/v1/abort_requests", "/v1/sleep",
-                           "/v1/wakeup", "/v1/update_weights"})
+                           "/v1/wakeup", "/v1/update_weights"}) | VLLM_PATHS
 CONTROL_PREFIX = "/v1/control/"
 _METHOD_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _BYTES_REPR = re.compile(r"""\(?bad magic b(['"]).*?(?<!\\)\1\)?|\bb(['"]).*?(?<!\\)\2""")
@@ -200,9 +217,8 @@ def _host_is_literal(host: str) -> bool:
 
 def check_guard(request: Request, control_key: str | None) -> None:
     """Refuse a cross-origin browser request (403), without a control key
-    a request addressed by a DNS name (403: DNS rebinding), a missing or
-    wrong control key (401) and a POST that is not ``application/json``
-    (415)."""
+    a request addressed by a DNS name (403: DNS rebinding) and a missing or
+    wrong control key (401).  The body's type is :func:`check_body`'s."""
     headers = request.headers
     origin = headers.get("origin")
     site = headers.get("sec-fetch-site", "").lower()
@@ -219,10 +235,24 @@ def check_guard(request: Request, control_key: str | None) -> None:
             msg = ("missing control API key (send 'Authorization: Bearer <key>' with the --control-api-key, "
                    "default --api-key)" if not auth else "invalid control API key")
             raise _BadCall(msg, 401)
-    if request.method == "POST":
-        ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if ctype != "application/json":
-            raise _BadCall("control requests must be sent with 'Content-Type: application/json'", 415)
+
+
+#: content types a browser sends across origins without a CORS preflight
+#: (forms, text/plain): refused even with an empty body
+_SIMPLE_TYPES = frozenset({"application/x-www-form-urlencoded", "multipart/form-data", "text/plain"})
+
+
+def check_body(request: Request, raw: bytes) -> None:
+    """Refuse (415) a form or ``text/plain`` POST, empty or not, and a
+    body with content that is not ``Content-Type: application/json``.  No
+    body at all (``curl -X POST``, vLLM's query-string clients) is fine."""
+    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if ctype in _SIMPLE_TYPES:
+        raise _BadCall(f"control requests take no {ctype} body: send JSON with 'Content-Type: application/json', "
+                       "or no body (arguments may go in the query string)", 415)
+    if raw.strip() and ctype != "application/json":
+        raise _BadCall("a control request body must be JSON sent with 'Content-Type: application/json' "
+                       "(or send no body; arguments may go in the query string)", 415)
 
 
 def resolve_weights_path(path: str, allowed: Sequence[str]) -> str:
@@ -329,11 +359,38 @@ def _group(aborted: list[dict[str, Any]], owner: dict[str, str]) -> list[dict[st
 # --------------------------------------------------------------------------
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    return loads_object(raw)
+async def _arguments(request: Request, reads_body: bool) -> dict[str, Any]:
+    """The call's arguments: the JSON body (if any) and the query string
+    (``timeout`` aside; a repeated name is a list), merged.  A name given in
+    both is a 400."""
+    body: dict[str, Any] = {}
+    if reads_body:
+        raw = await request.body()
+        check_body(request, raw)
+        if raw.strip():
+            body = loads_object(raw)
+    query: dict[str, Any] = {}
+    for key in dict.fromkeys(request.query_params.keys()):
+        if key == "timeout":
+            continue
+        values = request.query_params.getlist(key)
+        query[key] = values[0] if len(values) == 1 else values
+    both = sorted(set(body) & set(query))
+    if both:
+        raise _BadCall(f"{request.url.path}: {', '.join(b[:64] for b in both)} given both in the query string and "
+                       "in the body", param=both[0][:64])
+    return {**body, **query}
+
+
+def _flag(args: dict[str, Any], name: str, default: bool, route: str) -> bool:
+    """A boolean argument: JSON ``true``/``false`` or, in a query string,
+    ``true``/``false``/``1``/``0``."""
+    v = args.get(name, default)
+    if isinstance(v, str) and v.strip().lower() in ("true", "1", "false", "0"):
+        v = v.strip().lower() in ("true", "1")
+    if not isinstance(v, bool):
+        raise _BadCall(f"{route}: '{name}' must be true or false", param=name)
+    return v
 
 
 def _timeout(request: Request, method: str) -> float:
@@ -349,25 +406,52 @@ def _timeout(request: Request, method: str) -> float:
     return t
 
 
-def _only(body: dict[str, Any], allowed: tuple[str, ...], route: str) -> None:
-    extra = sorted(set(body) - set(allowed))
+def _only(args: dict[str, Any], allowed: tuple[str, ...], route: str) -> None:
+    extra = sorted(set(args) - set(allowed))
     if extra:
         shown = ", ".join(repr(e)[1:-1][:64] for e in extra[:5])
-        raise _BadCall(f"{route}: unknown field(s) {shown}; allowed: {', '.join(allowed) or 'none'}",
+        raise _BadCall(f"{route}: unknown argument(s) {shown}; allowed: {', '.join(allowed) or 'none'}",
                        param=extra[0][:64])
 
 
-def _tags(request: Request, body: dict[str, Any], route: str) -> dict[str, Any]:
-    """``tags`` from the query (``?tags=weight,kv_cache``) or a JSON body."""
-    _only(body, ("tags",), route)
-    tags = request.query_params.get("tags")
-    if tags is None:
-        tags = body.get("tags")
+def _tags(args: dict[str, Any], route: str) -> dict[str, Any]:
+    """``tags`` from the query (``?tags=weight,kv_cache``, or repeated) or a
+    JSON body (a string or a list); vLLM's ``weights`` is fdx's ``weight``."""
+    _only(args, ("tags",), route)
+    tags = args.get("tags")
     if tags is None:
         return {}
-    if not isinstance(tags, (str, list)) or (isinstance(tags, list) and not all(isinstance(t, str) for t in tags)):
+    if isinstance(tags, str):
+        tags = tags.split(",")
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
         raise _BadCall(f"{route}: 'tags' must be a string like 'weight,kv_cache' or a list of strings", param="tags")
-    return {"tags": tags}
+    return {"tags": ["weight" if t.strip() == "weights" else t.strip() for t in tags]}
+
+
+def _choice(args: dict[str, Any], name: str, default: str, allowed: tuple[str, ...], route: str, why: str) -> str:
+    """A string argument that fdx implements only some values of."""
+    v = args.get(name, default)
+    v = str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+    if v not in allowed:
+        raise _BadCall(f"{route}: {name}={str(v)[:64]!r} is not supported ({why})", param=name)
+    return v
+
+
+# --------------------------------------------------------------------------
+# schemas of vLLM's dev-mode replies
+# --------------------------------------------------------------------------
+
+
+class VllmStatus(BaseModel):
+    status: str = Field(description="'paused' or 'resumed'")
+
+
+class VllmIsPaused(BaseModel):
+    is_paused: bool
+
+
+class VllmIsSleeping(BaseModel):
+    is_sleeping: bool
 
 
 # --------------------------------------------------------------------------
@@ -385,6 +469,14 @@ def add_control_routes(app: FastAPI, client: Any, config: Any = None) -> None:
     async def call(request: Request, method: str, args: dict[str, Any]) -> Any:
         return await client.call(method, args, timeout=_timeout(request, method))
 
+    async def result(request: Request, method: str, args: dict[str, Any] | None = None) -> Any:
+        """The method's result; a failure raises (the guard wrapper answers it)."""
+        try:
+            return await call(request, method, args or {})
+        except RequestError as exc:
+            log.warning("control %s failed (%d): %s", method, exc.code, exc)
+            raise _BadCall(clean_message(str(exc)), exc.code, exc.param) from None
+
     async def run(request: Request, method: str, args: dict[str, Any] | None = None,
                   replace: dict[str, str] | None = None) -> Response:
         try:
@@ -399,8 +491,7 @@ def add_control_routes(app: FastAPI, client: Any, config: Any = None) -> None:
         async def wrapper(request: Request) -> Response:
             try:
                 check_guard(request, control_key)
-                body = await _json_body(request) if reads_body else {}
-                return await fn(request, body)
+                return await fn(request, await _arguments(request, reads_body))
             except RequestError as exc:
                 headers = {"www-authenticate": "Bearer"} if exc.code == 401 else None
                 return failure(str(exc), exc.code, exc.param, headers)
@@ -412,45 +503,48 @@ def add_control_routes(app: FastAPI, client: Any, config: Any = None) -> None:
         wrapper.__name__ = fn.__name__
         return wrapper
 
-    async def pause(request: Request, body: dict[str, Any]) -> Response:
-        _only(body, (), "/v1/pause")
+    async def pause(request: Request, args: dict[str, Any]) -> Response:
+        _only(args, (), "/v1/pause")
         return await run(request, "pause")
 
-    async def resume(request: Request, body: dict[str, Any]) -> Response:
-        _only(body, (), "/v1/resume")
+    async def resume(request: Request, args: dict[str, Any]) -> Response:
+        _only(args, (), "/v1/resume")
         return await run(request, "resume")
 
-    async def is_paused(request: Request, body: dict[str, Any]) -> Response:
+    async def is_paused(request: Request, args: dict[str, Any]) -> Response:
+        _only(args, (), "/v1/is_paused")
         return await run(request, "is_paused")
 
-    async def sleep(request: Request, body: dict[str, Any]) -> Response:
-        return await run(request, "sleep", _tags(request, body, "/v1/sleep"))
+    async def sleep(request: Request, args: dict[str, Any]) -> Response:
+        return await run(request, "sleep", _tags(args, "/v1/sleep"))
 
-    async def wakeup(request: Request, body: dict[str, Any]) -> Response:
-        return await run(request, "wakeup", _tags(request, body, "/v1/wakeup"))
+    async def wakeup(request: Request, args: dict[str, Any]) -> Response:
+        return await run(request, "wakeup", _tags(args, "/v1/wakeup"))
 
-    async def update_weights(request: Request, body: dict[str, Any]) -> Response:
-        _only(body, ("path", "version"), "/v1/update_weights")
-        path = body.get("path")
+    async def reset_prefix_cache(request: Request, args: dict[str, Any]) -> Response:
+        _only(args, (), "/v1/control/reset_prefix_cache")
+        return await run(request, "reset_prefix_cache")
+
+    async def update_weights(request: Request, args: dict[str, Any]) -> Response:
+        _only(args, ("path", "version"), "/v1/update_weights")
+        path = args.get("path")
         if not isinstance(path, str) or not path:
             raise _BadCall("/v1/update_weights needs 'path' (a .gguf file or a Hugging Face model folder)",
                            param="path")
-        version = body.get("version")
+        version = args.get("version")
         if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):
             raise _BadCall("/v1/update_weights: 'version' must be a string", param="version")
         real = resolve_weights_path(path, allowed)
-        args: dict[str, Any] = {"path": real, "version": path if version is None else str(version)}
-        response = await run(request, "update_weights", args, replace={real: path})
+        call_args: dict[str, Any] = {"path": real, "version": path if version is None else str(version)}
+        response = await run(request, "update_weights", call_args, replace={real: path})
         if response.status_code == 200:
-            return success({"version": args["version"], "path": path})
+            return success({"version": call_args["version"], "path": path})
         return response
 
-    async def abort_requests(request: Request, body: dict[str, Any]) -> Response:
-        _only(body, ("req_ids", "abort_all"), "/v1/abort_requests")
-        abort_all = body.get("abort_all", False)
-        req_ids = body.get("req_ids")
-        if not isinstance(abort_all, bool):
-            raise _BadCall("/v1/abort_requests: 'abort_all' must be true or false", param="abort_all")
+    async def abort_requests(request: Request, args: dict[str, Any]) -> Response:
+        _only(args, ("req_ids", "abort_all"), "/v1/abort_requests")
+        abort_all = _flag(args, "abort_all", False, "/v1/abort_requests")
+        req_ids = args.get("req_ids")
         if isinstance(req_ids, str):
             req_ids = [req_ids]
         if req_ids is not None and (not isinstance(req_ids, list) or not all(isinstance(i, str) for i in req_ids)):
@@ -460,46 +554,114 @@ def add_control_routes(app: FastAPI, client: Any, config: Any = None) -> None:
                            param="req_ids")
         if abort_all:
             owner = api_ids(client)
-            result = await call(request, "abort_requests", {"abort_all": True})
-            return success({"aborted": _group(result.get("aborted", []), owner), "not_found": []})
+            res = await call(request, "abort_requests", {"abort_all": True})
+            return success({"aborted": _group(res.get("aborted", []), owner), "not_found": []})
         asked = list(dict.fromkeys(req_ids or []))
         owner = {}
         for rid in asked:
             for eid in engine_ids_for(client, rid):
                 owner.setdefault(eid, rid)
-        result = await call(request, "abort_requests", {"req_ids": list(owner)})
-        aborted = _group(result.get("aborted", []), owner)
+        res = await call(request, "abort_requests", {"req_ids": list(owner)})
+        aborted = _group(res.get("aborted", []), owner)
         done = {a["request_id"] for a in aborted}
         return success({"aborted": aborted, "not_found": [r for r in asked if r not in done]})
 
     named: dict[str, Handler] = {"pause": pause, "resume": resume, "is_paused": is_paused, "sleep": sleep,
                                  "wakeup": wakeup, "update_weights": update_weights,
-                                 "abort_requests": abort_requests}
+                                 "abort_requests": abort_requests, "reset_prefix_cache": reset_prefix_cache}
 
-    async def generic(request: Request, body: dict[str, Any]) -> Response:
+    async def generic(request: Request, args: dict[str, Any]) -> Response:
         method = request.path_params["method"]
         if not _METHOD_NAME.fullmatch(method):
             raise _BadCall("unknown control method: a method name is lowercase letters, digits and '_'",
                            param="method")
         if method in named:  # same checks as the named route (update_weights' allowed dirs above all)
-            return await named[method](request, body)
-        return await run(request, method, body)
+            return await named[method](request, args)
+        return await run(request, method, args)
+
+    # -- vLLM's dev-mode routes: its argument names and replies ------------
+
+    async def vllm_pause(request: Request, args: dict[str, Any]) -> Response:
+        _only(args, ("mode", "wait_for_inflight_requests", "clear_cache"), "/pause")
+        _choice(args, "mode", "abort", ("abort",), "/pause", "fdx's pause aborts every in-flight request")
+        if _flag(args, "wait_for_inflight_requests", False, "/pause"):
+            raise _BadCall("/pause: wait_for_inflight_requests=true is not supported (fdx's pause aborts every "
+                           "in-flight request)", param="wait_for_inflight_requests")
+        if not _flag(args, "clear_cache", True, "/pause"):
+            raise _BadCall("/pause: clear_cache=false is not supported (fdx's pause always resets the prefix cache)",
+                           param="clear_cache")
+        await result(request, "pause")
+        return JSONResponse({"status": "paused"})
+
+    async def vllm_resume(request: Request, args: dict[str, Any]) -> Response:
+        _only(args, (), "/resume")
+        await result(request, "resume")
+        return JSONResponse({"status": "resumed"})
+
+    async def vllm_is_paused(request: Request, args: dict[str, Any]) -> Response:
+        _only(args, (), "/is_paused")
+        return JSONResponse({"is_paused": bool((await result(request, "is_paused"))["is_paused"])})
+
+    async def vllm_sleep(request: Request, args: dict[str, Any]) -> Response:
+        _only(args, ("level", "mode"), "/sleep")
+        _choice(args, "level", "1", ("1", "2"), "/sleep", "levels are 1 and 2; both free the weights and the KV "
+                "cache, and wake_up reloads the weights from their checkpoint")
+        _choice(args, "mode", "abort", ("abort",), "/sleep", "fdx's sleep aborts every in-flight request")
+        await result(request, "sleep")
+        return Response(status_code=200)
+
+    async def vllm_wake_up(request: Request, args: dict[str, Any]) -> Response:
+        await result(request, "wakeup", _tags(args, "/wake_up"))
+        return Response(status_code=200)
+
+    async def vllm_is_sleeping(request: Request, args: dict[str, Any]) -> Response:
+        _only(args, (), "/is_sleeping")
+        return JSONResponse({"is_sleeping": bool((await result(request, "is_paused"))["sleeping"])})
+
+    async def vllm_reset_prefix_cache(request: Request, args: dict[str, Any]) -> Response:
+        _only(args, ("reset_running_requests", "reset_external"), "/reset_prefix_cache")
+        for name, why in (("reset_running_requests", "running requests keep their blocks"),
+                          ("reset_external", "the KV storage tier (--cache-backend) is not reset")):
+            if _flag(args, name, False, "/reset_prefix_cache"):
+                raise _BadCall(f"/reset_prefix_cache: {name}=true is not supported ({why})", param=name)
+        await result(request, "reset_prefix_cache")
+        return Response(status_code=200)
 
     timeout_param = {"name": "timeout", "in": "query", "required": False,
                      "description": f"seconds to wait for the reply (default per method, at most {MAX_TIMEOUT:g})",
                      "schema": {"type": "number", "minimum": MIN_TIMEOUT, "maximum": MAX_TIMEOUT}}
-    tags_param = {"name": "tags", "in": "query", "required": False,
-                  "description": "'weight', 'kv_cache' or 'weight,kv_cache'", "schema": {"type": "string"}}
     method_param = {"name": "method", "in": "path", "required": True, "description": "the control method",
                     "schema": {"type": "string", "pattern": "^[a-z][a-z0-9_]{0,63}$"}}
 
+    def query(name: str, description: str, schema: dict[str, Any]) -> dict[str, Any]:
+        return {"name": name, "in": "query", "required": False, "description": description, "schema": schema}
+
+    tags_param = query("tags", "'weight', 'kv_cache' or 'weight,kv_cache' (vLLM's 'weights' = 'weight')",
+                       {"type": "string"})
+    params: dict[str, list[dict[str, Any]]] = {
+        "/v1/sleep": [tags_param], "/v1/wakeup": [tags_param],
+        "/v1/control/{method}": [method_param],
+        "/pause": [query("mode", "'abort' (the only mode fdx implements)", {"type": "string", "enum": ["abort"]}),
+                   query("wait_for_inflight_requests", "false only", {"type": "boolean", "enum": [False]}),
+                   query("clear_cache", "true only", {"type": "boolean", "enum": [True]})],
+        "/sleep": [query("level", "1 or 2 (both free weights and KV cache)", {"type": "integer", "enum": [1, 2]}),
+                   query("mode", "'abort' only", {"type": "string", "enum": ["abort"]})],
+        "/wake_up": [query("tags", "'weights' and/or 'kv_cache' (repeatable; default: everything asleep)",
+                           {"type": "string"})],
+        "/reset_prefix_cache": [query("reset_running_requests", "false only", {"type": "boolean", "enum": [False]}),
+                                query("reset_external", "false only", {"type": "boolean", "enum": [False]})],
+    }
+
     def route(path: str, fn: Handler, method: str, body: type[BaseModel] | None, codes: tuple[int, ...],
-              summary: str) -> None:
+              summary: str, reply: type[BaseModel] | None | str = "control") -> None:
         extra: dict[str, Any] = openapi_body(body, required=False) if body is not None else {}
-        extra["parameters"] = [timeout_param] + ([tags_param] if path in ("/v1/sleep", "/v1/wakeup") else []) + (
-            [method_param] if "{method}" in path else [])
+        extra["parameters"] = [timeout_param] + params.get(path, [])
+        responses = _responses(*codes)
+        if reply != "control":  # vLLM's replies: a JSON object, or an empty 200
+            responses[200] = ({"model": reply, "description": "vLLM's reply"} if reply is not None else
+                              {"description": "empty (vLLM's reply)", "content": {}})
         app.add_api_route(path, guarded(fn, reads_body=method == "POST"), methods=[method], summary=summary,
-                          responses=_responses(*codes), openapi_extra=extra, tags=["control"])
+                          responses=responses, openapi_extra=extra, tags=["control"])
 
     common = (400, 401, 403, 413, 415, 503, 504)
     route("/v1/pause", pause, "POST", EmptyControlBody, common + (500,), "Pause: end every request, admit none")
@@ -512,8 +674,17 @@ def add_control_routes(app: FastAPI, client: Any, config: Any = None) -> None:
     route("/v1/update_weights", update_weights, "POST", UpdateWeightsBody, common + (500,),
           "Load a checkpoint from inside an --allowed-weights-dir (paused only)")
     route("/v1/control/{method}", generic, "POST", ControlArgs, common + (500,),
-          "Any engine control method; the JSON body is its keyword arguments")
+          "Any engine control method; the JSON body (or the query string) is its keyword arguments")
+    gets = (400, 401, 403, 500, 503, 504)
+    route("/pause", vllm_pause, "POST", None, common + (500,), "vLLM: pause (mode=abort)", VllmStatus)
+    route("/resume", vllm_resume, "POST", None, common + (500,), "vLLM: resume", VllmStatus)
+    route("/is_paused", vllm_is_paused, "GET", None, gets, "vLLM: whether the engine is paused", VllmIsPaused)
+    route("/sleep", vllm_sleep, "POST", None, common + (500,), "vLLM: sleep (free weights and KV cache)", None)
+    route("/wake_up", vllm_wake_up, "POST", None, common + (500,), "vLLM: wake up (tags=weights, kv_cache)", None)
+    route("/is_sleeping", vllm_is_sleeping, "GET", None, gets, "vLLM: whether anything is asleep", VllmIsSleeping)
+    route("/reset_prefix_cache", vllm_reset_prefix_cache, "POST", None, common + (500,),
+          "vLLM: forget the prefix cache", None)
 
 
-__all__ = ["add_control_routes", "api_ids", "check_guard", "clean_message", "engine_ids_for",
-           "is_control_path", "resolve_weights_path", "TIMEOUTS"]
+__all__ = ["add_control_routes", "api_ids", "check_body", "check_guard", "clean_message", "engine_ids_for",
+           "is_control_path", "resolve_weights_path", "TIMEOUTS", "VLLM_PATHS"]

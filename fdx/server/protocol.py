@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr
 
 from fdx.core.errors import RequestError
 from fdx.core.messages import ALL_LOGPROBS, SamplingParams
+from fdx.generation_config import GenerationDefaults
 
 # HTTP status -> OpenAI error ``type``
 ERROR_TYPES: dict[int, str] = {
@@ -556,6 +557,14 @@ def _bad(msg: str, param: str) -> RequestError:
     return RequestError(msg, 400, param=param)
 
 
+def _pick(value: Any, defaults: GenerationDefaults | None, name: str, fallback: Any) -> Any:
+    """The request's value, else the model default, else the API's."""
+    if value is not None:
+        return value
+    default = getattr(defaults, name, None) if defaults is not None else None
+    return fallback if default is None else default
+
+
 def stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -585,8 +594,12 @@ def sampling_params(
     num_logprobs: int | None,
     max_logprobs: int,
     vocab_size: int,
+    defaults: GenerationDefaults | None = None,
 ) -> SamplingParams:
     """Check ranges and build the params of choice 0 (``seed`` unshifted).
+
+    A sampling field the request leaves out takes the model's default
+    (``defaults``: ``--generation-config``), else the OpenAI one.
 
     ``max_tokens`` is the already-resolved output budget; ``num_logprobs``
     the number of top alternatives (``None``: no logprobs).  Seeds are
@@ -607,18 +620,18 @@ def sampling_params(
         raise _bad(f"'min_tokens' must be >= 0, got {min_tokens}", "min_tokens")
     if min_tokens > max_tokens:
         raise _bad(f"'min_tokens' ({min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
-    temperature = 1.0 if req.temperature is None else req.temperature
+    temperature = _pick(req.temperature, defaults, "temperature", 1.0)
     if not (math.isfinite(temperature) and temperature >= 0.0):
         raise _bad(f"'temperature' must be a finite number >= 0, got {temperature}", "temperature")
-    top_p = 1.0 if req.top_p is None else req.top_p
+    top_p = _pick(req.top_p, defaults, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
         raise _bad(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
-    top_k = 0 if req.top_k is None else req.top_k
+    top_k = _pick(req.top_k, defaults, "top_k", 0)
     if top_k < -1:
         raise _bad(f"'top_k' must be -1 (disabled), 0 (disabled) or >= 1, got {top_k}", "top_k")
     if top_k > vocab_size:
         raise _bad(f"'top_k' must be at most the vocabulary size ({vocab_size}), got {top_k}", "top_k")
-    min_p = 0.0 if req.min_p is None else req.min_p
+    min_p = _pick(req.min_p, defaults, "min_p", 0.0)
     if not 0.0 <= min_p <= 1.0:
         raise _bad(f"'min_p' must be in [0, 1], got {min_p}", "min_p")
     presence = 0.0 if req.presence_penalty is None else req.presence_penalty
@@ -627,7 +640,7 @@ def sampling_params(
     frequency = 0.0 if req.frequency_penalty is None else req.frequency_penalty
     if not -2.0 <= frequency <= 2.0:
         raise _bad(f"'frequency_penalty' must be in [-2, 2], got {frequency}", "frequency_penalty")
-    repetition = 1.0 if req.repetition_penalty is None else req.repetition_penalty
+    repetition = _pick(req.repetition_penalty, defaults, "repetition_penalty", 1.0)
     if not 0.0 < repetition <= 10.0:
         raise _bad(f"'repetition_penalty' must be in (0, 10], got {repetition}", "repetition_penalty")
     if num_logprobs is not None and not 0 <= num_logprobs <= max_logprobs:
@@ -772,6 +785,9 @@ class ModelCard(_Doc):
     parent: str | None = None
     max_model_len: int | None = None
     version: str | None = None
+    generation_defaults: dict[str, Any] | None = Field(
+        None, description="sampling defaults a request that leaves the field out gets (--generation-config)")
+    generation_defaults_source: str | None = None
 
 
 class ModelList(_Doc):

@@ -198,13 +198,20 @@ def _num_logprobs(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
+def _default_max_tokens(serving: OpenAIServing, n_prompt: int) -> int:
+    """A chat request's ``max_tokens`` when it sets none: the rest of the
+    context (vLLM's rule), or the model's default if smaller."""
+    rest = serving.client.max_model_len - n_prompt
+    return rest if serving.defaults.max_tokens is None else min(rest, serving.defaults.max_tokens)
+
+
 async def chat(serving: OpenAIServing, request: Request, arrival: float) -> Response:
     req: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
     serving.check_model(req.model)
     serving.check_ready()
     num_lp = _num_logprobs(req)
     r = await render(serving, req)
-    max_tokens = r.explicit if r.explicit is not None else serving.client.max_model_len - r.num_tokens
+    max_tokens = r.explicit if r.explicit is not None else _default_max_tokens(serving, r.num_tokens)
     params = serving.params(req, max_tokens, num_lp)
     params = await structured.constrain(serving, req, params, r.calling.spec if r.calling else None)
     serving.check_length(r.num_tokens, max_tokens, r.param)
@@ -232,7 +239,7 @@ async def chat_batch(serving: OpenAIServing, request: Request, arrival: float) -
     rendered = [await render(serving, c) for c in convs]
     longest = max(r.num_tokens for r in rendered)
     r0 = rendered[0]
-    max_tokens = r0.explicit if r0.explicit is not None else serving.client.max_model_len - longest
+    max_tokens = r0.explicit if r0.explicit is not None else _default_max_tokens(serving, longest)
     params = serving.params(batch, max_tokens, num_lp)
     params = await structured.constrain(serving, batch, params)
     serving.check_length(longest, max_tokens, r0.param)

@@ -151,7 +151,7 @@ async def completions(serving: OpenAIServing, request: Request, arrival: float) 
     serving.check_ready()
     if req.suffix:
         raise RequestError("'suffix' is not supported", 400, param="suffix")
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    max_tokens = req.max_tokens if req.max_tokens is not None else min(16, serving.defaults.max_tokens or 16)
     params = serving.params(req, max_tokens, req.logprobs)
     params = await structured.constrain(serving, req, params)  # response_format / guided_* / logit_bias
     prompts = await _prompts(serving, req, max_tokens)

@@ -6,6 +6,7 @@ entry points, which hand over to ``completions.py`` and ``chat.py``."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
@@ -14,8 +15,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from fdx.config import EngineConfig
-from fdx.core.errors import RequestError
+from fdx.core.errors import ModelLoadError, RequestError
 from fdx.core.messages import ALL_LOGPROBS, MAX_ALL_LOGPROBS_PROMPT, KVTransferParams, SamplingParams
+from fdx.generation_config import GenerationDefaults, load_generation_defaults
 from fdx.output_processor import OutputProcessor
 from fdx.server.client import EngineClient, EngineUnavailable
 from fdx.server.protocol import loads_object, sampling_params
@@ -24,6 +26,21 @@ from fdx.server.serving import chat as chat_endpoint
 from fdx.server.serving import completions as completions_endpoint
 from fdx.server.serving.generation import Endpoint, Generation, Prompt, respond
 from fdx.server.serving.prompts import PromptTokenizer
+
+log = logging.getLogger("fdx.server")
+
+
+def generation_defaults(config: EngineConfig) -> GenerationDefaults:
+    """The served model's sampling defaults, logged once (a model that
+    cannot be found gets none: the engine reports that failure itself)."""
+    try:
+        d = load_generation_defaults(config.generation_config, config.model, config.override_generation_config)
+    except ModelLoadError:
+        return GenerationDefaults()
+    log.info("generation defaults: %s", d.describe())
+    if d.ignored:
+        log.warning("%s: not sampling defaults, not used: %s", d.source, ", ".join(d.ignored))
+    return d
 
 
 class OpenAIServing:
@@ -37,6 +54,7 @@ class OpenAIServing:
         self.processor: Any = None
         self.outputs: OutputProcessor | None = None
         self.prompts: PromptTokenizer = None  # type: ignore[assignment]  # set with the tokenizer
+        self.defaults = generation_defaults(config)
 
     @property
     def model_name(self) -> str:
@@ -93,7 +111,8 @@ class OpenAIServing:
     def params(self, req: Any, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
         cfg = self.config
         params = sampling_params(req, max_tokens=max_tokens, num_logprobs=num_logprobs,
-                                 max_logprobs=cfg.max_logprobs, vocab_size=self.tokenizer.vocab_size)
+                                 max_logprobs=cfg.max_logprobs, vocab_size=self.tokenizer.vocab_size,
+                                 defaults=self.defaults)
         return beam_params(req, params, cfg.max_logprobs, frozenset(self.tokenizer.eos_token_ids))
 
     def check_length(self, n_prompt: int, max_tokens: int, param: str) -> None:
