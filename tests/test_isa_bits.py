@@ -56,7 +56,7 @@ def test_every_op_gives_the_same_bits_with_both_sets(probes: dict[str, Any]) -> 
     a, b = probes["avx2"], probes["avx512"]
     assert str(a["isa"]) == "avx2" and str(b["isa"]) == "avx512"
     assert sorted(a.files) == sorted(b.files) and len(a.files) > 100
-    differ = [k for k in a.files if a[k].tobytes() != b[k].tobytes()]
+    differ = [k for k in a.files if k != "isa" and a[k].tobytes() != b[k].tobytes()]
     assert not differ, f"{len(differ)} op outputs differ between the kernel sets: {differ[:12]}"
 
 
