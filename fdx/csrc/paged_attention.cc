@@ -17,24 +17,24 @@
 //
 // BATCH INVARIANCE BY CONSTRUCTION.  Query row (token t, head h) of
 // sequence s at position p, with q = rope(q), runs
-//   score[j] = dot(q, k_j) * scale   for j = 0..p: lane i of a kLanes-wide
-//              accumulator adds the products q[d] k_j[d] (each rounded: mul,
-//              then add) for d = i, i + kLanes, ... in order; then the lanes
-//              are added by one fixed tree (reduce8/reduce4 below);
-//   w[j]     = softmax(score)[j]: exp(score[j] - max), their sum in a fixed
-//              order that depends only on p, then w[j] = e[j] * (1 / sum);
+//   score[j] = dot(q, k_j) * scale   for j = 0..p: lane i of the 16
+//              canonical lanes (simd_math.h) adds the products q[d] k_j[d]
+//              (each rounded: mul, then add) for d = i, i + 16, ... in
+//              order; then the lanes are added by one fixed tree
+//              (reduce8/reduce4 below, v::reduce_add's tree);
+//   w[j]     = softmax(score)[j]: exp(score[j] - max), their sum in the 16
+//              lanes and the same tree, then w[j] = e[j] * (1 / sum);
 //   out[d]   = sum over j = 0..p, in order, of w[j] v_j[d] (fma).
 // These are the same IEEE operations in the same order whatever T is,
 // whichever rows share the call, wherever the row sits in its tile (the
 // score tiles of 1-2 rows and the weighted-sum tiles of 1-3 rows x 1-4
 // vectors run the same per-lane sequence; every dot goes through the same
 // tree) and whatever the thread count: each row is computed entirely by one
-// thread.  They are also, operation for operation, what the previous
-// one-row-at-a-time kernel compiled to (its dot was an "omp simd"
-// reduction: mul + add per lane, then lanes i + i+4, i + i+2, 0 + 1; its
-// RoPE x1 c - x2 s and x2 c + x1 s each one fma and one mul), so with the
-// AVX2 set and head sizes that are a multiple of 8 the results are
-// bit-identical to it (checked: bench/bench_attention.py).  Work is tiled only for reuse: a
+// thread.  They do not depend on the kernel set either: AVX-512 holds the
+// 16 lanes of a dot in one register, AVX2 in two (its score tiles take half
+// as many keys), so both give the same bits (tests/test_isa_bits.py; the
+// scalar reference of tests/test_scalar_reference.py).  RoPE is
+// x1 c - x2 s and x2 c + x1 s, each one fma and one mul.  Work is tiled only for reuse: a
 // work item is (a run of <= kRun consecutive tokens of one sequence, a kv
 // head); key blocks stay in L1 while every row of the item uses them, and
 // the G query heads of a token share each key/value load.
