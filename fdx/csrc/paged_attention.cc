@@ -146,13 +146,17 @@ inline void score_tile(const float* const* q, const float* const* k, int Drt, fl
   int d = 0;
   for (; d + 16 <= D; d += 16) {
     for (int i = 0; i < v::kParts; ++i) {
+      // AVX2 with 2 rows: 12 sums + a key + a product leave no register for
+      // the rows' q, which the multiplies then read from L1
+      constexpr bool kQInRegs = NR == 1 || v::kParts == 1;
       v::vf qv[NR];
-      for (int r = 0; r < NR; ++r) qv[r] = v::load(q[r] + d + i * L);
+      if constexpr (kQInRegs)
+        for (int r = 0; r < NR; ++r) qv[r] = v::load(q[r] + d + i * L);
       for (int j = 0; j < KT; ++j) {
         v::vf kv = v::load(k[j] + d + i * L);
         if (NR > 1) in_register(kv);
         for (int r = 0; r < NR; ++r) {
-          v::vf pr = v::mul(qv[r], kv);
+          v::vf pr = v::mul(kQInRegs ? qv[r] : v::load(q[r] + d + i * L), kv);
           in_register(pr);
           acc[r][j].p[i] = v::add(acc[r][j].p[i], pr);
         }
@@ -177,7 +181,8 @@ inline void score_tile(const float* const* q, const float* const* k, int Drt, fl
   // dot e = r * KT + j; reduce8 takes dots e, e + 4 in slots 2m, 2m + 1 and
   // reduce4 dots e, e + 2 in slots m, m + 1 (their outputs then run in e order)
   auto dot = [&](int e) { return v::fold8(acc[e / KT][e % KT]); };
-  alignas(32) float res[12];
+  alignas(32) float tmp[12];
+  float* res = NR == 1 ? out[0] : tmp;  // one row: its keys' scores are contiguous
   __m256 x[8];
   int e = 0;
   if constexpr (ND >= 8) {
@@ -185,7 +190,7 @@ inline void score_tile(const float* const* q, const float* const* k, int Drt, fl
       x[2 * m] = dot(m);
       x[2 * m + 1] = dot(m + 4);
     }
-    _mm256_store_ps(res, _mm256_mul_ps(reduce8(x), _mm256_set1_ps(scale)));
+    _mm256_storeu_ps(res, _mm256_mul_ps(reduce8(x), _mm256_set1_ps(scale)));
     e = 8;
   }
   for (; e < ND; e += 4) {  // 4 dots (the last 2 repeated when only 2 are left)
@@ -196,13 +201,14 @@ inline void score_tile(const float* const* q, const float* const* k, int Drt, fl
     x[3] = dot(e3);
     const __m128 t = _mm_mul_ps(reduce4(x), _mm_set1_ps(scale));
     if (e + 4 <= ND) {
-      _mm_store_ps(res + e, t);
+      _mm_storeu_ps(res + e, t);
     } else {
       _mm_storel_pi(reinterpret_cast<__m64*>(res + e), t);
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < KT; ++j) out[r][j] = res[r * KT + j];
+  if constexpr (NR > 1)
+    for (int r = 0; r < NR; ++r)
+      for (int j = 0; j < KT; ++j) out[r][j] = tmp[r * KT + j];
 }
 
 // s_r[j] = dot(q_r, k_j) * scale for keys j in [j0, j1) (j0 a multiple of
