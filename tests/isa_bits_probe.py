@@ -42,7 +42,21 @@ def _activations(rng: np.random.Generator, M: int, K: int) -> np.ndarray:
     return x
 
 
-def _rope(P: int, D: int) -> np.ndarray:
+def block_tables(rng: np.random.Generator, lens: tuple[int, ...], BS: int) -> tuple[np.ndarray, int]:
+    """Block tables for sequences of ``lens`` tokens, their blocks shuffled
+    over a cache of NB blocks (2 spare); returns (tables, NB)."""
+    nblk = [(n + BS - 1) // BS for n in lens]
+    NB = sum(nblk) + 2
+    perm = rng.permutation(NB)
+    tables = np.zeros((len(lens), max(nblk)), np.int32)
+    k = 0
+    for s, n in enumerate(nblk):
+        tables[s, :n] = perm[k : k + n]
+        k += n
+    return tables, NB
+
+
+def rope_table(P: int, D: int) -> np.ndarray:
     half = D // 2
     inv = 1.0 / (10000.0 ** (np.arange(half) * 2.0 / D))
     ang = np.arange(P)[:, None] * inv[None, :]
@@ -105,15 +119,8 @@ def probe() -> dict[str, np.ndarray]:
     # paged attention: SmolLM2's geometry over hundreds of keys, and one with tails
     for H, KV, D, BS, lens in ((9, 3, 64, 16, (300, 37, 5)), (8, 2, 36, 5, (70, 9))):
         W = (H + 2 * KV) * D
-        nblk = [(n + BS - 1) // BS for n in lens]
-        NB = sum(nblk) + 2
-        perm = rng.permutation(NB)
-        tables = np.zeros((len(lens), max(nblk)), np.int32)
-        k = 0
-        for s, n in enumerate(nblk):
-            tables[s, :n] = perm[k : k + n]
-            k += n
-        rope = T(_rope(max(lens) + 1, D))
+        tables, NB = block_tables(rng, lens, BS)
+        rope = T(rope_table(max(lens) + 1, D))
         cache = paddle.zeros([2, NB, KV, BS, D], "float32")
         meta = np.array([(s, p) for s, n in enumerate(lens) for p in range(n)], np.int32)
         qkv = rng.standard_normal((len(meta), W)).astype(np.float32)
@@ -134,7 +141,7 @@ def probe() -> dict[str, np.ndarray]:
         norms = [T((1 + 0.1 * rng.standard_normal(E)).astype(np.float32)) for _ in range(2 * NL)]
         empty = paddle.zeros([0], "float32")
         caches = [paddle.zeros([2, 16, KV, BS, D], "float32") for _ in range(NL)]
-        rope = T(_rope(64, D))
+        rope = T(rope_table(64, D))
         tables = T(np.array([[3, 7, 1, 9], [0, 2, 4, 5]], np.int32))
         kinds = [lp.kind for ls in layers for lp in ls]  # type: ignore[attr-defined]
         for step, meta in enumerate(([(0, p) for p in range(21)] + [(1, p) for p in range(13)], [(0, 21), (1, 13)])):

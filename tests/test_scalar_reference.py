@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from fdx.model import native
+from isa_bits_probe import block_tables, rope_table
 
 REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "scalar_reference.cc")
 
@@ -69,18 +70,9 @@ def test_paged_attention_matches_the_reference(ops: Any, ref: Any, H: int, KV: i
     import paddle
 
     rng = np.random.default_rng(D)
-    W, half = (H + 2 * KV) * D, D // 2
-    nblk = [(n + 1 + BS - 1) // BS for n in lens]
-    NB = sum(nblk) + 2
-    perm = rng.permutation(NB)
-    tables = np.zeros((len(lens), max(nblk)), np.int32)
-    k = 0
-    for s, n in enumerate(nblk):
-        tables[s, :n] = perm[k : k + n]
-        k += n
-    P = max(lens) + 1
-    ang = np.arange(P)[:, None] / (10000.0 ** (np.arange(half) * 2.0 / D))[None, :]
-    rope = paddle.to_tensor(np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32))
+    W = (H + 2 * KV) * D
+    tables, NB = block_tables(rng, tuple(n + 1 for n in lens), BS)  # room for a decode token each
+    rope = paddle.to_tensor(rope_table(max(lens) + 1, D))
     caches = [paddle.zeros([2, NB, KV, BS, D], "float32") for _ in range(2)]
     tb = paddle.to_tensor(tables)
     for meta in ([(s, p) for s, n in enumerate(lens) for p in range(n)], [(s, n) for s, n in enumerate(lens)]):
