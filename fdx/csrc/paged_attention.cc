@@ -17,24 +17,24 @@
 //
 // BATCH INVARIANCE BY CONSTRUCTION.  Query row (token t, head h) of
 // sequence s at position p, with q = rope(q), runs
-//   score[j] = dot(q, k_j) * scale   for j = 0..p: lane i of a kLanes-wide
-//              accumulator adds the products q[d] k_j[d] (each rounded: mul,
-//              then add) for d = i, i + kLanes, ... in order; then the lanes
-//              are added by one fixed tree (reduce8/reduce4 below);
-//   w[j]     = softmax(score)[j]: exp(score[j] - max), their sum in a fixed
-//              order that depends only on p, then w[j] = e[j] * (1 / sum);
+//   score[j] = dot(q, k_j) * scale   for j = 0..p: lane i of the 16
+//              canonical lanes (simd_math.h) adds the products q[d] k_j[d]
+//              (each rounded: mul, then add) for d = i, i + 16, ... in
+//              order; then the lanes are added by one fixed tree
+//              (reduce8/reduce4 below, v::reduce_add's tree);
+//   w[j]     = softmax(score)[j]: exp(score[j] - max), their sum in the 16
+//              lanes and the same tree, then w[j] = e[j] * (1 / sum);
 //   out[d]   = sum over j = 0..p, in order, of w[j] v_j[d] (fma).
 // These are the same IEEE operations in the same order whatever T is,
 // whichever rows share the call, wherever the row sits in its tile (the
 // score tiles of 1-2 rows and the weighted-sum tiles of 1-3 rows x 1-4
 // vectors run the same per-lane sequence; every dot goes through the same
 // tree) and whatever the thread count: each row is computed entirely by one
-// thread.  They are also, operation for operation, what the previous
-// one-row-at-a-time kernel compiled to (its dot was an "omp simd"
-// reduction: mul + add per lane, then lanes i + i+4, i + i+2, 0 + 1; its
-// RoPE x1 c - x2 s and x2 c + x1 s each one fma and one mul), so with the
-// AVX2 set and head sizes that are a multiple of 8 the results are
-// bit-identical to it (checked: bench/bench_attention.py).  Work is tiled only for reuse: a
+// thread.  They do not depend on the kernel set either: AVX-512 holds the
+// 16 lanes of a dot in one register, AVX2 in two (its score tiles take half
+// as many keys), so both give the same bits (tests/test_isa_bits.py; the
+// scalar reference of tests/test_scalar_reference.py).  RoPE is
+// x1 c - x2 s and x2 c + x1 s, each one fma and one mul.  Work is tiled only for reuse: a
 // work item is (a run of <= kRun consecutive tokens of one sequence, a kv
 // head); key blocks stay in L1 while every row of the item uses them, and
 // the G query heads of a token share each key/value load.
@@ -100,15 +100,11 @@ inline void rope_rotate(const float* x, float* y, const float* cs, int half) {
 }
 
 // ---- the fixed lane-sum tree of a dot product -----------------------------
-// An accumulator as 8 lanes (AVX-512: lane i + lane i + 8 first).
-inline __m256 as8(v::vf a) {
-#if defined(__AVX512F__)
-  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-#else
-  return a;
-#endif
-}
-// Each dot of lanes x0..x7 is ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)).
+// A dot accumulates in the 16 canonical lanes of simd_math.h's v16 (one
+// AVX-512 register, two AVX2 ones); v::fold8 adds lane i + lane i + 8, and
+// the 8 folded lanes x0..x7 of each dot are added as
+// ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)) -- v::reduce_add's tree,
+// here for 8 or 4 dots at once.
 // [a0+a4, a1+a5, a2+a6, a3+a7 | b0+b4, ..., b3+b7]
 inline __m256 fold4(__m256 a, __m256 b) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
@@ -118,95 +114,110 @@ inline __m256 fold4(__m256 a, __m256 b) {
 inline __m256 fold2(__m256 ab, __m256 cd) {
   return _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));
 }
-// The dots of 8 accumulators, in the order [x0, x2, x4, x6, x1, x3, x5, x7].
+// The dots of 8 folded accumulators, in the order [x0, x2, x4, x6, x1, x3, x5, x7].
 __attribute__((always_inline)) inline __m256 reduce8(const __m256* x) {
   const __m256 abcd = fold2(fold4(x[0], x[1]), fold4(x[2], x[3]));
   const __m256 efgh = fold2(fold4(x[4], x[5]), fold4(x[6], x[7]));
   return _mm256_add_ps(_mm256_shuffle_ps(abcd, efgh, 0x88), _mm256_shuffle_ps(abcd, efgh, 0xDD));
 }
-// The same tree for 4 accumulators, in the order [x0, x2, x1, x3].
+// The same tree for 4 folded accumulators, in the order [x0, x2, x1, x3].
 __attribute__((always_inline)) inline __m128 reduce4(const __m256* x) {
   const __m256 abcd = fold2(fold4(x[0], x[1]), fold4(x[2], x[3]));
   const __m128 lo = _mm256_castps256_ps128(abcd), hi = _mm256_extractf128_ps(abcd, 1);
   return _mm_add_ps(_mm_shuffle_ps(lo, hi, 0x88), _mm_shuffle_ps(lo, hi, 0xDD));
 }
 
-// out[r][0..KT) = dot(q[r], k[0..KT)) * scale over D floats for NR rows:
-// NR = 1 with KT = 12 keys, or NR = 2 with KT = 6 (12 accumulators, plus the
-// rows' q, a key and a product: 15 of AVX2's 16 registers).
+// Keys per score tile of NR rows: 12 accumulators in registers (12 / NR
+// keys on AVX-512; AVX2 holds a v16 in two registers: 6 / NR keys), plus the
+// rows' q, a key and a product -- 15 of AVX2's 16 registers.
+template <int NR>
+constexpr int kTileKeys = 12 / NR / v::kParts;
+constexpr int kKeyAlign = 12;  // every tile width divides it
+
+// out[r][0..KT) = dot(q[r], k[0..KT)) * scale over D floats for NR (1, 2) rows.
 template <int NR, int DT>
 inline void score_tile(const float* const* q, const float* const* k, int Drt, float scale, float* const* out) {
-  constexpr int KT = 12 / NR;
+  constexpr int KT = kTileKeys<NR>;
+  constexpr int ND = NR * KT;  // 12 or 6 dots
   const int D = DT ? DT : Drt;  // DT: the head size when known at compile time (same operations)
-  v::vf acc[NR][KT];
+  v::v16 acc[NR][KT];
   for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < KT; ++j) acc[r][j] = v::zero();
+    for (int j = 0; j < KT; ++j) acc[r][j] = v::zero16();
   int d = 0;
-  for (; d + L <= D; d += L) {
-    v::vf qv[NR];
-    for (int r = 0; r < NR; ++r) qv[r] = v::load(q[r] + d);
-    for (int j = 0; j < KT; ++j) {
-      v::vf kv = v::load(k[j] + d);
-      if (NR > 1) in_register(kv);
-      for (int r = 0; r < NR; ++r) {
-        v::vf pr = v::mul(qv[r], kv);
-        in_register(pr);
-        acc[r][j] = v::add(acc[r][j], pr);
+  for (; d + 16 <= D; d += 16) {
+    for (int i = 0; i < v::kParts; ++i) {
+      // AVX2 with 2 rows: 12 sums + a key + a product leave no register for
+      // the rows' q, which the multiplies then read from L1
+      constexpr bool kQInRegs = NR == 1 || v::kParts == 1;
+      v::vf qv[NR];
+      if constexpr (kQInRegs)
+        for (int r = 0; r < NR; ++r) qv[r] = v::load(q[r] + d + i * L);
+      for (int j = 0; j < KT; ++j) {
+        v::vf kv = v::load(k[j] + d + i * L);
+        if (NR > 1) in_register(kv);
+        for (int r = 0; r < NR; ++r) {
+          v::vf pr = v::mul(kQInRegs ? qv[r] : v::load(q[r] + d + i * L), kv);
+          in_register(pr);
+          acc[r][j].p[i] = v::add(acc[r][j].p[i], pr);
+        }
       }
     }
   }
   if (d < D) {
     const int n = D - d;
-    v::vf qv[NR];
-    for (int r = 0; r < NR; ++r) qv[r] = v::load_first(q[r] + d, n);
+    v::v16 qv[NR];
+    for (int r = 0; r < NR; ++r) qv[r] = v::load16_first(q[r] + d, n);
     for (int j = 0; j < KT; ++j) {
-      const v::vf kv = v::load_first(k[j] + d, n);
+      const v::v16 kv = v::load16_first(k[j] + d, n);
       for (int r = 0; r < NR; ++r) {
-        v::vf pr = v::mul(qv[r], kv);
-        in_register(pr);
-        acc[r][j] = v::add(acc[r][j], pr);
+        for (int i = 0; i < v::kParts; ++i) {
+          v::vf pr = v::mul(qv[r].p[i], kv.p[i]);
+          in_register(pr);
+          acc[r][j].p[i] = v::add(acc[r][j].p[i], pr);
+        }
       }
     }
   }
-  const __m256 s8 = _mm256_set1_ps(scale);
-  const __m128 s4 = _mm_set1_ps(scale);
+  // dot e = r * KT + j; reduce8 takes dots e, e + 4 in slots 2m, 2m + 1 and
+  // reduce4 dots e, e + 2 in slots m, m + 1 (their outputs then run in e order)
+  auto dot = [&](int e) { return v::fold8(acc[e / KT][e % KT]); };
+  alignas(32) float tmp[12];
+  float* res = NR == 1 ? out[0] : tmp;  // one row: its keys' scores are contiguous
   __m256 x[8];
-  if (NR == 1) {  // slots so that reduce8 gives [k0 .. k7] and reduce4 [k8 .. k11]
-    for (int j = 0; j < 4; ++j) {
-      x[2 * j] = as8(acc[0][j]);
-      x[2 * j + 1] = as8(acc[0][j + 4]);
+  int e = 0;
+  if constexpr (ND >= 8) {
+    for (int m = 0; m < 4; ++m) {
+      x[2 * m] = dot(m);
+      x[2 * m + 1] = dot(m + 4);
     }
-    _mm256_storeu_ps(out[0], _mm256_mul_ps(reduce8(x), s8));
-    x[0] = as8(acc[0][8]);
-    x[1] = as8(acc[0][10]);
-    x[2] = as8(acc[0][9]);
-    x[3] = as8(acc[0][11]);
-    _mm_storeu_ps(out[0] + 8, _mm_mul_ps(reduce4(x), s4));
-  } else {  // reduce8: [r0: k0 .. k3 | r1: k0 .. k3]; reduce4: [r0: k4 k5, r1: k4 k5]
-    for (int j = 0; j < 4; ++j) {
-      x[2 * j] = as8(acc[0][j]);
-      x[2 * j + 1] = as8(acc[NR - 1][j]);
-    }
-    const __m256 a = _mm256_mul_ps(reduce8(x), s8);
-    _mm_storeu_ps(out[0], _mm256_castps256_ps128(a));
-    _mm_storeu_ps(out[1], _mm256_extractf128_ps(a, 1));
-    x[0] = as8(acc[0][KT - 2]);
-    x[1] = as8(acc[NR - 1][KT - 2]);
-    x[2] = as8(acc[0][KT - 1]);
-    x[3] = as8(acc[NR - 1][KT - 1]);
-    const __m128 b = _mm_mul_ps(reduce4(x), s4);
-    _mm_storel_pi(reinterpret_cast<__m64*>(out[0] + 4), b);
-    _mm_storeh_pi(reinterpret_cast<__m64*>(out[1] + 4), b);
+    _mm256_storeu_ps(res, _mm256_mul_ps(reduce8(x), _mm256_set1_ps(scale)));
+    e = 8;
   }
+  for (; e < ND; e += 4) {  // 4 dots (the last 2 repeated when only 2 are left)
+    const int e1 = e + 1, e2 = std::min(e + 2, ND - 2), e3 = e2 + 1;
+    x[0] = dot(e);
+    x[1] = dot(e2);
+    x[2] = dot(e1);
+    x[3] = dot(e3);
+    const __m128 t = _mm_mul_ps(reduce4(x), _mm_set1_ps(scale));
+    if (e + 4 <= ND) {
+      _mm_storeu_ps(res + e, t);
+    } else {
+      _mm_storel_pi(reinterpret_cast<__m64*>(res + e), t);
+    }
+  }
+  if constexpr (NR > 1)
+    for (int r = 0; r < NR; ++r)
+      for (int j = 0; j < KT; ++j) out[r][j] = tmp[r * KT + j];
 }
 
 // s_r[j] = dot(q_r, k_j) * scale for keys j in [j0, j1) (j0 a multiple of
-// kTileKeys; s_r[j1 .. j1 rounded up to 12) are written with scratch),
+// kKeyAlign; s_r[j1 .. j1 rounded up to kKeyAlign) are written with scratch),
 // k_j = kc + off[j].
 template <int NR, int DT>
 inline void score_keys(const float* const* q, const float* kc, const int64_t* off, int j0, int j1, int D,
                        float scale, float* const* s) {
-  constexpr int KT = 12 / NR;
+  constexpr int KT = kTileKeys<NR>;
   float* out[NR];
   for (int j = j0; j < j1; j += KT) {
     const float* k[KT];
@@ -258,7 +269,9 @@ inline void pv_rows(const float* const* p, const float* vc, const int64_t* off, 
 #undef FDX_PV
 }
 
-// In-place softmax of r[0..n).  One out-of-line copy, so every row runs the
+// In-place softmax of r[0..n): e[j] = exp(r[j] - max), their sum in the 16
+// canonical lanes (lane i: j = i, i + 16, ... in order) and v::reduce_add's
+// tree, then e[j] * (1 / sum).  One out-of-line copy, so every row runs the
 // very same code.
 __attribute__((noinline)) void softmax(float* r, int n) {
   v::vf vmx = v::set1(-INFINITY);
@@ -267,16 +280,19 @@ __attribute__((noinline)) void softmax(float* r, int n) {
   float mx = v::reduce_max(vmx);
   for (int k = j; k < n; ++k) mx = std::max(mx, r[k]);
   const v::vf m = v::set1(mx);
-  v::vf vs = v::zero();
-  for (j = 0; j + L <= n; j += L) {
-    const v::vf e = v::exp(v::sub(v::load(r + j), m));
-    v::store(r + j, e);
-    vs = v::add(vs, e);
+  v::v16 vs = v::zero16();
+  for (j = 0; j + 16 <= n; j += 16) {
+    for (int i = 0; i < v::kParts; ++i) {
+      const v::vf e = v::exp(v::sub(v::load(r + j + i * L), m));
+      v::store(r + j + i * L, e);
+      vs.p[i] = v::add(vs.p[i], e);
+    }
   }
-  if (j < n) {
-    const v::vf e = v::keep_first(v::exp(v::sub(v::load_first(r + j, n - j), m)), n - j);
-    v::store_first(r + j, e, n - j);
-    vs = v::add(vs, e);
+  for (int i = 0; i < v::kParts && j + i * L < n; ++i) {  // the last 1..15
+    const int c = std::min(L, n - j - i * L);
+    const v::vf e = v::keep_first(v::exp(v::sub(v::load_first(r + j + i * L, c), m)), c);
+    v::store_first(r + j + i * L, e, c);
+    vs.p[i] = v::add(vs.p[i], e);
   }
   const float inv = 1.f / v::reduce_add(vs);
   const v::vf vinv = v::set1(inv);
@@ -312,7 +328,7 @@ void attend_item(const Geometry& ge, const float* kc, const float* vc, const int
     const int m = std::min(BS, nmax - j0);
     for (int jj = 0; jj < m; ++jj) w.off[j0 + jj] = base + (int64_t)jj * D;
   }
-  const int64_t stride = round_up(nmax, 12);
+  const int64_t stride = round_up(nmax, kKeyAlign);
   const int64_t Dp = round_up(D, L);
   w.sc.resize(R * stride);
   w.acc.assign(R * Dp, 0.f);
@@ -404,7 +420,7 @@ void fdx::paged_attention(const AttnShape& sh, const float* x, float* kc, const 
   const int H = sh.H, KV = sh.KV, D = sh.D, BS = sh.BS, half = D / 2;
   const int64_t W = (int64_t)(H + 2 * KV) * D;
   float* vc = kc + (size_t)sh.NB * KV * BS * D;
-  const Geometry ge{H, KV, D, BS, H / KV, MAXB, static_cast<int>(std::max<int64_t>(12, 4096 / D / 12 * 12)), sh.scale};
+  const Geometry ge{H, KV, D, BS, H / KV, MAXB, static_cast<int>(std::max<int64_t>(kKeyAlign, 4096 / D / kKeyAlign * kKeyAlign)), sh.scale};
 
   // work items: runs of <= kRun consecutive tokens of one sequence, times kv heads
   std::vector<int64_t> runs;  // start of each run, then T

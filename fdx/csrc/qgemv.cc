@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -35,24 +36,29 @@ int block_bytes(int qtype) {
   }
 }
 
-// MR rows of x against output rows [n0, n1).
+// MR rows of x against output rows [n0, n1).  Each output is summed in the
+// 16 canonical lanes of simd_math.h (the same bits with both kernel sets):
+// per block, lane i holds w[i] x[i] + w[i + 16] x[i + 16] (a mul, then an
+// fma), scaled into the row's accumulator by one fma; then v::reduce_add,
+// plus the Q4 offsets' term m * sum(x) (summed in order, block by block).
 template <int QT, int MR>
 void kernel(const float* x, const float* xsum, const uint8_t* w, float* out, int64_t K, int64_t N, int64_t n0,
             int64_t n1, int64_t row_bytes) {
   const int64_t nb = K / 32;
   constexpr int BB = QT == 2 ? 18 : (QT == 3 ? 20 : 34);
+  constexpr int P = v::kParts;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
-    v::vf acc[MR];
+    v::v16 acc[MR];
     float macc[MR];
     for (int r = 0; r < MR; ++r) {
-      acc[r] = v::zero();
+      acc[r] = v::zero16();
       macc[r] = 0.f;
     }
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = row + b * BB;
       const float d = v::half_to_float(blk);
-      v::vf f[kVecs];
+      v::vf f[kVecs];  // weights c * kLanes ..
       float m = 0.f;
       if constexpr (QT == 8) {
         for (int c = 0; c < kVecs; ++c) f[c] = v::from_i8(reinterpret_cast<const int8_t*>(blk + 2) + c * v::kLanes);
@@ -63,10 +69,12 @@ void kernel(const float* x, const float* xsum, const uint8_t* w, float* out, int
       const v::vf vd = v::set1(d);
       for (int r = 0; r < MR; ++r) {
         const float* xr = x + r * K + b * 32;
-        v::vf s = v::mul(f[0], v::load(xr));
-        for (int c = 1; c < kVecs; ++c) s = v::fmadd(f[c], v::load(xr + c * v::kLanes), s);
-        acc[r] = v::fmadd(s, vd, acc[r]);
-        if constexpr (QT != 8) macc[r] += m * xsum[r * nb + b];
+        for (int i = 0; i < P; ++i) {
+          v::vf s = v::mul(f[i], v::load(xr + i * v::kLanes));
+          s = v::fmadd(f[P + i], v::load(xr + 16 + i * v::kLanes), s);
+          acc[r].p[i] = v::fmadd(s, vd, acc[r].p[i]);
+        }
+        if constexpr (QT != 8) macc[r] = std::fma(m, xsum[r * nb + b], macc[r]);
       }
     }
     for (int r = 0; r < MR; ++r) out[r * N + n] = v::reduce_add(acc[r]) + macc[r];
@@ -79,9 +87,8 @@ void run(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int
   std::vector<float> xsum(M * nb);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < nb; ++b) {
-      float s = 0.f;
-      for (int j = 0; j < 32; ++j) s += x[r * K + b * 32 + j];
-      xsum[r * nb + b] = s;
+      const float* xb = x + r * K + b * 32;  // lanes i + i + 16, then the fixed tree
+      xsum[r * nb + b] = v::reduce_add(v::add(v::load16(xb), v::load16(xb + 16)));
     }
   const int64_t chunk = 32;
   const int64_t nchunks = (N + chunk - 1) / chunk;

@@ -44,7 +44,6 @@ inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
 inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }   // a*b + c
 inline vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); } // c - a*b
-inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
 inline float reduce_max(vf v) { return _mm512_reduce_max_ps(v); }
 inline vf round_nearest(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 // v * 2^n for integral n in [-126, 127]
@@ -55,6 +54,11 @@ inline __mmask16 first_mask(int n) { return (__mmask16)((1u << n) - 1u); }
 inline vf load_first(const float* p, int n) { return _mm512_maskz_loadu_ps(first_mask(n), p); }
 inline void store_first(float* p, vf v, int n) { _mm512_mask_storeu_ps(p, first_mask(n), v); }
 inline vf keep_first(vf v, int n) { return _mm512_maskz_mov_ps(first_mask(n), v); }
+
+// lane i + lane i + 8 of v (the first step of every fixed sum tree, see v16)
+inline __m256 fold8(vf v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
 
 // kLanes signed bytes -> floats
 inline vf from_i8(const int8_t* p) {
@@ -87,12 +91,6 @@ inline vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf min(vf a, vf b) { return _mm256_min_ps(a, b); }
 inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
-inline float reduce_add(vf v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 inline float reduce_max(vf v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -136,6 +134,68 @@ inline float half_to_float(const uint8_t* p) {
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
 }
+
+// ---- the canonical order of every floating-point reduction ---------------
+//
+// A sum over many floats (a dot product, a softmax denominator, a norm's sum
+// of squares) is accumulated in 16 lanes, whatever the kernel set: lane i
+// adds the terms i, i + 16, i + 32, ... in order, and the 16 lanes are then
+// added by one fixed tree (reduce_add below).  AVX-512 holds the 16 lanes in
+// one register, AVX2 in two (v16 is kParts vectors), and a reduction's bits
+// are the same with both sets -- so are the int8 and bf16 modes' tokens and
+// logprobs (tests/test_isa_bits.py).  Element-wise work keeps the
+// native width (its bits never depend on it).
+constexpr int kParts = 16 / kLanes;
+struct v16 {
+  vf p[kParts];
+};
+inline v16 zero16() {
+  v16 r;
+  for (int i = 0; i < kParts; ++i) r.p[i] = zero();
+  return r;
+}
+inline v16 load16(const float* x) {
+  v16 r;
+  for (int i = 0; i < kParts; ++i) r.p[i] = load(x + i * kLanes);
+  return r;
+}
+// the first n (0 <= n <= 16) floats of x, the other lanes 0
+inline v16 load16_first(const float* x, int n) {
+  v16 r;
+  for (int i = 0; i < kParts; ++i) {
+    const int m = n - i * kLanes;
+    r.p[i] = m >= kLanes ? load(x + i * kLanes) : m > 0 ? load_first(x + i * kLanes, m) : zero();
+  }
+  return r;
+}
+inline v16 add(v16 a, v16 b) {
+  for (int i = 0; i < kParts; ++i) a.p[i] = add(a.p[i], b.p[i]);
+  return a;
+}
+inline v16 mul(v16 a, v16 b) {
+  for (int i = 0; i < kParts; ++i) a.p[i] = mul(a.p[i], b.p[i]);
+  return a;
+}
+inline v16 fmadd(v16 a, v16 b, v16 c) {
+  for (int i = 0; i < kParts; ++i) c.p[i] = fmadd(a.p[i], b.p[i], c.p[i]);
+  return c;
+}
+// [x0 + x8, x1 + x9, ..., x7 + x15]: the tree's first level
+inline __m256 fold8(v16 a) {
+#if defined(__AVX512F__)
+  return fold8(a.p[0]);
+#else
+  return _mm256_add_ps(a.p[0], a.p[1]);
+#endif
+}
+// The fixed tree over 8 folded lanes f: ((f0 + f4) + (f2 + f6)) + ((f1 + f5) + (f3 + f7)).
+inline float reduce_add8(__m256 f) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float reduce_add(v16 a) { return reduce_add8(fold8(a)); }
 
 // exp(x) per lane: range reduction x = n*ln2 + r (|r| <= ln2/2, Cody-Waite
 // split of ln2), degree-7 Taylor polynomial for e^r, then scale by 2^n.

@@ -50,7 +50,7 @@ log = logging.getLogger("fdx.model")
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 SOURCES = ("paged_attention.cc", "qgemv.cc", "qgemm.cc", "small_ops.cc", "decoder_layers.cc")
 HEADERS = ("simd_math.h", "kernels.h")
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fno-associative-math", "-ffp-contract=off")
 
 #: extra compiler flags per kernel set (-march=native targets the CPU; the
 #: -D guard makes csrc/simd_math.h fail the build if the target disagrees)
@@ -177,14 +177,17 @@ def has_avx512() -> bool:
     return "avx512f" in _cpu_flags().split()
 
 
-def _build(isa: str) -> Any:
+def _build(isa: str, sources: tuple[str, ...] | None = None, name: str = "fdx_ops") -> Any:
+    """Build (or load the cached build of) the ops for kernel set ``isa``:
+    fdx/csrc's sources, or ``sources`` (paths; e.g. the scalar reference of
+    tests/csrc, built with the very same flags), as module ``name``."""
     import paddle
 
     with warnings.catch_warnings():  # "No ccache found" on import
         warnings.simplefilter("ignore")
         from paddle.utils import cpp_extension
 
-    paths = [os.path.join(CSRC, s) for s in SOURCES]
+    paths = [os.path.join(CSRC, s) for s in SOURCES] if sources is None else list(sources)
     h = hashlib.sha256()
     for p in paths + [os.path.join(CSRC, x) for x in HEADERS]:
         with open(p, "rb") as f:
@@ -196,7 +199,7 @@ def _build(isa: str) -> Any:
     h.update(sys.version.encode())
     h.update(_cpu_flags().encode())  # -march=native builds are CPU specific
     key = h.hexdigest()[:16]
-    build_dir = os.path.join(cache_dir(), "ops", f"{isa}-{key}")
+    build_dir = os.path.join(cache_dir(), "ops", f"{isa}-{key}" if sources is None else f"{name}-{isa}-{key}")
     os.makedirs(build_dir, exist_ok=True)
     with open(os.path.join(build_dir, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -204,7 +207,7 @@ def _build(isa: str) -> Any:
         with contextlib.redirect_stdout(sink), warnings.catch_warnings(), _muted_paddle_logs():
             warnings.simplefilter("ignore")
             return cpp_extension.load(
-                name=f"fdx_ops_{isa}_{key}",
+                name=f"{name}_{isa}_{key}",
                 sources=paths,
                 extra_cxx_cflags=list(cflags),
                 extra_ldflags=_ldflags(),
