@@ -31,10 +31,12 @@ def test_import_fdx_is_light() -> None:
 
 
 def test_chat_capital_of_france(llm: Any) -> None:
-    [res] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy(32))
+    # the README's request (with its system message: without one the first token is a near-tie even in float32)
+    [res] = llm.chat([{"role": "system", "content": "Answer in one short sentence."},
+                      {"role": "user", "content": "What is the capital of France?"}], greedy(32))
     assert "Paris" in res.text
     assert res.finish_reason == "stop" and res.token_ids[-1] == 2
-    assert len(res.prompt_token_ids) == 37
+    assert len(res.prompt_token_ids) == 27
     assert llm.engine.kv.num_used_blocks == 0 and not llm.engine.scheduler.has_work()
 
 
