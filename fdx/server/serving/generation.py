@@ -166,10 +166,10 @@ class Generation:
                     kv = {"kv_transfer_params": self.kv_transfer} if self.kv_transfer is not None else {}
                     self.handles.append(self.client.submit(rid, prompt.ids, sp, arrival, self.sink, tag=state, **kv))
                     self.states.append(state)
-                    self.shown.append(0)
         except BaseException:
             self.abort("request rejected")
             raise
+        self.shown = [0] * len(self.states)  # one count per choice, beam choices included
 
     def abort(self, reason: str) -> None:
         """Abort every choice still running in the engine."""
