@@ -56,7 +56,7 @@ def sensible(q: str, answer: str) -> bool:
         return "paris" in a
     if "colour" in q.lower() or "color" in q.lower():
         return any(c in a for c in SKY_COLOURS)
-    m = re.fullmatch(r"What is (\d+) \+ (\d+)\?", q.strip())
+    m = re.fullmatch(r"What is (\d+) \+ (\d+)\?( Reply with just the number\.)?", q.strip())
     if m:
         want = int(m.group(1)) + int(m.group(2))
         return re.search(rf"(?<![\d.]){want}(?![\d.])", a) is not None or _WORDS.get(want, "\0") in a
@@ -70,7 +70,7 @@ def test_readme_has_the_three_questions() -> None:
     qs = [question(b) for _, b in readme_requests()]
     assert any("capital of France" in q for q in qs), qs
     assert any("colour" in q for q in qs), qs
-    assert any(re.fullmatch(r"What is \d+ \+ \d+\?", q) for q in qs), qs
+    assert any(re.fullmatch(r"What is \d+ \+ \d+\?( Reply with just the number\.)?", q) for q in qs), qs
     for _, body in readme_requests():  # as a newcomer sends them: no sampling fields
         assert not set(body) & {"temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens"}, body
 

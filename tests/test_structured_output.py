@@ -112,7 +112,7 @@ def test_twenty_objects_over_five_schemas_validate(client: Any) -> None:
 
 
 def test_json_object_parses(client: Any) -> None:
-    r = chat(client, "Give the capital of France as a JSON object.", max_tokens=60, temperature=0,
+    r = chat(client, "Give the capital of France as a JSON object with one key, \"capital\".", max_tokens=60, temperature=0,
              response_format={"type": "json_object"})
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content), dict)
