@@ -148,12 +148,12 @@ class Generation:
         ones already sent are aborted and the error propagates."""
         n = self.params.n
         total = len(self.prompts) * n
+        kv = {"kv_transfer_params": self.kv_transfer} if self.kv_transfer is not None else {}
         try:
             for p_idx, prompt in enumerate(self.prompts):
                 if self.params.beam_width:  # one engine request, its n beams are the n choices
                     rid = self.id if len(self.prompts) == 1 else f"{self.id}-{p_idx}"
                     states = [self.outputs.open(rid, p_idx * n + j, p_idx, prompt.ids, self.params) for j in range(n)]
-                    kv = {"kv_transfer_params": self.kv_transfer} if self.kv_transfer is not None else {}
                     self.handles.append(self.client.submit(rid, prompt.ids, self.params, arrival, self.sink,
                                                            tag=BeamChoices(states), **kv))
                     self.states.extend(states)
@@ -163,7 +163,6 @@ class Generation:
                     sp = choice_params(self.params, j)
                     rid = self.id if total == 1 else f"{self.id}-{idx}"
                     state = self.outputs.open(rid, idx, p_idx, prompt.ids, sp)
-                    kv = {"kv_transfer_params": self.kv_transfer} if self.kv_transfer is not None else {}
                     self.handles.append(self.client.submit(rid, prompt.ids, sp, arrival, self.sink, tag=state, **kv))
                     self.states.append(state)
         except BaseException:
@@ -182,7 +181,7 @@ class Generation:
         """The usage of what the client was sent so far: the prompts, and
         the completion tokens of the events rendered (continuous usage stats
         count per chunk, not per engine batch)."""
-        u = Usage.of(self.states)
+        u = self.usage()
         return Usage(u.prompt_tokens, sum(self.shown), u.cached_tokens)
 
     async def events(self) -> AsyncIterator[list[OutputEvent]]:
