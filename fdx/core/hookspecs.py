@@ -226,6 +226,26 @@ def fdx_register_speculators(register: Register) -> None:
 
 
 @hookspec
+def fdx_register_architectures(register: Register) -> None:
+    """Contribute model architectures, picked by the checkpoint's
+    architecture name (HF ``config.json`` ``architectures[0]``, GGUF
+    ``general.architecture``); there is no flag.
+
+    Called once, when the model runner opens a checkpoint (engine process),
+    and in ``fdx plugins``.  Must not import Paddle.
+
+    :param register: call ``register(name, factory)`` for each architecture.
+        ``factory()`` takes no arguments and returns a
+        :class:`fdx.core.interfaces.Architecture` (in practice a frozen
+        :class:`fdx.model.arch.Architecture`, declaring its HF and GGUF names,
+        weight names, layer recipe and the config fields it understands).
+
+    Return nothing.  Registering a name twice, or two architectures claiming
+    the same HF or GGUF name, is an error naming both plugins.
+    """
+
+
+@hookspec
 def fdx_register_tool_parsers(register: Register) -> None:
     """Contribute tool-call parsers, selected with ``--tool-call-parser NAME``.
 

@@ -33,6 +33,7 @@ KINDS: dict[str, str] = {
     "tool_parser": "fdx_register_tool_parsers",
     "kv_connector": "fdx_register_kv_connectors",
     "speculator": "fdx_register_speculators",
+    "architecture": "fdx_register_architectures",
 }
 
 

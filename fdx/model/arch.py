@@ -1,18 +1,61 @@
-"""Architecture description shared by the loaders and the forward pass."""
+"""Architectures: what a checkpoint's architecture name means to fdx.
+
+An :class:`Architecture` is the declaration the ``fdx.architectures`` plugin
+kind contributes (hook ``fdx_register_architectures``; the built-ins live in
+:mod:`fdx.plugins.architectures.builtin`).  It says, as typed fields, never
+as a second copy of the model:
+
+* which checkpoints it serves: its HF ``architectures[0]`` names and its
+  GGUF ``general.architecture`` name;
+* where each weight lives (:class:`WeightNames`, HF and GGUF);
+* its layer recipe (:class:`LayerRecipe`: q/k/v biases, per-head q/k norm,
+  norm, MLP, rope style), which the loader copies into :class:`ModelArgs`,
+  the geometry every runner's model reads;
+* every config field (HF ``config.json``) and GGUF metadata key it
+  understands (:class:`FieldRule`).  A field it does not list, and that is
+  not known to be harmless (:data:`HARMLESS_HF_FIELDS`), is refused at
+  start-up with a one-line error naming it -- no silent misreads.
+
+Invariant: two runners built from the same :class:`ModelArgs` compute the
+same maths; every fact the maths depends on is a field of it.  RoPE tables
+for both runners come from :func:`rope_inv_freq`, the one place a rope
+scaling is applied.
+"""
 
 from __future__ import annotations
 
-import attrs
+import math
+from typing import Any, Callable, Mapping
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+import attrs
+import numpy as np
+
+
+@attrs.frozen
+class RopeScaling:
+    """Llama 3.x rope scaling (``rope_type: llama3``): wavelengths longer than
+    ``original_max_position / low_freq_factor`` are stretched by ``factor``,
+    shorter than ``original_max_position / high_freq_factor`` kept, and the
+    band between interpolated smoothly (transformers'
+    ``_compute_llama3_parameters``)."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
 
 
 @attrs.frozen
 class ModelArgs:
-    """Geometry of a decoder-only Llama-family transformer.
+    """Geometry and recipe of a decoder-only Llama-family transformer.
 
     Weights handed to the model use Hugging Face conventions: linear weights
     are ``[out, in]`` and q/k rows are in HF order (NEOX "rotate_half" RoPE).
+    ``qk_norm``: a per-head RMSNorm (weights ``[head_dim]``) on q and k,
+    before RoPE (Qwen3).  ``sliding_window``: the attention window the
+    checkpoint declares (``None``: full attention); fdx serves it only when
+    no sequence can outgrow it.
     """
 
     arch: str
@@ -28,6 +71,9 @@ class ModelArgs:
     max_position: int = 2048
     tie_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -38,7 +84,220 @@ class ModelArgs:
         return self.num_kv_heads * self.head_dim
 
     def describe(self) -> str:
+        extra = "".join((" qk-norm" if self.qk_norm else "", f" rope={self.rope_scaling.rope_type}" if self.rope_scaling else ""))
         return (
             f"{self.arch} L{self.num_layers} d{self.hidden_size} ff{self.intermediate_size} "
-            f"h{self.num_heads}/kv{self.num_kv_heads}x{self.head_dim} V{self.vocab_size}"
+            f"h{self.num_heads}/kv{self.num_kv_heads}x{self.head_dim} V{self.vocab_size}{extra}"
         )
+
+
+def rope_inv_freq(args: ModelArgs) -> np.ndarray:
+    """The ``head_dim / 2`` rotary frequencies (float64), rope scaling applied.
+    Both runners build their cos/sin tables from this."""
+    half = args.head_dim // 2
+    inv = 1.0 / (args.rope_theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / args.head_dim))
+    rs = args.rope_scaling
+    if rs is None:
+        return inv
+    if rs.rope_type != "llama3":  # the loader refuses others; this guards new callers
+        raise ValueError(f"rope scaling {rs.rope_type!r} is not implemented")
+    low_wavelen = rs.original_max_position / rs.low_freq_factor
+    high_wavelen = rs.original_max_position / rs.high_freq_factor
+    wavelen = 2.0 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    mid = (1.0 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, mid, scaled)
+
+
+def rope_angles(args: ModelArgs, max_pos: int) -> np.ndarray:
+    """``[max_pos, head_dim / 2]`` rotary angles (float64) of positions ``0..max_pos-1``."""
+    return np.arange(max_pos, dtype=np.float64)[:, None] * rope_inv_freq(args)[None, :]
+
+
+# --------------------------------------------------------------------------
+# the declaration an architecture plugin contributes
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class WeightNames:
+    """Tensor names of one checkpoint format; per-layer names hold ``{i}``.
+    An empty name: the architecture has no such tensor."""
+
+    embed: str
+    final_norm: str
+    lm_head: str
+    attn_norm: str
+    wq: str
+    wk: str
+    wv: str
+    wo: str
+    ffn_norm: str
+    w_gate: str
+    w_up: str
+    w_down: str
+    bq: str = ""
+    bk: str = ""
+    bv: str = ""
+    q_norm: str = ""
+    k_norm: str = ""
+
+
+HF_LLAMA_WEIGHTS = WeightNames(
+    embed="model.embed_tokens.weight", final_norm="model.norm.weight", lm_head="lm_head.weight",
+    attn_norm="model.layers.{i}.input_layernorm.weight",
+    wq="model.layers.{i}.self_attn.q_proj.weight", wk="model.layers.{i}.self_attn.k_proj.weight",
+    wv="model.layers.{i}.self_attn.v_proj.weight", wo="model.layers.{i}.self_attn.o_proj.weight",
+    ffn_norm="model.layers.{i}.post_attention_layernorm.weight",
+    w_gate="model.layers.{i}.mlp.gate_proj.weight", w_up="model.layers.{i}.mlp.up_proj.weight",
+    w_down="model.layers.{i}.mlp.down_proj.weight",
+    bq="model.layers.{i}.self_attn.q_proj.bias", bk="model.layers.{i}.self_attn.k_proj.bias",
+    bv="model.layers.{i}.self_attn.v_proj.bias",
+    q_norm="model.layers.{i}.self_attn.q_norm.weight", k_norm="model.layers.{i}.self_attn.k_norm.weight",
+)
+
+GGUF_LLAMA_WEIGHTS = WeightNames(
+    embed="token_embd.weight", final_norm="output_norm.weight", lm_head="output.weight",
+    attn_norm="blk.{i}.attn_norm.weight", wq="blk.{i}.attn_q.weight", wk="blk.{i}.attn_k.weight",
+    wv="blk.{i}.attn_v.weight", wo="blk.{i}.attn_output.weight", ffn_norm="blk.{i}.ffn_norm.weight",
+    w_gate="blk.{i}.ffn_gate.weight", w_up="blk.{i}.ffn_up.weight", w_down="blk.{i}.ffn_down.weight",
+    bq="blk.{i}.attn_q.bias", bk="blk.{i}.attn_k.bias", bv="blk.{i}.attn_v.bias",
+    q_norm="blk.{i}.attn_q_norm.weight", k_norm="blk.{i}.attn_k_norm.weight",
+)
+
+
+#: the values of each :class:`LayerRecipe` variant field the model code implements
+IMPLEMENTED_RECIPE = {"norm": ("rms",), "mlp": ("swiglu",), "rope": ("neox",)}
+
+
+@attrs.frozen
+class LayerRecipe:
+    """What a decoder layer computes, beyond the shared Llama skeleton
+    (RMSNorm -> attention -> RMSNorm -> MLP, residuals around both).
+
+    ``qkv_bias``: the q/k/v projections always carry biases (Qwen2; other
+    architectures take them when the config's ``attention_bias`` says so).
+    ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3).
+    ``norm``/``mlp``/``rope`` name the only variants fdx implements today
+    (``rms``, ``swiglu``, ``neox``: rotate_half over the whole head); they
+    are fields so a new variant is a new value, checked at load.
+    """
+
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    norm: str = "rms"
+    mlp: str = "swiglu"
+    rope: str = "neox"
+
+    def unimplemented(self) -> str | None:
+        """The first variant field whose value the model code lacks, as ``"field=value"``."""
+        for f, ok in IMPLEMENTED_RECIPE.items():
+            if getattr(self, f) not in ok:
+                return f"{f}={getattr(self, f)!r}"
+        return None
+
+
+#: a field check: ``(value, whole config) -> None`` when fdx computes what
+#: the field says, else the reason it cannot (the error names the field)
+Check = Callable[[Any, Mapping[str, Any]], "str | None"]
+
+
+@attrs.frozen
+class FieldRule:
+    """How an architecture treats one config field / GGUF key: ``read`` (the
+    loader reads it into :class:`ModelArgs`), ``harmless`` (no effect on the
+    maths: ids, dtype, dropout at inference...).  ``check``, when set, runs
+    either way and refuses the values fdx does not implement."""
+
+    kind: str  # "read" | "harmless"
+    check: Check | None = None
+
+
+def read(check: Check | None = None) -> FieldRule:
+    return FieldRule("read", check)
+
+
+def harmless(check: Check | None = None) -> FieldRule:
+    return FieldRule("harmless", check)
+
+
+def equals(*allowed: Any) -> Check:
+    """A check accepting only ``allowed`` values."""
+
+    def check(v: Any, cfg: Mapping[str, Any]) -> str | None:
+        return None if v in allowed else f"fdx implements only {', '.join(map(repr, allowed))}"
+
+    return check
+
+
+#: HF config fields with no effect on a decoder's maths at inference, for
+#: every architecture (token ids, dtype, bookkeeping of transformers' classes)
+HARMLESS_HF_FIELDS: frozenset[str] = frozenset({
+    "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "use_cache", "initializer_range", "attention_dropout", "output_attentions", "output_hidden_states",
+    "return_dict", "id2label", "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder",
+    "tokenizer_class", "torchscript", "pruned_heads", "tie_encoder_decoder", "is_decoder", "add_cross_attention",
+    "cross_attention_hidden_size", "finetuning_task", "prefix", "task_specific_params", "bad_words_ids",
+    "num_labels", "use_return_dict", "output_scores", "return_dict_in_generate",
+    "pretraining_tp",  # v4 Llama's tensor-parallel slicing: the same maths
+})
+
+#: GGUF keys outside the architecture's namespace that never change the maths
+HARMLESS_GGUF_PREFIXES = ("general.", "tokenizer.", "quantize.", "split.")
+
+
+@attrs.frozen
+class Architecture:
+    """One architecture, as the ``fdx.architectures`` plugin kind declares it
+    (see the module docstring).
+
+    ``hf_fields``: every HF config field it understands beyond
+    :data:`HARMLESS_HF_FIELDS`.  ``gguf_keys``: the keys of its GGUF
+    namespace (``{gguf_name}.KEY``) it understands.  ``gguf_weights`` is
+    ``None`` when fdx reads only its HF folders.  ``gguf_qk_permuted``:
+    llama.cpp's converter stores q/k rows in interleaved-pair order (the
+    loader un-permutes them).
+    """
+
+    name: str
+    hf_names: tuple[str, ...]
+    recipe: LayerRecipe
+    hf_weights: WeightNames
+    hf_fields: Mapping[str, FieldRule]
+    gguf_name: str | None = None
+    gguf_weights: WeightNames | None = None
+    gguf_keys: Mapping[str, FieldRule] = attrs.field(factory=dict)
+    gguf_qk_permuted: bool = True
+    description: str = ""
+
+    def check_hf_config(self, cfg: Mapping[str, Any]) -> tuple[str, str] | None:
+        """The first field of ``cfg`` fdx cannot serve: ``(field, reason)``, or ``None``."""
+        for key in sorted(cfg):
+            rule = self.hf_fields.get(key)
+            if rule is None:
+                if key in HARMLESS_HF_FIELDS:
+                    continue
+                return key, f"not implemented by fdx's {self.name} architecture"
+            if rule.check is not None:
+                why = rule.check(cfg[key], cfg)
+                if why:
+                    return key, why
+        return None
+
+    def check_gguf_keys(self, fields: Mapping[str, Any]) -> tuple[str, str] | None:
+        """The first GGUF metadata key fdx cannot serve: ``(key, reason)``, or ``None``."""
+        ns = f"{self.gguf_name}."
+        for key in sorted(fields):
+            if key.startswith(HARMLESS_GGUF_PREFIXES):
+                continue
+            rule = self.gguf_keys.get(key[len(ns):]) if key.startswith(ns) else None
+            if rule is None:
+                return key, f"not implemented by fdx's {self.name} architecture"
+            if rule.check is not None:
+                why = rule.check(fields[key], fields)
+                if why:
+                    return key, why
+        return None

@@ -1,4 +1,5 @@
-"""The Llama / Qwen2 forward of the GPU runner: half-precision weights and
+"""The Llama-family forward of the GPU runner (every architecture of
+:mod:`fdx.model.arch`: the same recipe fields as the CPU model): half-precision weights and
 KV, Paddle's fused kernels where the device has them, plain Paddle elsewhere.
 
 Weights live on the device in the runner's dtype (bfloat16, float16, or
@@ -35,7 +36,7 @@ import attrs
 import numpy as np
 
 from fdx.core.errors import ModelLoadError
-from fdx.model.arch import ModelArgs
+from fdx.model.arch import ModelArgs, rope_angles
 from fdx.model.fused_kernels import Kernels
 from fdx.model.llama import check_layer, check_shape, qkv_bias
 
@@ -86,13 +87,14 @@ class GPULayer:
     ffn_norm: Any
     w_gate_up: Any
     w_down: Any
+    q_norm: Any | None = None  # per-head q/k RMSNorm [head_dim] (ModelArgs.qk_norm)
+    k_norm: Any | None = None
 
 
 def rope_tables(args: ModelArgs, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
-    """``([cos, cos], [sin, sin])`` rows ``[max_pos, head_dim]`` (float32)."""
-    half = args.head_dim // 2
-    inv = 1.0 / (args.rope_theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / args.head_dim))
-    ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
+    """``([cos, cos], [sin, sin])`` rows ``[max_pos, head_dim]`` (float32), rope
+    scaling applied (:func:`fdx.model.arch.rope_angles`, as the CPU model)."""
+    ang = rope_angles(args, max_pos)
     cos, sin = np.cos(ang), np.sin(ang)
     return (np.concatenate([cos, cos], axis=1).astype(np.float32),
             np.concatenate([sin, sin], axis=1).astype(np.float32))
@@ -160,6 +162,8 @@ class GPULlama:
                 ffn_norm=self._t(lw.ffn_norm),
                 w_gate_up=self._t(np.concatenate([lw.w_gate, lw.w_up], axis=0).T),
                 w_down=self._t(lw.w_down.T),
+                q_norm=self._t(lw.q_norm) if a.qk_norm else None,
+                k_norm=self._t(lw.k_norm) if a.qk_norm else None,
             ))
         if len(layers) != a.num_layers:
             raise ModelLoadError(f"{ckpt.source.path}: expected {a.num_layers} layers, got {len(layers)}")
@@ -201,6 +205,9 @@ class GPULlama:
             if layer.b_qkv is not None:
                 qkv = qkv + layer.b_qkv
             q, kk, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)
+            if layer.q_norm is not None:  # per-head q/k RMSNorm, before RoPE (Qwen3)
+                q = k.rms_norm(q.reshape([T * H, D]), layer.q_norm, eps)[0]
+                kk = k.rms_norm(kk.reshape([T * KV, D]), layer.k_norm, eps)[0]
             q, kk = k.rope(q.reshape([T, H, D]), kk.reshape([T, KV, D]), step.cos, step.sin)
             v = v.reshape([T, KV, D])
             half = int(cache.shape[0]) // 2

@@ -1,4 +1,5 @@
-"""The Llama / Qwen2 decoder forward pass in eager Paddle over a paged KV cache.
+"""The Llama-family decoder forward pass (Llama, Qwen2, Qwen3, Mistral...: the
+architectures of :mod:`fdx.model.arch`) in eager Paddle over a paged KV cache.
 
 One :meth:`LlamaModel.forward` runs every token of a step (prefill chunks
 and decode tokens of many sequences, flattened to ``T`` rows) through all
@@ -12,6 +13,9 @@ In the packed modes (int8, bfloat16), the whole layer stack is one call of the
 C++ op ``fdx_decoder_layers`` (fdx/csrc/decoder_layers.cc), which runs those
 same kernels in the same order (bit-identical, without ~8 op dispatches a
 layer); :attr:`LlamaModel.fused_layers` ``= False`` keeps the per-layer ops.
+A model with per-head q/k RMSNorm (``ModelArgs.qk_norm``, Qwen3) always
+takes the per-layer path: the norm runs between the q/k/v matmul and the
+attention op (which applies RoPE), with the same row-wise RMSNorm op.
 
 Attention (RoPE, KV-cache write, paged causal attention) is either the C++
 op ``fdx_paged_attention`` (fdx/csrc/) or an equivalent pure-Paddle fallback.
@@ -56,7 +60,7 @@ import paddle.nn.functional as F
 from paddle.incubate.nn.functional import fused_rms_norm
 
 from fdx.core.errors import FdxError, ModelLoadError
-from fdx.model.arch import ModelArgs
+from fdx.model.arch import ModelArgs, rope_angles
 from fdx.model.loader import Checkpoint, LayerWeights
 from fdx.model.packed_weights import PackedWeight, pack_bf16, pack_float, pack_gguf
 
@@ -117,6 +121,9 @@ class Layer:
     p_o: PackedWeight | None = None
     p_gate_up: PackedWeight | None = None
     p_down: PackedWeight | None = None
+    # per-head q/k RMSNorm weights [head_dim] (ModelArgs.qk_norm)
+    q_norm: paddle.Tensor | None = None
+    k_norm: paddle.Tensor | None = None
 
 
 def check_shape(x: np.ndarray | None, shape: tuple[int, ...], what: str, path: str) -> None:
@@ -133,6 +140,7 @@ def check_layer(lw: LayerWeights, a: ModelArgs, i: int, path: str) -> None:
         ("wq", (q, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q)),
         ("w_gate", (ff, h)), ("w_up", (ff, h)), ("w_down", (h, ff)),
         ("attn_norm", (h,)), ("ffn_norm", (h,)),
+        *((("q_norm", (a.head_dim,)), ("k_norm", (a.head_dim,))) if a.qk_norm else ()),
     ):
         check_shape(getattr(lw, name), shape, f"layer {i} {name}", path)
 
@@ -154,10 +162,9 @@ def _to_paddle(p: PackedWeight) -> PackedWeight:
 
 
 def rope_table(args: ModelArgs, max_pos: int) -> np.ndarray:
-    """``[max_pos, head_dim]``: cos in the first half, sin in the second."""
-    half = args.head_dim // 2
-    inv = 1.0 / (args.rope_theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / args.head_dim))
-    ang = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
+    """``[max_pos, head_dim]``: cos in the first half, sin in the second
+    (rope scaling applied: :func:`fdx.model.arch.rope_angles`)."""
+    ang = rope_angles(args, max_pos)
     return np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
 
 
@@ -195,7 +202,8 @@ class LlamaModel:
         #: packed modes: run every layer in one ``fdx_decoder_layers`` call (same
         #: kernels, same bits as the per-layer path, without ~8 op dispatches a
         #: layer); ``False`` keeps the per-layer path (tests compare the two)
-        self.fused_layers = native_ops is not None and hasattr(native_ops, "fdx_decoder_layers")
+        self.fused_layers = (native_ops is not None and hasattr(native_ops, "fdx_decoder_layers")
+                             and not args.qk_norm)  # the op has no q/k norm
         self._stack: tuple[Any, ...] | None = None
 
     # ------------------------------------------------------------------ weights
@@ -294,7 +302,14 @@ class LlamaModel:
             q_o=fuse("wo"),
             q_gate_up=fuse("w_gate", "w_up"),
             q_down=fuse("w_down"),
+            **self._qk_norms(lw),
         )
+
+    def _qk_norms(self, lw: LayerWeights) -> dict[str, paddle.Tensor | None]:
+        if not self.args.qk_norm:
+            return {}
+        t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
+        return {"q_norm": t(lw.q_norm), "k_norm": t(lw.k_norm)}
 
     def _pack_layer(self, lw: LayerWeights) -> Layer:
         """Packed modes: the layer's matmuls packed for ``fdx_qgemm`` -- bfloat16:
@@ -317,6 +332,7 @@ class LlamaModel:
             attn_norm=t(lw.attn_norm), w_qkv=None, b_qkv=t(b_qkv) if b_qkv is not None else None, w_o=None,
             ffn_norm=t(lw.ffn_norm), w_gate_up=None, w_down=None,
             p_qkv=pack("wq", "wk", "wv"), p_o=pack("wo"), p_gate_up=pack("w_gate", "w_up"), p_down=pack("w_down"),
+            **self._qk_norms(lw),
         )
 
     # ------------------------------------------------------------------ forward
@@ -373,6 +389,15 @@ class LlamaModel:
                     x = x + res
                 return x * paddle.rsqrt(paddle.mean(x * x, axis=-1, keepdim=True) + eps) * w, x
 
+        H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
+
+        def qk_norm(qkv: paddle.Tensor, layer: Layer) -> paddle.Tensor:
+            """Per-head RMSNorm of q and k (before the attention op's RoPE); v as is."""
+            q, k, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)
+            q = add_norm(q.reshape([T * H, D]), None, layer.q_norm)[0].reshape([T, H * D])
+            k = add_norm(k.reshape([T * KV, D]), None, layer.k_norm)[0].reshape([T, KV * D])
+            return paddle.concat([q, k, v], axis=-1)
+
         x = F.embedding(step.ids, self.embed)
         residual = None
         if packed and self.fused_layers:  # every layer in one op call: the same kernels, the same bits
@@ -386,6 +411,8 @@ class LlamaModel:
                 qkv = linear(h, layer.w_qkv, layer.q_qkv, layer.p_qkv)
                 if layer.b_qkv is not None:
                     qkv = qkv + layer.b_qkv
+                if layer.q_norm is not None:
+                    qkv = qk_norm(qkv, layer)
                 x = linear(attend(qkv, cache), layer.w_o, layer.q_o, layer.p_o)
                 h, residual = add_norm(x, residual, layer.ffn_norm)
                 x = linear(swiglu(linear(h, layer.w_gate_up, layer.q_gate_up, layer.p_gate_up)), layer.w_down,

@@ -1,5 +1,11 @@
 """Load a model's tokenizer (fast, no weights) and its weights (numpy fp32).
 
+The checkpoint's architecture name (HF ``architectures[0]``, GGUF
+``general.architecture``) picks an :class:`fdx.model.arch.Architecture`
+from the ``architecture`` plugins (:func:`find_architecture`); it names the
+tensors, the layer recipe and the config fields fdx understands.  Any other
+config field, GGUF key or tensor is refused, naming it (no silent misreads).
+
 Weights come out in one canonical layout (see :class:`LayerWeights`), the
 same for GGUF and Hugging Face checkpoints, so the forward pass has a single
 code path.  GGUF q/k rows are un-permuted back to Hugging Face order.
@@ -17,8 +23,8 @@ from typing import Any, Iterator
 import attrs
 import numpy as np
 
-from fdx.core.errors import ModelLoadError
-from fdx.model.arch import SUPPORTED_ARCHS, ModelArgs
+from fdx.core.errors import ModelLoadError, PluginError
+from fdx.model.arch import Architecture, ModelArgs, RopeScaling, WeightNames
 from fdx.model.source import ModelSource, resolve
 from fdx.model.tokenizer import ModelTokenizer, tokenizer_from_gguf, tokenizer_from_hf
 
@@ -39,6 +45,9 @@ class LayerWeights:
     bq: np.ndarray | None = None
     bk: np.ndarray | None = None
     bv: np.ndarray | None = None
+    #: per-head q/k RMSNorm weights ``[head_dim]`` (``ModelArgs.qk_norm``)
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
     #: GGUF block-quantized rows of the linear weights (same row order as the
     #: fp32 arrays): name -> (uint8 [out, row_bytes], ggml type id)
     raw: dict[str, tuple[np.ndarray, int]] = attrs.field(factory=dict)
@@ -105,33 +114,102 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, hd // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
+def find_architecture(where: str, hf_names: list[str] | None = None, gguf_name: str | None = None,
+                      model_type: str | None = None) -> Architecture:
+    """The registered architecture claiming ``hf_names[0]`` (HF) or
+    ``gguf_name`` (GGUF); an HF config without ``architectures`` falls back
+    to the architecture named ``model_type``.  Unknown: a
+    :class:`ModelLoadError` listing the choices.  Two plugins claiming one
+    name: a :class:`PluginError` naming both."""
+    from fdx.core.plugins import get_plugins
+
+    reg = get_plugins().registry("architecture")
+    claims: dict[str, tuple[Architecture, str]] = {}
+    by_name: dict[str, Architecture] = {}
+    for name in reg.names():
+        entry = reg.get(name)
+        arch = entry.factory()
+        by_name[arch.name] = arch
+        keys = list(arch.hf_names) if hf_names is not None else ([arch.gguf_name] if arch.gguf_name else [])
+        for k in keys:
+            if k in claims and claims[k][1] != entry.source.describe():
+                raise PluginError(f"architecture name {k!r} is claimed twice: by {claims[k][1]} "
+                                  f"and by {entry.source.describe()}")
+            claims[k] = (arch, entry.source.describe())
+    want = (hf_names[0] if hf_names else None) if hf_names is not None else gguf_name
+    if want in claims:
+        return claims[want][0]
+    if hf_names is not None and not hf_names and model_type in by_name:
+        return by_name[model_type]
+    choices = ", ".join(sorted(claims)) or "(none installed)"
+    got = want if want is not None else model_type
+    raise ModelLoadError(f"{where}: unsupported architecture {got!r} (supported: {choices})")
+
+
+def _refuse(where: str, what: str, key: str, value: Any, reason: str) -> ModelLoadError:
+    v = repr(value)
+    return ModelLoadError(f"{where}: unsupported {what} {key!r} = {v if len(v) <= 80 else v[:77] + '...'}: {reason}")
+
+
+def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm: bool) -> tuple[set[str], set[str]]:
+    """(required, optional) tensor names of a checkpoint of ``n_layers``."""
+    per = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
+    opt = ["bq", "bk", "bv"]
+    if qkv_bias:
+        per, opt = per + opt, []
+    if qk_norm:
+        per += ["q_norm", "k_norm"]
+    req = {names.embed, names.final_norm}
+    optional = {names.lm_head}
+    for i in range(n_layers):
+        req |= {getattr(names, f).format(i=i) for f in per}
+        optional |= {getattr(names, f).format(i=i) for f in opt if getattr(names, f)}
+    return req, optional
+
+
+def _check_tensors(where: str, present: Any, names: WeightNames, args: ModelArgs, ignore: tuple[str, ...] = ()) -> None:
+    req, optional = _tensor_names(names, args.num_layers, qkv_bias=args.attention_bias, qk_norm=args.qk_norm)
+    for t in sorted(present):
+        if t not in req and t not in optional and not t.endswith(ignore):
+            raise ModelLoadError(f"{where}: unsupported tensor {t!r}: not part of fdx's {args.arch} architecture")
+    for t in sorted(req):
+        if t not in present:
+            raise ModelLoadError(f"{where}: missing tensor {t!r}")
+
+
 def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
-    from fdx.model.gguf_file import GGUFFile
+    from fdx.model.gguf_file import SUPPORTED_QUANTS, GGUFFile, raw_rows
 
     g = GGUFFile(src.path)
-    arch = g.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{src.path}: unsupported architecture {arch!r} (GGUF supports: llama)")
+    gname = g.get("general.architecture")
+    arch = find_architecture(src.path, gguf_name=gname)
+    names = arch.gguf_weights
+    if names is None or arch.gguf_name is None:
+        raise ModelLoadError(f"{src.path}: fdx reads architecture {gname!r} from HF folders only")
+    bad = arch.check_gguf_keys(g.fields)
+    if bad:
+        raise _refuse(src.path, "metadata key", bad[0], g.fields[bad[0]], bad[1])
+    ns = arch.gguf_name
 
     def meta(key: str, default: Any = None) -> Any:
-        v = g.get(f"{arch}.{key}", default)
+        v = g.get(f"{ns}.{key}", default)
         if v is None:
-            raise ModelLoadError(f"{src.path}: missing metadata key '{arch}.{key}'")
+            raise ModelLoadError(f"{src.path}: missing metadata key '{ns}.{key}'")
         return v
 
     n_layers = int(meta("block_count"))
     hidden = int(meta("embedding_length"))
     n_head = int(meta("attention.head_count"))
     n_kv = int(meta("attention.head_count_kv", n_head))
-    head_dim = int(g.get(f"{arch}.attention.key_length", hidden // n_head))
-    rope_dim = int(g.get(f"{arch}.rope.dimension_count", head_dim))
+    head_dim = int(g.get(f"{ns}.attention.key_length", hidden // n_head))
+    rope_dim = int(g.get(f"{ns}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise ModelLoadError(f"{src.path}: partial rotary (rope dim {rope_dim} != head dim {head_dim}) is unsupported")
-    if "token_embd.weight" not in g.tensors:
-        raise ModelLoadError(f"{src.path}: missing tensor 'token_embd.weight'")
-    vocab = int(g.tensors["token_embd.weight"].shape[0])
+    if names.embed not in g.tensors:
+        raise ModelLoadError(f"{src.path}: missing tensor {names.embed!r}")
+    vocab = int(g.tensors[names.embed].shape[0])
     args = ModelArgs(
-        arch="llama",
+        arch=arch.name,
         num_layers=n_layers,
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
@@ -139,61 +217,74 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
         num_kv_heads=n_kv,
         head_dim=head_dim,
         vocab_size=vocab,
-        rope_theta=float(g.get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_eps=float(g.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position=int(g.get(f"{arch}.context_length", 2048)),
-        tie_embeddings="output.weight" not in g.tensors,
-        attention_bias=False,
+        rope_theta=float(g.get(f"{ns}.rope.freq_base", 10000.0)),
+        rms_eps=float(g.get(f"{ns}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position=int(g.get(f"{ns}.context_length", 2048)),
+        tie_embeddings=names.lm_head not in g.tensors,
+        attention_bias=arch.recipe.qkv_bias,
+        qk_norm=arch.recipe.qk_norm,
     )
-    for name, info in g.tensors.items():
+    _check_recipe(src.path, arch)
+    _check_tensors(src.path, g.tensors, names, args)
+    for name in g.tensors:
         tn = g.type_name(name)
-        from fdx.model.gguf_file import SUPPORTED_QUANTS
-
         if tn not in SUPPORTED_QUANTS:
             raise ModelLoadError(f"{src.path}: tensor {name!r} has unsupported type {tn}")
+    permuted = arch.gguf_qk_permuted
 
-    from fdx.model.gguf_file import raw_rows
+    def unperm(w: np.ndarray, heads: int) -> np.ndarray:
+        return _unpermute(w, heads) if permuted else w
 
     def quant(name: str, n_head: int | None = None) -> tuple[np.ndarray, int] | None:
         if g.type_name(name) not in QUANT_KERNEL_TYPES:
             return None
         rows, qt = raw_rows(g, name)
-        return (_unpermute(rows, n_head) if n_head else rows), qt
+        return (unperm(rows, n_head) if n_head else rows), qt
+
+    def opt(name: str) -> np.ndarray | None:
+        return g.load(name) if name and name in g.tensors else None
 
     def layers() -> Iterator[LayerWeights]:
         for i in range(n_layers):
-            p = f"blk.{i}."
+            n = {f.name: getattr(names, f.name).format(i=i) for f in attrs.fields(WeightNames)}
             raw = {
-                "wq": quant(p + "attn_q.weight", n_head),
-                "wk": quant(p + "attn_k.weight", n_kv),
-                "wv": quant(p + "attn_v.weight"),
-                "wo": quant(p + "attn_output.weight"),
-                "w_gate": quant(p + "ffn_gate.weight"),
-                "w_up": quant(p + "ffn_up.weight"),
-                "w_down": quant(p + "ffn_down.weight"),
+                "wq": quant(n["wq"], n_head), "wk": quant(n["wk"], n_kv), "wv": quant(n["wv"]),
+                "wo": quant(n["wo"]), "w_gate": quant(n["w_gate"]), "w_up": quant(n["w_up"]),
+                "w_down": quant(n["w_down"]),
             }
             yield LayerWeights(
                 raw={k: v for k, v in raw.items() if v is not None},
-                attn_norm=g.load(p + "attn_norm.weight"),
-                wq=_unpermute(g.load(p + "attn_q.weight"), n_head),
-                wk=_unpermute(g.load(p + "attn_k.weight"), n_kv),
-                wv=g.load(p + "attn_v.weight"),
-                wo=g.load(p + "attn_output.weight"),
-                ffn_norm=g.load(p + "ffn_norm.weight"),
-                w_gate=g.load(p + "ffn_gate.weight"),
-                w_up=g.load(p + "ffn_up.weight"),
-                w_down=g.load(p + "ffn_down.weight"),
+                attn_norm=g.load(n["attn_norm"]),
+                wq=unperm(g.load(n["wq"]), n_head),
+                wk=unperm(g.load(n["wk"]), n_kv),
+                wv=g.load(n["wv"]),
+                wo=g.load(n["wo"]),
+                ffn_norm=g.load(n["ffn_norm"]),
+                w_gate=g.load(n["w_gate"]),
+                w_up=g.load(n["w_up"]),
+                w_down=g.load(n["w_down"]),
+                bq=(lambda b: None if b is None else unperm(b, n_head))(opt(n["bq"])),
+                bk=(lambda b: None if b is None else unperm(b, n_kv))(opt(n["bk"])),
+                bv=opt(n["bv"]),
+                q_norm=opt(n["q_norm"]) if args.qk_norm else None,
+                k_norm=opt(n["k_norm"]) if args.qk_norm else None,
             )
 
     return Checkpoint(
         source=src,
         args=args,
-        embed=g.load("token_embd.weight"),
-        final_norm=g.load("output_norm.weight"),
-        lm_head=None if args.tie_embeddings else g.load("output.weight"),
+        embed=g.load(names.embed),
+        final_norm=g.load(names.final_norm),
+        lm_head=None if args.tie_embeddings else g.load(names.lm_head),
         layers=layers,
-        lm_head_raw=quant("token_embd.weight" if args.tie_embeddings else "output.weight"),
+        lm_head_raw=quant(names.embed if args.tie_embeddings else names.lm_head),
     )
+
+
+def _check_recipe(where: str, arch: Architecture) -> None:
+    bad = arch.recipe.unimplemented()
+    if bad:
+        raise ModelLoadError(f"{where}: architecture {arch.name!r} asks for layer recipe {bad}, which fdx's model lacks")
 
 
 def _hf_config(folder: str) -> dict[str, Any]:
@@ -210,29 +301,27 @@ def _hf_config(folder: str) -> dict[str, Any]:
     return cfg
 
 
-_HF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "llama"}
-
-
-def _hf_checkpoint(src: ModelSource) -> Checkpoint:
-    cfg = _hf_config(src.path)
-    cfg_path = os.path.join(src.path, "config.json")
-    archs = cfg.get("architectures") or []
-    mt = cfg.get("model_type")
-    arch = next((_HF_ARCHS[a] for a in archs if a in _HF_ARCHS), None)
-    if arch is None and mt in SUPPORTED_ARCHS:
-        arch = mt
-    if arch is None:
-        raise ModelLoadError(
-            f"{cfg_path}: unsupported architecture {(archs or [mt])[0]!r} (supported: LlamaForCausalLM, Qwen2ForCausalLM)"
-        )
-    rs = cfg.get("rope_scaling")
-    if rs and (rs.get("rope_type") or rs.get("type")) not in (None, "default"):
-        raise ModelLoadError(f"{cfg_path}: unsupported rope_scaling {rs!r}")
+def hf_model_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> ModelArgs:
+    """``config.json`` -> :class:`ModelArgs`, after refusing any field ``arch``
+    does not understand (one line naming the field)."""
+    bad = arch.check_hf_config(cfg)
+    if bad:
+        raise _refuse(cfg_path, "config field", bad[0], cfg[bad[0]], bad[1])
+    _check_recipe(cfg_path, arch)
+    # transformers >= 5 writes rope_parameters (theta inside); older configs rope_theta + rope_scaling
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = None
+    if rp.get("rope_type", rp.get("type", "default")) == "llama3":
+        scaling = RopeScaling("llama3", float(rp["factor"]), float(rp["low_freq_factor"]),
+                              float(rp["high_freq_factor"]), int(rp["original_max_position_embeddings"]))
+    window_rule = arch.hf_fields.get("sliding_window")
+    window = cfg.get("sliding_window") if window_rule is not None and window_rule.kind == "read" else None
     try:
         hidden = int(cfg["hidden_size"])
         n_head = int(cfg["num_attention_heads"])
-        args = ModelArgs(
-            arch=arch,
+        return ModelArgs(
+            arch=arch.name,
             num_layers=int(cfg["num_hidden_layers"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
@@ -240,14 +329,32 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
             num_kv_heads=int(cfg.get("num_key_value_heads") or n_head),
             head_dim=int(cfg.get("head_dim") or hidden // n_head),
             vocab_size=int(cfg["vocab_size"]),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=theta,
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position=int(cfg.get("max_position_embeddings", 2048)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            attention_bias=arch.recipe.qkv_bias or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch.recipe.qk_norm,
+            rope_scaling=scaling,
+            sliding_window=int(window) if window is not None else None,
         )
     except KeyError as exc:
         raise ModelLoadError(f"{cfg_path}: missing key {exc.args[0]!r}") from None
+
+
+#: HF tensors that carry no weights fdx needs (recomputed buffers saved by old transformers)
+HF_IGNORED_TENSORS = (".rotary_emb.inv_freq",)
+
+
+def _hf_checkpoint(src: ModelSource) -> Checkpoint:
+    cfg = _hf_config(src.path)
+    cfg_path = os.path.join(src.path, "config.json")
+    archs = cfg.get("architectures") or []
+    if not isinstance(archs, list):
+        raise _refuse(cfg_path, "config field", "architectures", archs, "not a list")
+    arch = find_architecture(cfg_path, hf_names=archs, model_type=cfg.get("model_type"))
+    args = hf_model_args(cfg, arch, cfg_path)
+    names = arch.hf_weights
     files = sorted(glob.glob(os.path.join(src.path, "*.safetensors")))
     if not files:
         raise ModelLoadError(f"{src.path}: no *.safetensors files")
@@ -263,6 +370,7 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
             handles[fpath] = h
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
             raise ModelLoadError(f"{fpath}: corrupt safetensors file ({exc})") from None
+    _check_tensors(src.path, index, names, args, ignore=HF_IGNORED_TENSORS)
 
     def get(name: str, optional: bool = False) -> np.ndarray | None:
         f = index.get(name)
@@ -278,30 +386,32 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
 
     def layers() -> Iterator[LayerWeights]:
         for i in range(args.num_layers):
-            p = f"model.layers.{i}."
+            n = {f.name: getattr(names, f.name).format(i=i) for f in attrs.fields(WeightNames)}
             yield LayerWeights(
-                attn_norm=get(p + "input_layernorm.weight"),
-                wq=get(p + "self_attn.q_proj.weight"),
-                wk=get(p + "self_attn.k_proj.weight"),
-                wv=get(p + "self_attn.v_proj.weight"),
-                wo=get(p + "self_attn.o_proj.weight"),
-                ffn_norm=get(p + "post_attention_layernorm.weight"),
-                w_gate=get(p + "mlp.gate_proj.weight"),
-                w_up=get(p + "mlp.up_proj.weight"),
-                w_down=get(p + "mlp.down_proj.weight"),
-                bq=get(p + "self_attn.q_proj.bias", optional=not args.attention_bias),
-                bk=get(p + "self_attn.k_proj.bias", optional=not args.attention_bias),
-                bv=get(p + "self_attn.v_proj.bias", optional=not args.attention_bias),
+                attn_norm=get(n["attn_norm"]),
+                wq=get(n["wq"]),
+                wk=get(n["wk"]),
+                wv=get(n["wv"]),
+                wo=get(n["wo"]),
+                ffn_norm=get(n["ffn_norm"]),
+                w_gate=get(n["w_gate"]),
+                w_up=get(n["w_up"]),
+                w_down=get(n["w_down"]),
+                bq=get(n["bq"], optional=True) if n["bq"] else None,
+                bk=get(n["bk"], optional=True) if n["bk"] else None,
+                bv=get(n["bv"], optional=True) if n["bv"] else None,
+                q_norm=get(n["q_norm"]) if args.qk_norm else None,
+                k_norm=get(n["k_norm"]) if args.qk_norm else None,
             )
 
-    lm_head = None if args.tie_embeddings else get("lm_head.weight", optional=True)
+    lm_head = None if args.tie_embeddings else get(names.lm_head, optional=True)
     if lm_head is None and not args.tie_embeddings:
         args = attrs.evolve(args, tie_embeddings=True)
     return Checkpoint(
         source=src,
         args=args,
-        embed=get("model.embed_tokens.weight"),
-        final_norm=get("model.norm.weight"),
+        embed=get(names.embed),
+        final_norm=get(names.final_norm),
         lm_head=lm_head,
         layers=layers,
     )

@@ -116,6 +116,11 @@ class PagedRunnerBase(ModelRunner):
         self.vocab_size = self.args.vocab_size
         self.block_size = config.block_size
         self.max_model_len = int(config.max_model_len or self.args.max_position)
+        window = self.args.sliding_window
+        if window is not None and self.max_model_len > window:  # fdx attends to the whole context
+            raise ModelLoadError(
+                f"{ckpt.source.path}: unsupported config field 'sliding_window' = {window}: sliding-window "
+                f"attention is not implemented; serve with --max-model-len <= {window} (now {self.max_model_len})")
         self.weights_version = ""
         self._weights_path = config.model
         return ckpt

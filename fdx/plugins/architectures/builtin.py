@@ -1,0 +1,128 @@
+"""fdx's built-in architectures: Llama (1, 2, 3.x), Qwen2, Qwen3, Mistral.
+
+All four share the Llama skeleton and fdx's one model code; what differs is
+declared here (recipe, weight names, the config fields each understands).
+Registered through ``fdx_register_architectures``, exactly as a third-party
+package registers one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+
+from fdx.core.hookspecs import Register, hookimpl
+from fdx.model.arch import (
+    GGUF_LLAMA_WEIGHTS,
+    HF_LLAMA_WEIGHTS,
+    Architecture,
+    FieldRule,
+    LayerRecipe,
+    equals,
+    harmless,
+    read,
+)
+
+#: keys of a rope-parameters dict (``rope_scaling`` / v5 ``rope_parameters``) by rope type
+ROPE_KEYS = {
+    "default": frozenset({"rope_type", "type", "rope_theta"}),
+    "llama3": frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings"}),
+}
+
+
+def rope_check(*types: str) -> Any:
+    """A check of ``rope_scaling`` / ``rope_parameters``: ``None`` or a dict of a
+    rope type in ``types`` with exactly the keys fdx reads for it."""
+
+    def check(v: Any, cfg: Mapping[str, Any]) -> str | None:
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            return f"{v!r} is not an object"
+        rt = v.get("rope_type", v.get("type", "default"))
+        if rt not in types:
+            return f"rope type {rt!r} is not implemented (fdx implements {', '.join(types)})"
+        extra = sorted(set(v) - ROPE_KEYS[rt])
+        if extra:
+            return f"key {extra[0]!r} (rope type {rt!r}) is not implemented"
+        missing = sorted(ROPE_KEYS[rt] - {"rope_type", "type", "rope_theta"} - set(v))
+        if missing:
+            return f"rope type {rt!r} needs {missing[0]!r}"
+        return None
+
+    return check
+
+
+def _full_attention(v: Any, cfg: Mapping[str, Any]) -> str | None:
+    bad = [t for t in (v or []) if t != "full_attention"]
+    return f"layer type {bad[0]!r} is not implemented (fdx implements 'full_attention')" if bad else None
+
+
+def _positive_window(v: Any, cfg: Mapping[str, Any]) -> str | None:
+    if v is None or (isinstance(v, int) and v > 0):
+        return None  # served only while every sequence fits in it (checked at runner start)
+    return f"{v!r} is not a positive integer"
+
+
+_r = read()
+LLAMA_FIELDS: dict[str, FieldRule] = {
+    "vocab_size": _r, "hidden_size": _r, "intermediate_size": _r, "num_hidden_layers": _r,
+    "num_attention_heads": _r, "num_key_value_heads": _r, "head_dim": _r, "rms_norm_eps": _r,
+    "max_position_embeddings": _r, "tie_word_embeddings": _r, "rope_theta": _r, "attention_bias": _r,
+    "hidden_act": read(equals("silu")), "mlp_bias": read(equals(False)),
+    "rope_scaling": read(rope_check("default", "llama3")), "rope_parameters": read(rope_check("default", "llama3")),
+}
+PLAIN_ROPE = {"rope_scaling": read(rope_check("default")), "rope_parameters": read(rope_check("default"))}
+QWEN_FIELDS: dict[str, FieldRule] = {
+    **{k: v for k, v in LLAMA_FIELDS.items() if k != "mlp_bias"}, **PLAIN_ROPE,
+    "use_sliding_window": read(equals(False)), "sliding_window": harmless(),  # used only with use_sliding_window, refused when true
+    "max_window_layers": harmless(), "layer_types": read(_full_attention),
+}
+MISTRAL_FIELDS: dict[str, FieldRule] = {
+    **{k: v for k, v in LLAMA_FIELDS.items() if k not in ("mlp_bias", "attention_bias")}, **PLAIN_ROPE,
+    "sliding_window": read(_positive_window),
+}
+
+_g = read()
+LLAMA_GGUF_KEYS: dict[str, FieldRule] = {
+    "block_count": _g, "context_length": _g, "embedding_length": _g, "feed_forward_length": _g,
+    "attention.head_count": _g, "attention.head_count_kv": _g, "attention.layer_norm_rms_epsilon": _g,
+    "attention.key_length": _g, "rope.freq_base": _g, "rope.dimension_count": _g, "vocab_size": harmless(),
+    "attention.value_length": read(lambda v, f: None if v == f.get("llama.attention.key_length", v) else
+                                   "a value length other than the key length is not implemented"),
+    "rope.scaling.type": read(equals("none")), "expert_count": read(equals(0)), "expert_used_count": read(equals(0)),
+}
+
+LLAMA = Architecture(
+    name="llama", hf_names=("LlamaForCausalLM",), recipe=LayerRecipe(), hf_weights=HF_LLAMA_WEIGHTS,
+    hf_fields=LLAMA_FIELDS, gguf_name="llama", gguf_weights=GGUF_LLAMA_WEIGHTS, gguf_keys=LLAMA_GGUF_KEYS,
+    description="Llama 1/2/3.x (rope_type default or llama3)",
+)
+QWEN2 = Architecture(
+    name="qwen2", hf_names=("Qwen2ForCausalLM",), recipe=LayerRecipe(qkv_bias=True),
+    hf_weights=HF_LLAMA_WEIGHTS, hf_fields=QWEN_FIELDS, description="Qwen2 / Qwen2.5 (q/k/v biases)",
+)
+QWEN3 = Architecture(
+    name="qwen3", hf_names=("Qwen3ForCausalLM",), recipe=LayerRecipe(qk_norm=True),
+    hf_weights=HF_LLAMA_WEIGHTS, hf_fields=QWEN_FIELDS, description="Qwen3 dense (per-head q/k RMSNorm)",
+)
+MISTRAL = Architecture(
+    name="mistral", hf_names=("MistralForCausalLM",), recipe=LayerRecipe(),
+    hf_weights=HF_LLAMA_WEIGHTS, hf_fields=MISTRAL_FIELDS,
+    description="Mistral (a sliding window no shorter than the context)",
+)
+BUILTIN = (LLAMA, QWEN2, QWEN3, MISTRAL)
+
+
+@hookimpl
+def fdx_register_architectures(register: Register) -> None:
+    for a in BUILTIN:
+        register(a.name, lambda a=a: a, description=a.description)
+
+
+def renamed(base: Architecture, name: str, hf_name: str, description: str = "") -> Architecture:
+    """``base`` served under another HF architecture name (a fine-tune's own class name)."""
+    return attrs.evolve(base, name=name, hf_names=(hf_name,), gguf_name=None, gguf_weights=None,
+                        gguf_keys={}, description=description or f"{base.name} as {hf_name}")

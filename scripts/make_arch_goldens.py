@@ -1,0 +1,128 @@
+"""Build the small random-weight models of tests/data/arch/ and their goldens.
+
+Run with the golden venv (torch CPU + transformers + safetensors):
+
+    /work/golden-venv/bin/python scripts/make_arch_goldens.py
+
+For each architecture, a model is built with transformers' own config class
+(2 layers, hidden 128, vocab 512, every quirk of the architecture switched
+on), its weights randomised with a fixed seed and saved with
+``save_pretrained`` as an fp32 safetensors folder.  ``config.json`` is the
+config class's *full* dict (``use_diff=False``), so the field-walking test
+sees every field the class has.  Beside it:
+
+* ``tokenizer.json``: a word-level tokenizer ``t0 .. t{V-1}`` (a random model
+  has no tokenizer of its own; fdx needs one to serve the folder);
+* ``goldens.json``: 3 token-id prompts, transformers' fp32 greedy tokens
+  (32 each, no EOS stop) and the log-probability of each greedy token.
+
+The tests need no torch: they read these files only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import transformers
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "arch")
+VOCAB = 512
+N_TOKENS = 32
+PROMPT_LENS = (6, 19, 37)
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+)
+
+
+def models() -> dict[str, tuple[type, type, dict]]:
+    t = transformers
+    return {
+        # Llama 3.x: llama3 rope scaling; original context 32 so the low
+        # frequencies (wavelength > 32) are scaled at the test's positions
+        "llama3": (t.LlamaConfig, t.LlamaForCausalLM, dict(
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+            rope_theta=10000.0, tie_word_embeddings=False)),
+        # Qwen2: q/k/v biases, tied embeddings
+        "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM, dict(rope_theta=10000.0, tie_word_embeddings=True)),
+        # Qwen3: per-head q/k RMSNorm, no bias, head_dim 64 != hidden / heads
+        "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM, dict(head_dim=64, rope_theta=1000000.0,
+                                                          tie_word_embeddings=False)),
+        # Mistral: a sliding window no shorter than the context (the case fdx serves)
+        "mistral": (t.MistralConfig, t.MistralForCausalLM, dict(sliding_window=512, rope_theta=10000.0,
+                                                                tie_word_embeddings=False)),
+    }
+
+
+def tokenizer_json(vocab: int) -> dict:
+    from tokenizers import Tokenizer, models as tm, pre_tokenizers
+
+    tok = Tokenizer(tm.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return json.loads(tok.to_str())
+
+
+def build(name: str, cfg_cls: type, model_cls: type, extra: dict) -> None:
+    folder = os.path.join(OUT, name)
+    os.makedirs(folder, exist_ok=True)
+    cfg = cfg_cls(**COMMON, **extra)
+    cfg.architectures = [model_cls.__name__]
+    torch.manual_seed(0)
+    model = model_cls(cfg).float().eval()
+    with torch.no_grad():  # larger-than-init weights so the logits are not flat
+        for pname, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in pname else p.normal_(0, 0.5)
+            else:
+                p.normal_(0, 1.0 / p.shape[1] ** 0.5)
+        model.model.embed_tokens.weight.normal_(0, 1.0)
+        model.model.norm.weight.mul_(3.0)  # sharper logits: few near-ties for the int8/bf16 checks
+    model.save_pretrained(folder, safe_serialization=True)
+    cfg.to_json_file(os.path.join(folder, "config.json"), use_diff=False)
+    for extra_file in ("generation_config.json",):
+        p = os.path.join(folder, extra_file)
+        if os.path.exists(p):
+            os.remove(p)
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        json.dump(tokenizer_json(VOCAB), f)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": None, "eos_token": None, "add_bos_token": False}, f)
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    out = []
+    for prompt in prompts:
+        ids = list(prompt)
+        toks, lps = [], []
+        with torch.no_grad():
+            for _ in range(N_TOKENS):
+                logits = model(torch.tensor([ids])).logits[0, -1].double()
+                lp = torch.log_softmax(logits, -1)
+                t = int(torch.argmax(lp))
+                toks.append(t)
+                lps.append(float(lp[t]))
+                ids.append(t)
+        out.append({"prompt": prompt, "tokens": toks, "logprobs": lps})
+    with open(os.path.join(folder, "goldens.json"), "w") as f:
+        json.dump({"architecture": model_cls.__name__, "transformers": transformers.__version__,
+                   "torch": torch.__version__, "dtype": "float32", "samples": out}, f, indent=1)
+    size = sum(os.path.getsize(os.path.join(folder, x)) for x in os.listdir(folder))
+    print(f"{name}: {folder} ({size / 1e6:.2f} MB)")
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    only = set(sys.argv[1:])
+    for name, (c, m, extra) in models().items():
+        if not only or name in only:
+            build(name, c, m, extra)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
