@@ -272,7 +272,7 @@ def served_greedy(base: str, samples: list[dict[str, Any]]) -> list[tuple[list[i
 
 def test_served_float32_gives_the_greedy_tokens(arch_name: str) -> None:
     samples = goldens(arch_name)
-    with start_server("--model", str(DATA / arch_name), "--dtype", "float32", "--max-model-len", "512",
+    with start_server("--model", str(DATA / arch_name), "--dtype", "float32", "--max-model-len", "512", "--served-model-name", "m",
                       default_args=("--num-kv-blocks", "64")) as (base, _):
         for s, (toks, lps) in zip(samples, served_greedy(base, samples)):
             assert toks == s["tokens"]
@@ -287,7 +287,7 @@ def test_renamed_llama_from_a_plugin_is_served(tmp_path: Path) -> None:
     folder = copy_with_config(tmp_path, "llama3", architectures=["MyLlamaForCausalLM"])
     env = {"PYTHONPATH": arch_plugin.write_entry_point(str(tmp_path / "ep"))}
     samples = goldens("llama3")[:1]
-    with start_server("--model", str(folder), "--dtype", "float32", "--max-model-len", "512", env=env,
+    with start_server("--model", str(folder), "--dtype", "float32", "--max-model-len", "512", "--served-model-name", "m", env=env,
                       default_args=("--num-kv-blocks", "64")) as (base, _):
         (toks, _lps), = served_greedy(base, samples)
         assert toks == samples[0]["tokens"]

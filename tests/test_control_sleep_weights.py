@@ -216,6 +216,13 @@ def small_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
     (folder / "config.json").write_text(json.dumps(cfg))
     z = lambda *s: np.zeros(s, dtype=np.float16)  # noqa: E731
     tensors = {"model.embed_tokens.weight": z(args.vocab_size, 64), "model.norm.weight": z(64)}
+    for i in range(2):  # a complete checkpoint: the refusal is about its shape, not a missing tensor
+        pre = f"model.layers.{i}."
+        tensors.update({pre + "input_layernorm.weight": z(64), pre + "post_attention_layernorm.weight": z(64),
+                        pre + "self_attn.q_proj.weight": z(64, 64), pre + "self_attn.k_proj.weight": z(32, 64),
+                        pre + "self_attn.v_proj.weight": z(32, 64), pre + "self_attn.o_proj.weight": z(64, 64),
+                        pre + "mlp.gate_proj.weight": z(128, 64), pre + "mlp.up_proj.weight": z(128, 64),
+                        pre + "mlp.down_proj.weight": z(64, 128)})
     save_file(tensors, str(folder / "model.safetensors"))
     return str(folder)
 

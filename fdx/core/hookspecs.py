@@ -236,8 +236,7 @@ def fdx_register_architectures(register: Register) -> None:
 
     :param register: call ``register(name, factory)`` for each architecture.
         ``factory()`` takes no arguments and returns a
-        :class:`fdx.core.interfaces.Architecture` (in practice a frozen
-        :class:`fdx.model.arch.Architecture`, declaring its HF and GGUF names,
+        frozen :class:`fdx.model.arch.Architecture` (a pure declaration of its HF and GGUF names,
         weight names, layer recipe and the config fields it understands).
 
     Return nothing.  Registering a name twice, or two architectures claiming

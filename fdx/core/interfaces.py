@@ -8,7 +8,7 @@ the hot path).  Docstrings state the invariants implementations must keep.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, Sequence
 
 import attrs
 import numpy as np
@@ -340,34 +340,6 @@ class Device(abc.ABC):
     def process_rss(self) -> int:
         """Host memory resident in this process, in bytes (0: unknown)."""
         return 0
-
-
-# --------------------------------------------------------------------------
-# Architecture (model loading)
-# --------------------------------------------------------------------------
-
-
-class Architecture(Protocol):
-    """A model architecture (plugin kind ``architecture``), picked by the
-    checkpoint's name: HF ``architectures[0]`` in ``hf_names``, or GGUF
-    ``general.architecture`` equal to ``gguf_name``.  Implemented by the
-    frozen :class:`fdx.model.arch.Architecture`, which also declares the
-    weight names and layer recipe the loader and every runner's model read.
-
-    Invariants: a pure declaration (immutable, no device state, safe to
-    share across threads); the ``check_*`` methods return the first field
-    fdx cannot serve, ``(field, reason)``, or ``None``, and every field they
-    accept is one the model computes exactly.  Used once, at load: never on
-    the per-token path.
-    """
-
-    name: str
-    hf_names: tuple[str, ...]
-    gguf_name: str | None
-
-    def check_hf_config(self, cfg: Mapping[str, Any]) -> tuple[str, str] | None: ...
-
-    def check_gguf_keys(self, fields: Mapping[str, Any]) -> tuple[str, str] | None: ...
 
 
 # --------------------------------------------------------------------------

@@ -260,6 +260,10 @@ class Architecture:
     ``None`` when fdx reads only its HF folders.  ``gguf_qk_permuted``:
     llama.cpp's converter stores q/k rows in interleaved-pair order (the
     loader un-permutes them).
+
+    Invariants: a pure declaration (immutable, no device state, safe to
+    share across threads); every field the ``check_*`` methods accept is one
+    the model computes exactly.  Used once, at load, never per token.
     """
 
     name: str
