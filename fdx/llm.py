@@ -94,6 +94,21 @@ class LLM:
         self.engine = Engine(config, plugins)
         self.processor = plugins.create("token_processor", config.token_processor, tokenizer=self.tokenizer, config=config)
         self.outputs = OutputProcessor(self.processor)
+        from fdx.generation_config import load_generation_defaults
+
+        #: the model's sampling defaults (``generation_config``, as ``fdx serve`` applies them)
+        self.defaults = load_generation_defaults(config.generation_config, config.model,
+                                                 config.override_generation_config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate``/``chat`` use without ``params`` (vLLM's name):
+        the model's generation defaults (``--generation-config``; SmolLM2:
+        temperature 0.2, top_p 0.9), ``max_tokens`` its ``max_new_tokens``
+        else 16.  Explicit :class:`SamplingParams` are used as given."""
+        d = self.defaults
+        fields = {k: getattr(d, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                  if getattr(d, k) is not None}
+        return SamplingParams(max_tokens=d.max_tokens or 16, **fields)
 
     # ------------------------------------------------------------------ API
 
@@ -140,7 +155,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[RequestResult]:
         if params is None or isinstance(params, SamplingParams):
-            plist = [params or SamplingParams()] * len(items)
+            plist = [params or self.get_default_sampling_params()] * len(items)
         else:
             plist = list(params)
             if len(plist) != len(items):

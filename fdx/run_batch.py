@@ -107,7 +107,8 @@ def _prepare(job: Job, body: dict[str, Any], llm: Any) -> None:
             raise RequestError(f"cannot apply the chat template: {exc}", 400, param="messages") from None
         job.prompts = [tok.encode(text, add_special_tokens=False)]
         explicit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = explicit if explicit is not None else max(1, mml - len(job.prompts[0]))
+        rest = max(1, mml - len(job.prompts[0]))  # unset: the rest of the context, capped by the model's default
+        max_tokens = explicit if explicit is not None else min(rest, llm.defaults.max_tokens or rest)
         if req.top_logprobs is not None and not req.logprobs:
             raise RequestError("'top_logprobs' requires 'logprobs' to be true", 400, param="top_logprobs")
         num_lp = (req.top_logprobs or 0) if req.logprobs else None
@@ -120,14 +121,14 @@ def _prepare(job: Job, body: dict[str, Any], llm: Any) -> None:
         job.prompts = [tok.encode(x, add_special_tokens=True) if isinstance(x, str) else list(x) for x in items]
         if req.echo:
             job.echo = [x if isinstance(x, str) else tok.decode(x, skip_special_tokens=False) for x in items]
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        max_tokens = req.max_tokens if req.max_tokens is not None else min(16, llm.defaults.max_tokens or 16)
         num_lp = req.logprobs
     job.model = req.model or cfg.model_name
     if req.model and req.model not in (cfg.model_name, cfg.model):
         raise RequestError(f"The model '{req.model}' does not exist (this run serves '{cfg.model_name}')", 404,
                            param="model")
     job.params = sampling_params(req, max_tokens=max_tokens, num_logprobs=num_lp, max_logprobs=cfg.max_logprobs,
-                                 vocab_size=tok.vocab_size)
+                                 vocab_size=tok.vocab_size, defaults=llm.defaults)
     job.return_token_ids = bool(req.return_token_ids)
     job.tokens_as_ids = bool(req.return_tokens_as_token_ids)
     for ids in job.prompts:

@@ -110,3 +110,17 @@ def test_failing_token_processor_fails_its_call_only(plugin_manager: Any) -> Non
     assert not llm.engine.has_work()
     [ok] = llm.generate("The sky is", greedy(8, ignore_eos=True))
     assert ok.finish_reason == "length" and len(ok.token_ids) == 8 and ok.text
+
+
+def test_generate_without_params_uses_the_model_defaults(llm: Any) -> None:
+    """As ``fdx serve`` does (and vLLM's ``LLM``): no params -> the model's
+    generation defaults (SmolLM2: temperature 0.2, top_p 0.9), not 1.0."""
+    import fdx
+
+    d = llm.get_default_sampling_params()
+    assert (d.temperature, d.top_p, d.max_tokens) == (0.2, 0.9, 512), d
+    [res] = llm.chat([{"role": "system", "content": "Answer in one short sentence."},
+                      {"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in res.text and res.finish_reason == "stop", res.text
+    plain = fdx.LLM(num_kv_blocks=8, max_model_len=256, generation_config="vllm")
+    assert plain.get_default_sampling_params() == fdx.SamplingParams()
