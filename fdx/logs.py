@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 
 
 class _JsonFormatter(logging.Formatter):
@@ -51,3 +52,35 @@ def setup_logging(level: str = "info", process: str = "main") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+
+
+class StatsLogger:
+    """A periodic one-line log of throughput and queue state."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.last_t = time.monotonic()
+        self.last_steps = 0
+        self.last_tokens = 0
+        self.last_generated = 0
+
+    def maybe_log(self, stats: Any) -> None:
+        now = time.monotonic()
+        if self.interval <= 0 or now - self.last_t < self.interval:
+            return
+        dt = now - self.last_t
+        logging.getLogger("fdx.engine").info(
+            "steps/s=%.1f tokens/s=%.1f gen_tokens/s=%.1f running=%d waiting=%d kv_usage=%.1f%% "
+            "prefix_hit=%d/%d preemptions=%d",
+            (stats.steps - self.last_steps) / dt,
+            (stats.num_batched_tokens - self.last_tokens) / dt,
+            (stats.num_generated_tokens - self.last_generated) / dt,
+            stats.num_running,
+            stats.num_waiting,
+            100 * stats.kv_usage,
+            stats.prefix_hits,
+            stats.prefix_queries,
+            stats.num_preemptions,
+        )
+        self.last_t, self.last_steps = now, stats.steps
+        self.last_tokens, self.last_generated = stats.num_batched_tokens, stats.num_generated_tokens

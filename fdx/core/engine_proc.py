@@ -24,7 +24,7 @@ import zmq
 from fdx.config import EngineConfig
 from fdx.core.errors import ControlError, FdxError
 from fdx.core.ipc import EngineSide, IpcPaths, child_args, pid_alive
-from fdx.logs import setup_logging
+from fdx.logs import StatsLogger, setup_logging
 from fdx.core.messages import (
     AbortRequest,
     AddRequest,
@@ -205,38 +205,6 @@ def _control(engine: Any, msg: ControlRequest) -> ControlReply:
     except Exception:  # noqa: BLE001 - Engine.control wraps its own; this is the last guard
         log.exception("control method %s failed", msg.method)
         return ControlReply(msg.call_id, 500, None, f"control method {msg.method} failed")
-
-
-class StatsLogger:
-    """A periodic one-line log of throughput and queue state."""
-
-    def __init__(self, interval: float) -> None:
-        self.interval = interval
-        self.last_t = time.monotonic()
-        self.last_steps = 0
-        self.last_tokens = 0
-        self.last_generated = 0
-
-    def maybe_log(self, stats) -> None:  # type: ignore[no-untyped-def]
-        now = time.monotonic()
-        if self.interval <= 0 or now - self.last_t < self.interval:
-            return
-        dt = now - self.last_t
-        log.info(
-            "steps/s=%.1f tokens/s=%.1f gen_tokens/s=%.1f running=%d waiting=%d kv_usage=%.1f%% "
-            "prefix_hit=%d/%d preemptions=%d",
-            (stats.steps - self.last_steps) / dt,
-            (stats.num_batched_tokens - self.last_tokens) / dt,
-            (stats.num_generated_tokens - self.last_generated) / dt,
-            stats.num_running,
-            stats.num_waiting,
-            100 * stats.kv_usage,
-            stats.prefix_hits,
-            stats.prefix_queries,
-            stats.num_preemptions,
-        )
-        self.last_t, self.last_steps = now, stats.steps
-        self.last_tokens, self.last_generated = stats.num_batched_tokens, stats.num_generated_tokens
 
 
 def main() -> None:
