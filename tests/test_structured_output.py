@@ -92,6 +92,49 @@ def via(k: int, schema: dict[str, Any]) -> dict[str, Any]:
     return {"response_format": {"type": "json_schema", "json_schema": {"name": f"s{k}", "schema": schema}}}
 
 
+def test_a_new_schema_does_not_stall_the_other_streams(server: str) -> None:
+    """First in the module, so this is the engine's first grammar (its
+    llguidance tokenizer is built too, ~0.5 s): it arrives while 8 streams
+    decode and compiles off the engine thread; no stream's gap between
+    tokens after it exceeds 3x that stream's median gap."""
+    import threading
+    import time
+
+    import httpx
+
+    times: list[list[float]] = [[] for _ in range(8)]
+
+    def stream(i: int) -> None:
+        body = {"model": "smollm2", "prompt": f"Story {i}: once upon a time", "max_tokens": 48, "stream": True,
+                "temperature": 0, "ignore_eos": True}
+        with httpx.stream("POST", server + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    times[i].append(time.monotonic())
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while min(len(t) for t in times) < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t_schema = time.monotonic()
+    schema = {"type": "object", "properties": {"stall_probe": {"type": "integer"}}, "required": ["stall_probe"]}
+    r = httpx.post(server + "/v1/completions", timeout=120, json={
+        "model": "smollm2", "prompt": "A number as JSON:", "max_tokens": 12, "temperature": 0,
+        "structured_outputs": {"json": schema}})
+    for t in threads:
+        t.join(timeout=120)
+    assert r.status_code == 200, r.text
+    assert min(len(t) for t in times) >= 40, [len(t) for t in times]
+    for ts in times:
+        gaps = [b - a for a, b in zip(ts[1:], ts[2:])]  # without the first token (prefill)
+        after = [b - a for a, b in zip(ts, ts[1:]) if b > t_schema]
+        median = sorted(gaps)[len(gaps) // 2]
+        assert after and max(after) <= 3 * median, (f"gap {max(after) * 1e3:.0f} ms after the new schema vs a "
+                                                    f"median of {median * 1e3:.0f} ms")
+
+
 def test_twenty_objects_over_five_schemas_validate(client: Any) -> None:
     objects = []
     for k, (schema, prompt) in enumerate(zip(SCHEMAS, PROMPTS)):

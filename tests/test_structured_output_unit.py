@@ -357,3 +357,44 @@ def test_closed_objects_closes_only_objects_that_leave_extra_keys_unsaid() -> No
     assert out["$defs"]["D"]["additionalProperties"] is False
     assert out["enum"] == [{"properties": {}}]  # data, not a schema
     assert "additionalProperties" not in schema  # the input is left alone
+
+
+def test_a_compiling_grammar_keeps_its_request_out_of_the_batch(backend: Any) -> None:
+    """matcher_async returns a pending matcher for a new spec (the compile
+    runs on the backend's worker); v0 and v1 schedule the others meanwhile,
+    admit the request once it compiled, end a failed compile with a 400, and
+    abort a compiling request without leaking it."""
+    import concurrent.futures as cf
+
+    from fdx.core.kv_cache import KVCacheManager
+    from fdx.plugins.grammar.llguidance_backend import PendingMatcher
+    from fdx.plugins.schedulers.v0 import V0Scheduler
+    from fdx.plugins.schedulers.v1 import V1Scheduler
+
+    spec = StructuredOutput("regex", "[0-9]{2,5} apples")
+    async_m = backend.matcher_async(spec)
+    assert isinstance(async_m, PendingMatcher)
+    async_m.wait(30)
+    assert not async_m.pending and async_m.error is None and len(allowed_ids(async_m, backend.vocab_size)) > 0
+    assert not isinstance(backend.matcher_async(spec), PendingMatcher)  # compiled: a plain copy now
+    template = backend.compile(spec)
+    for cls in (V0Scheduler, V1Scheduler):
+        sched = cls(make_config(num_kv_blocks=64, block_size=4), KVCacheManager(64, 4))
+        futs = {name: cf.Future() for name in ("ok", "bad", "gone")}
+
+        def req(name: str, grammar: Any) -> Request:
+            p = SamplingParams(max_tokens=4, structured=spec if grammar is not None else None)
+            return Request(name, [3, 4, 5], p, frozenset({0}), grammar=grammar)
+
+        for name, fut in futs.items():
+            sched.add_request(req(name, PendingMatcher(fut, backend)))
+        sched.add_request(req("plain", None))
+        batch = sched.schedule()
+        assert [s.request.request_id for s in batch.seqs] == ["plain"] and sched.num_waiting == 3
+        futs["ok"].set_result(template)
+        futs["bad"].set_exception(ValueError("no such rule"))
+        assert [r.request_id for r in sched.abort(["gone"])] == ["gone"]
+        batch = sched.schedule()
+        assert sorted(s.request.request_id for s in batch.seqs) == ["ok", "plain"], cls  # plain decodes
+        assert [(r.request_id, r.error_code) for r in batch.failed] == [("bad", 400)]
+        assert "no such rule" in (batch.failed[0].error or "") and sched.get("gone") is None

@@ -105,10 +105,8 @@ class Engine:
             error = f"duplicate request id {msg.request_id!r}"
         grammar, spec = None, msg.params.structured
         if error is None and spec is not None:
-            try:  # compiled once per spec; the API process checked it first (400 naming the field)
-                kw = {"config": self.config, "vocab_size": self.runner.vocab_size}
-                self.grammar = self.grammar or self.plugins.create("grammar_backend", self.config.grammar_backend, **kw)
-                grammar = self.grammar.matcher(spec)
+            try:  # compiled once per spec, off this thread; the API process checked it first (400 naming the field)
+                grammar = self.grammar_backend().matcher_async(spec)
             except Exception as exc:  # noqa: BLE001 - a bad spec (or backend) fails this request only
                 error = f"structured output ({spec.kind}): {exc}"
         if error is not None:
@@ -123,6 +121,12 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - a plugin failing on one request ends that request
             log.exception("scheduler failed to queue request %s", req.request_id)
             self._end([req], f"the scheduler failed on this request: {exc}", 500)
+
+    def grammar_backend(self) -> Any:
+        """The :class:`GrammarBackend` (``--grammar-backend``), made on first use."""
+        kw = {"config": self.config, "vocab_size": self.runner.vocab_size}
+        self.grammar = self.grammar or self.plugins.create("grammar_backend", self.config.grammar_backend, **kw)
+        return self.grammar
 
     def abort(self, request_ids: Iterable[str], reason: str = "abort") -> list[Request]:
         """Abort requests; each gets a final output with its partial tokens."""

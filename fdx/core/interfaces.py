@@ -410,6 +410,12 @@ class GrammarMatcher(Protocol):
     preemption or a moved request never advances it twice), then calls
     :meth:`fill_bitmask`.  Once the grammar is complete (or broken) only the
     eos ids are allowed.  Threading contract: the engine thread only.
+
+    A matcher from :meth:`GrammarBackend.matcher_async` may also be
+    *pending* while its grammar compiles off the engine thread: it then has
+    ``pending`` (true until the compile ends), ``error`` (why it failed, or
+    ``None``) and ``wait(timeout)``.  Schedulers keep such a request out of
+    the batch until it is not pending, and end it with ``error`` (400).
     """
 
     def accept(self, token_ids: Sequence[int]) -> None:
@@ -432,6 +438,16 @@ class GrammarBackend(abc.ABC):
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar (compiled once per
         spec); raises ``ValueError`` saying what is wrong with the spec."""
+
+    def warm(self) -> None:
+        """Do the one-time work (e.g. a tokenizer index) now: each process
+        calls it in a thread at start-up, so no request waits on it."""
+
+    def matcher_async(self, spec: StructuredOutput) -> GrammarMatcher:
+        """The engine's call: :meth:`matcher` without waiting for a compile
+        (a new spec gets a *pending* matcher, see :class:`GrammarMatcher`),
+        so a new schema never stalls the other streams.  Default: :meth:`matcher`."""
+        return self.matcher(spec)
 
 
 @attrs.frozen

@@ -52,6 +52,7 @@ from fdx.server.protocol import (
     validation_error,
 )
 from fdx.server.serving import OpenAIServing
+from fdx.server.serving.structured import warm_grammar
 from fdx.server.serving.tokenize import add_tokenize_routes
 
 log = logging.getLogger("fdx.server")
@@ -169,6 +170,7 @@ def create_app(
             return
         serving.set_tokenizer(tok, proc)
         log.info("tokenizer loaded (vocab %d)", tok.vocab_size)
+        await asyncio.to_thread(warm_grammar, serving)
         maybe_serving()
 
     @asynccontextmanager

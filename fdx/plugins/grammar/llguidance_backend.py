@@ -7,7 +7,12 @@ One :class:`LLGuidanceBackend` per process: the model's tokenizer as an
 ``llguidance.LLTokenizer`` (built on the first compile, about 0.5 s), and a
 bounded LRU of compiled grammars keyed by the
 :class:`~fdx.core.messages.StructuredOutput` -- each entry a pristine
-``LLMatcher`` whose ``deep_copy()`` starts a request.  JSON is generated
+``LLMatcher`` whose ``deep_copy()`` starts a request.  The engine's
+:meth:`~LLGuidanceBackend.matcher_async` compiles a new spec on one worker
+thread (llguidance releases the GIL while it compiles) and returns a
+:class:`PendingMatcher` at once, so the step loop keeps running the other
+requests; the API process's :meth:`~LLGuidanceBackend.matcher` (the 400
+check) compiles in its caller.  JSON is generated
 compact (``", "`` and ``": "`` separators, no free whitespace), so a small
 model cannot wander off into whitespace.
 """
@@ -15,6 +20,7 @@ model cannot wander off into whitespace.
 from __future__ import annotations
 
 import collections
+import concurrent.futures as cf
 import json
 import threading
 from typing import TYPE_CHECKING, Any, Sequence
@@ -125,6 +131,45 @@ class LLGuidanceMatcher(GrammarMatcher):
         return bool(self._m.is_error() or self._m.is_stopped())
 
 
+class PendingMatcher(GrammarMatcher):
+    """A request's matcher while its grammar compiles on the backend's worker
+    thread (the contract in :class:`fdx.core.interfaces.GrammarMatcher`):
+    the scheduler admits the request once :attr:`pending` is false, and
+    from then on it is the :class:`LLGuidanceMatcher` it wraps."""
+
+    def __init__(self, future: cf.Future[Any], backend: LLGuidanceBackend) -> None:
+        self._future = future
+        self._backend = backend
+        self._m: LLGuidanceMatcher | None = None
+
+    @property
+    def pending(self) -> bool:
+        return not self._future.done()
+
+    @property
+    def error(self) -> str | None:
+        exc = self._future.exception() if self._future.done() else None
+        return None if exc is None else str(exc) or type(exc).__name__
+
+    def wait(self, timeout: float) -> None:
+        cf.wait([self._future], timeout)
+
+    def _matcher(self) -> LLGuidanceMatcher:
+        if self._m is None:
+            self._m = self._backend.copy(self._future.result())
+        return self._m
+
+    def accept(self, token_ids: Sequence[int]) -> None:
+        self._matcher().accept(token_ids)
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        self._matcher().fill_bitmask(bitmask, row)
+
+    @property
+    def done(self) -> bool:
+        return self._matcher().done
+
+
 class LLGuidanceBackend(GrammarBackend):
     """See the module docstring."""
 
@@ -136,6 +181,8 @@ class LLGuidanceBackend(GrammarBackend):
         self._eos: tuple[int, ...] = ()
         self._cache: collections.OrderedDict[StructuredOutput, Any] = collections.OrderedDict()
         self.compiles = 0  # cache misses (for tests and benchmarks)
+        self._pool: cf.ThreadPoolExecutor | None = None  # matcher_async's worker, made on first use
+        self._inflight: dict[StructuredOutput, cf.Future[Any]] = {}
 
     def _tokenizer(self) -> Any:
         if self._tok is None:
@@ -150,6 +197,16 @@ class LLGuidanceBackend(GrammarBackend):
             self._eos = tuple(sorted(tok.eos_token_ids))
             self._tok = llg.LLTokenizer(hf.to_str(), n_vocab=self.vocab_size, eos_token=list(self._eos))
         return self._tok
+
+    def warm(self) -> None:
+        """Build the llguidance tokenizer (about 0.5 s, holding the GIL) now;
+        nothing without the llguidance package (a structured request says so)."""
+        try:
+            _llg()
+        except ImportError:
+            return
+        with self._lock:
+            self._tokenizer()
 
     def compile(self, spec: StructuredOutput) -> Any:
         """The pristine ``LLMatcher`` of ``spec`` (cached); ``ValueError`` for a bad spec."""
@@ -171,10 +228,30 @@ class LLGuidanceBackend(GrammarBackend):
                 self._cache.popitem(last=False)
         return m
 
-    def matcher(self, spec: StructuredOutput) -> LLGuidanceMatcher:
-        template = self.compile(spec)
+    def copy(self, template: Any) -> LLGuidanceMatcher:
+        """A request's matcher from a compiled ``template``."""
         with self._lock:  # the cached matcher is shared by every thread: copy it one at a time
             return LLGuidanceMatcher(template.deep_copy(), self._eos)
+
+    def matcher(self, spec: StructuredOutput) -> LLGuidanceMatcher:
+        return self.copy(self.compile(spec))
+
+    def matcher_async(self, spec: StructuredOutput) -> GrammarMatcher:
+        with self._lock:
+            cached = spec in self._cache
+            fut = None if cached else self._inflight.get(spec)
+            if not cached and fut is None:
+                if self._pool is None:
+                    self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="fdx-grammar")
+                fut = self._inflight[spec] = self._pool.submit(self._compile_inflight, spec)
+        return self.matcher(spec) if cached else PendingMatcher(fut, self)  # type: ignore[arg-type]
+
+    def _compile_inflight(self, spec: StructuredOutput) -> Any:
+        try:
+            return self.compile(spec)
+        finally:
+            with self._lock:
+                self._inflight.pop(spec, None)
 
 
 def _one_line(msg: str) -> str:

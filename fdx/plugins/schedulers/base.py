@@ -13,7 +13,7 @@ Invariants kept here:
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 
@@ -58,6 +58,8 @@ class BaseScheduler(Scheduler):
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._failed: list[Request] = []
+        #: structured requests whose grammar still compiles (off the engine thread), in arrival order
+        self.compiling: list[Request] = []
         self.num_preemptions = 0
         self.num_failed = 0
         self.num_finished = 0
@@ -82,7 +84,27 @@ class BaseScheduler(Scheduler):
         if error is not None:
             self._fail(request, error, 400)
             return
-        self.waiting.append(request)
+        (self.compiling if getattr(request.grammar, "pending", False) else self.waiting).append(request)
+
+    def admit_compiled(self) -> None:
+        """Called first in ``schedule()``: compiling requests whose grammar is
+        ready join the waiting queue (in arrival order); one whose compile
+        failed ends with its error (400).  With nothing else to run, wait up
+        to 20 ms for the oldest compile (no busy loop while a grammar compiles)."""
+        if not self.compiling:
+            return
+        if not self.running and not self.waiting:
+            self.compiling[0].grammar.wait(0.02)  # type: ignore[union-attr]
+        keep: list[Request] = []
+        for r in self.compiling:
+            g: Any = r.grammar
+            if g.pending:
+                keep.append(r)
+            elif g.error is not None:
+                self._fail(r, f"structured output ({r.params.structured.kind}): {g.error}", 400)  # type: ignore[union-attr]
+            else:
+                self.waiting.append(r)
+        self.compiling = keep
 
     def beam_error(self, request: Request) -> str | None:
         """Why this scheduler cannot run ``request``'s beam search, or ``None``."""
@@ -151,7 +173,7 @@ class BaseScheduler(Scheduler):
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self._failed)
+        return len(self.waiting) + len(self._failed) + len(self.compiling)
 
     def live_requests(self) -> list[Request]:
         return [*self.running, *self.waiting]
@@ -177,6 +199,10 @@ class BaseScheduler(Scheduler):
         for r in self._failed:
             (removed if r.request_id in ids else keep_failed).append(r)
         self._failed = keep_failed
+        keep_compiling: list[Request] = []
+        for r in self.compiling:
+            (removed if r.request_id in ids else keep_compiling).append(r)
+        self.compiling = keep_compiling
         for r in removed:
             self.kv.free(r)
             self.requests.pop(r.request_id, None)

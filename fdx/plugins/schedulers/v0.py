@@ -143,6 +143,7 @@ class V0Scheduler(BaseScheduler):
         self.plans.pop(request.request_id, None)
 
     def schedule(self) -> ScheduledBatch:
+        self.admit_compiled()
         batch = ScheduledBatch()
         self._take_failed(batch)
         kv = self.kv

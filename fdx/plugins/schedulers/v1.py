@@ -45,6 +45,7 @@ class V1Scheduler(BaseScheduler):
     supports_beam_search = True
 
     def schedule(self) -> ScheduledBatch:
+        self.admit_compiled()
         batch = ScheduledBatch()
         self._take_failed(batch)
         kv = self.kv

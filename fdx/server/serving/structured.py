@@ -51,6 +51,19 @@ def grammar_backend(serving: OpenAIServing) -> GrammarBackend:
     return backend
 
 
+def warm_grammar(serving: OpenAIServing) -> None:
+    """The backend's one-time warm-up (llguidance: its tokenizer, ~0.5 s
+    holding the GIL) at start-up, so the first structured request does not
+    stall every stream of this process; a failure is logged (a structured
+    request then reports it)."""
+    if not serving.config.grammar_backend:
+        return
+    try:
+        grammar_backend(serving).warm()
+    except Exception:  # noqa: BLE001
+        log.warning("grammar backend %r failed to warm up", serving.config.grammar_backend, exc_info=True)
+
+
 def _schema_text(schema: Any, param: str) -> str:
     """A JSON schema (object, boolean or JSON text) as JSON text."""
     if isinstance(schema, str):
