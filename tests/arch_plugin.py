@@ -8,7 +8,6 @@ A real ``fdx serve`` finds it through :func:`write_entry_point` (a
 
 from __future__ import annotations
 
-import os
 
 from fdx.core.hookspecs import Register, hookimpl
 
@@ -24,13 +23,8 @@ def fdx_register_architectures(register: Register) -> None:
 
 
 def write_entry_point(directory: str) -> str:
-    """Write a ``.dist-info`` declaring this module as the ``fdx.plugins``
-    entry point ``my_llama``; returns the ``PYTHONPATH`` that finds both."""
-    info = os.path.join(directory, "fdx_my_llama-0.1.dist-info")
-    os.makedirs(info, exist_ok=True)
-    with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: fdx-my-llama\nVersion: 0.1\n")
-    with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write("[fdx.plugins]\nmy_llama = arch_plugin\n")
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.pathsep.join(p for p in (directory, here, os.environ.get("PYTHONPATH", "")) if p)
+    """A ``.dist-info`` in ``directory`` declaring this module as the
+    ``fdx.plugins`` entry point ``my_llama``; returns the ``PYTHONPATH`` that finds both."""
+    from serverutil import write_plugin_entry_point
+
+    return write_plugin_entry_point(directory, "fdx-my-llama", "my_llama", "arch_plugin")

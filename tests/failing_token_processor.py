@@ -14,7 +14,6 @@ as an installed third-party package would have).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 from fdx.core.hookspecs import hookimpl
@@ -67,13 +66,8 @@ def fdx_register_token_processors(register: Any) -> None:
 
 
 def write_entry_point(directory: str) -> str:
-    """Write a ``.dist-info`` declaring this module as the ``fdx.plugins``
-    entry point ``failing``; returns the ``PYTHONPATH`` that finds both."""
-    info = os.path.join(directory, "fdx_failing_plugin-0.1.dist-info")
-    os.makedirs(info, exist_ok=True)
-    with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: fdx-failing-plugin\nVersion: 0.1\n")
-    with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write("[fdx.plugins]\nfailing = failing_token_processor\n")
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.pathsep.join(p for p in (directory, here, os.environ.get("PYTHONPATH", "")) if p)
+    """A ``.dist-info`` in ``directory`` declaring this module as the
+    ``fdx.plugins`` entry point ``failing``; returns the ``PYTHONPATH`` that finds both."""
+    from serverutil import write_plugin_entry_point
+
+    return write_plugin_entry_point(directory, "fdx-failing-plugin", "failing", "failing_token_processor")

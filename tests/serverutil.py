@@ -201,3 +201,18 @@ def start_server(
                 os.unlink(log.name)
         with contextlib.suppress(OSError):
             os.rmdir(run_dir)  # fails (kept for inspection) if the server left files behind
+
+
+def write_plugin_entry_point(directory: str, dist: str, name: str, module: str) -> str:
+    """Install test module ``module`` as a plugin the way a package would:
+    a ``{dist}-0.1.dist-info`` in ``directory`` with the ``fdx.plugins``
+    entry point ``name``.  Returns the ``PYTHONPATH`` (``directory``, the
+    tests folder, the current one) on which a server subprocess finds it."""
+    info = os.path.join(directory, f"{dist.replace('-', '_')}-0.1.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write(f"[fdx.plugins]\n{name} = {module}\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.pathsep.join(p for p in (directory, here, os.environ.get("PYTHONPATH", "")) if p)

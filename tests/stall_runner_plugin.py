@@ -39,13 +39,8 @@ def fdx_register_model_runners(register: Any) -> None:
 
 
 def write_entry_point(directory: str) -> str:
-    """Write a ``.dist-info`` declaring this module as the ``fdx.plugins``
-    entry point ``stall_runner``; returns the ``PYTHONPATH`` that finds both."""
-    info = os.path.join(directory, "fdx_stall_runner-0.1.dist-info")
-    os.makedirs(info, exist_ok=True)
-    with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: fdx-stall-runner\nVersion: 0.1\n")
-    with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write("[fdx.plugins]\nstall_runner = stall_runner_plugin\n")
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.pathsep.join(p for p in (directory, here, os.environ.get("PYTHONPATH", "")) if p)
+    """A ``.dist-info`` in ``directory`` declaring this module as the
+    ``fdx.plugins`` entry point ``stall_runner``; returns the ``PYTHONPATH`` that finds both."""
+    from serverutil import write_plugin_entry_point
+
+    return write_plugin_entry_point(directory, "fdx-stall-runner", "stall_runner", "stall_runner_plugin")
