@@ -87,7 +87,7 @@ def main() -> None:
 
     from fdx.config import make_config
     from fdx.core.engine import Engine
-    from fdx.plugins.cache_backends.kv_storage import KVStorage
+    from fdx.kv_storage import KVStorage
     from fdx.core.plugins import get_plugins
 
     n_blocks = max(256, 2 * (args.tokens // 16 + 4))

@@ -226,11 +226,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             cfg = config_from_args(args, plugins)
             from fdx.model.loader import load_tokenizer
+            from fdx.router.topology import is_managed, run_topology
             from fdx.server.launcher import serve
 
             load_tokenizer(cfg.model)  # a missing/corrupt model fails here, in one line, before any process starts
-
-            return serve(cfg)
+            # --scheduler splitwise --num-prefill N --num-decode M: P, D and the router; else one server
+            return run_topology(cfg) if is_managed(cfg) else serve(cfg)
         parser.print_help()
         return 0
     except FdxError as exc:

@@ -26,12 +26,31 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from fdx.core.errors import ControlError, ModelLoadError, RequestError
 
 if TYPE_CHECKING:
-    from fdx.core.engine import Engine
+    from fdx.core.interfaces import Device, ModelRunner, Scheduler
+    from fdx.core.kv_cache import KVCacheManager
+    from fdx.core.request import Request
+
+
+class ControlledEngine(Protocol):
+    """What the control plane reads and changes of the engine
+    (:class:`fdx.core.engine.Engine`, which builds it on the first call):
+    typed here so this module needs nothing from ``fdx.core.engine``."""
+
+    is_paused: bool
+    sleeping: set[str]
+    scheduler: Scheduler
+    runner: ModelRunner
+    kv: KVCacheManager
+    device: Device | None
+
+    def finish(self, req: Request, finish_reason: str, error: str | None, code: int) -> None: ...
+
+    def abort(self, request_ids: Iterable[str], reason: str = "abort") -> list[Request]: ...
 
 log = logging.getLogger("fdx.engine")
 
@@ -47,7 +66,7 @@ class ControlPlane:
     METHODS = ("pause", "resume", "is_paused", "sleep", "wakeup", "update_weights", "abort_requests",
                "reset_prefix_cache")
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: ControlledEngine) -> None:
         self.engine = engine
 
     def call(self, method: str, args: dict[str, Any] | None) -> Any:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import pytest
 
 from fdx.core.kv_cache import KVCacheManager
-from fdx.plugins.cache_backends.kv_storage import HEADER, KVStorage, fingerprint_digest, pack, storage_key, unpack
+from fdx.kv_storage import HEADER, KVStorage, fingerprint_digest, pack, storage_key, unpack
 from fdx.core.request import Request
 from fdx.plugins.cache_backends.file import FileBackend
 from fdx.plugins.cache_backends.memory import MemoryBackend

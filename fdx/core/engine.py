@@ -82,7 +82,7 @@ class Engine:
         self.grammar: Any = None  # the GrammarBackend (--grammar-backend), built for the first structured request
         self.storage = None
         if config.cache_backend:
-            from fdx.plugins.cache_backends.kv_storage import KVStorage
+            from fdx.kv_storage import KVStorage
 
             backend = self.plugins.create("cache_backend", config.cache_backend, options=config.cache_backend_config)
             self.storage = self.kv.storage = KVStorage(backend, self.runner, self.kv)

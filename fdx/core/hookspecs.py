@@ -106,7 +106,7 @@ def fdx_register_cache_backends(register: Register) -> None:
 
     A cache backend stores KV blocks beyond the device pool; the engine
     drives the chosen one through its KV storage tier
-    (:mod:`fdx.plugins.cache_backends.kv_storage`).  Called once at start-up,
+    (:mod:`fdx.kv_storage`).  Called once at start-up,
     in the engine process (and in ``fdx plugins``).
 
     :param register: call ``register(name, factory)``.  ``factory(options=...)``

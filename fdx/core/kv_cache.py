@@ -29,7 +29,7 @@ Invariants (checked by :func:`fdx.testing.check_kv_invariants`):
   block shared by the beams of one beam search (:meth:`fork`);
 * once every request is finished or aborted, ``free + evictable == total``.
 
-Storage hooks (KV storage tier, :mod:`fdx.plugins.cache_backends.kv_storage`): when
+Storage hooks (KV storage tier, :mod:`fdx.kv_storage`): when
 ``self.storage`` is not ``None`` the manager calls, and only in these places:
 
 * in :meth:`get_computed_blocks`, after the device prefix match stopped

@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from fdx.core.interfaces import GrammarMatcher
+from fdx.core.grammar import GrammarMatcher
 from fdx.core.messages import (ALL_LOGPROBS, MAX_ALL_LOGPROBS_PROMPT, AddRequest, BeamSequence, KVTransferParams,
                                SamplingParams, TokenLogprob)
 

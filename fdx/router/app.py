@@ -31,7 +31,7 @@ from fdx.router.proxy import FORWARD_HEADERS, RelayResponse, plan_request
 from fdx.server.protocol import error_body
 
 if TYPE_CHECKING:
-    from fdx.router.main import RouterConfig
+    from fdx.router.config import RouterConfig
 
 log = logging.getLogger("fdx.router")
 

@@ -19,52 +19,12 @@ import signal
 import sys
 import threading
 from typing import Any, Sequence
-from urllib.parse import urlsplit
 
 import attrs
 
 from fdx.core.errors import ConfigError
+from fdx.router.config import RouterConfig
 from fdx.server.api_proc import watch_parent
-
-
-def _urls(inst: Any, att: attrs.Attribute, value: tuple[str, ...]) -> None:
-    if not value:
-        raise ConfigError(f"--{att.name} needs at least one URL")
-    for u in value:
-        parts = urlsplit(u)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"--{att.name} {u!r}: expected a base URL like http://127.0.0.1:8001")
-
-
-def _positive(inst: Any, att: attrs.Attribute, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(f"--{att.name.replace('_', '-')} must be > 0, got {value}")
-
-
-@attrs.frozen(kw_only=True)
-class RouterConfig:
-    """Everything ``fdx router`` needs."""
-
-    prefill: tuple[str, ...] = attrs.field(converter=tuple, validator=_urls)
-    decode: tuple[str, ...] = attrs.field(converter=tuple, validator=_urls)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    #: seconds between two /health probes of every instance
-    probe_interval: float = attrs.field(default=1.0, validator=_positive)
-    #: seconds a probe (or an info / metrics read) may take
-    probe_timeout: float = attrs.field(default=3.0, validator=_positive)
-    #: seconds to connect to an instance before it counts as unreachable
-    connect_timeout: float = attrs.field(default=3.0, validator=_positive)
-    max_request_bytes: int = attrs.field(default=4 << 20, validator=_positive)
-    log_level: str = "info"
-
-    def __attrs_post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port must be a TCP port (0-65535), got {self.port}")
-        urls = [u.rstrip("/") for u in (*self.prefill, *self.decode)]
-        if len(set(urls)) != len(urls):
-            raise ConfigError("an instance URL is given twice")
 
 
 def build_parser(prog: str = "fdx router") -> argparse.ArgumentParser:

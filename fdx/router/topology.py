@@ -1,8 +1,8 @@
 """``fdx serve --scheduler splitwise --num-prefill N --num-decode M``: a splitwise topology on one machine.
 
-The launcher (:func:`fdx.server.launcher.serve`) hands such a config to
-:func:`run_topology`, which stays in the foreground and owns N + M + 1
-managed children:
+``fdx serve`` (:mod:`fdx.cli`) hands such a config to :func:`run_topology`
+(any other to :func:`fdx.server.launcher.serve`), which stays in the
+foreground and owns N + M + 1 managed children:
 
 * each instance is a full ``fdx serve`` (its own launcher, API and engine
   processes, its engine supervised and restarted as usual) with

@@ -51,7 +51,7 @@ from fdx.server.protocol import (
     openapi_body,
     validation_error,
 )
-from fdx.server.serving import OpenAIServing
+from fdx.server.serving import OpenAIServing, routes
 from fdx.server.serving.structured import warm_grammar
 from fdx.server.serving.tokenize import add_tokenize_routes
 
@@ -271,21 +271,21 @@ def create_app(
                                "description": "the completion (JSON), or with stream=true an event stream"},
                          **gen_errors})
     async def completions(request: Request) -> Response:
-        return await serving.completions(request)
+        return await routes.completions(serving, request)
 
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest),
               responses={200: {"model": ChatCompletionResponse, "content": SSE_RESPONSE,
                                "description": "the chat completion (JSON), or with stream=true an event stream"},
                          **gen_errors})
     async def chat(request: Request) -> Response:
-        return await serving.chat(request)
+        return await routes.chat(serving, request)
 
     @app.post("/v1/chat/completions/batch", openapi_extra=openapi_body(BatchChatCompletionRequest),
               responses={200: {"model": ChatCompletionResponse,
                                "description": "one chat completion, one choice per conversation (vLLM)"},
                          **gen_errors})
     async def chat_batch(request: Request) -> Response:
-        return await serving.chat_batch(request)
+        return await routes.chat_batch(serving, request)
 
     @app.post("/invocations",
               openapi_extra={"requestBody": {"required": True, "description": "a chat completion or a completion "
@@ -300,7 +300,7 @@ def create_app(
                                "description": "what /v1/chat/completions or /v1/completions answers"},
                          **gen_errors})
     async def invocations(request: Request) -> Response:
-        return await serving.invocations(request)
+        return await routes.invocations(serving, request)
 
     add_tokenize_routes(app, serving)  # /tokenize, /detokenize (fdx/server/serving/tokenize.py)
     add_control_routes(app, client, config)  # /v1/pause, /v1/sleep, ... (fdx/server/control.py)

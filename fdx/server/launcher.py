@@ -232,10 +232,6 @@ def engine_slots(config: EngineConfig, paths: IpcPaths) -> list[EngineSlot]:
 
 def serve(config: EngineConfig) -> int:
     """Run the server until a signal; returns the process exit code."""
-    from fdx.router.topology import is_managed, run_topology
-
-    if is_managed(config):  # --scheduler splitwise --num-prefill N --num-decode M: P, D and the router
-        return run_topology(config)
     setup_logging(config.log_level, process="serve")
     hide_secrets_in_argv([getattr(config, f.name) for f in attrs.fields(EngineConfig)
                           if is_secret(f.name) and isinstance(getattr(config, f.name), str)])

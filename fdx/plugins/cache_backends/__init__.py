@@ -1,3 +1,3 @@
 """The cache-backend plugins (``fdx_register_cache_backends``,
-``--cache-backend``) and the KV storage tier that drives the chosen one
-(:mod:`fdx.plugins.cache_backends.kv_storage`)."""
+``--cache-backend``); the KV storage tier that drives the chosen one is
+engine machinery, :mod:`fdx.kv_storage`."""

@@ -1,13 +1,13 @@
 """:class:`OpenAIServing`: what the two OpenAI endpoints share in the API
 process (the tokenizer, the :class:`~fdx.output_processor.OutputProcessor`
 over the chosen token processor, the off-loop prompt tokenizer), the checks
-both make (model name, readiness, context length, overload), and the route
-entry points, which hand over to ``completions.py`` and ``chat.py``."""
+both make (model name, readiness, context length, overload).  The route
+handlers that hand over to ``completions.py`` and ``chat.py`` are in
+``routes.py``."""
 
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from typing import Any
 
@@ -20,10 +20,8 @@ from fdx.core.messages import ALL_LOGPROBS, MAX_ALL_LOGPROBS_PROMPT, KVTransferP
 from fdx.generation_config import GenerationDefaults, load_generation_defaults
 from fdx.output_processor import OutputProcessor
 from fdx.server.client import EngineClient, EngineUnavailable
-from fdx.server.protocol import loads_object, sampling_params
+from fdx.server.protocol import sampling_params
 from fdx.server.serving.beam_search import beam_params
-from fdx.server.serving import chat as chat_endpoint
-from fdx.server.serving import completions as completions_endpoint
 from fdx.server.serving.generation import Endpoint, Generation, Prompt, respond
 from fdx.server.serving.prompts import PromptTokenizer
 
@@ -71,30 +69,6 @@ class OpenAIServing:
         if r is None and self.tokenizer is None:
             r = "server is starting (loading the tokenizer)"
         return r
-
-    # -- routes -----------------------------------------------------------
-
-    async def completions(self, request: Request) -> Response:
-        return await completions_endpoint.completions(self, request, time.time())
-
-    async def chat(self, request: Request) -> Response:
-        return await chat_endpoint.chat(self, request, time.time())
-
-    async def chat_batch(self, request: Request) -> Response:
-        return await chat_endpoint.chat_batch(self, request, time.time())
-
-    async def invocations(self, request: Request) -> Response:
-        """SageMaker's ``POST /invocations`` as vLLM serves it: the body's
-        shape picks the endpoint -- ``messages`` a chat completion,
-        ``prompt`` a completion (vLLM tries its request types in that
-        order); anything else is a 400 naming the shapes."""
-        data = loads_object(await request.body())  # starlette keeps the body: the endpoint reads it again
-        if "messages" in data:
-            return await self.chat(request)
-        if "prompt" in data:
-            return await self.completions(request)
-        raise RequestError("cannot find a suitable handler for this /invocations body: send a chat completion "
-                           "('messages') or a completion ('prompt') request", 400)
 
     # -- checks both endpoints make ---------------------------------------
 
