@@ -24,7 +24,9 @@ Invariants:
 from __future__ import annotations
 
 import inspect
+import json
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
@@ -57,6 +59,10 @@ log = logging.getLogger("fdx.engine")
 __all__ = ["ControlError", "ControlPlane", "SLEEP_TAGS", "parse_tags"]
 
 SLEEP_TAGS = ("weight", "kv_cache")
+#: the control state a restarted engine takes back, in its IPC directory (written after every change)
+STATE_FILE = "engine_state.json"
+#: the methods that change it
+STATEFUL = frozenset({"pause", "resume", "sleep", "wakeup", "update_weights"})
 
 
 class ControlPlane:
@@ -66,8 +72,12 @@ class ControlPlane:
     METHODS = ("pause", "resume", "is_paused", "sleep", "wakeup", "update_weights", "abort_requests",
                "reset_prefix_cache")
 
-    def __init__(self, engine: ControlledEngine) -> None:
+    def __init__(self, engine: ControlledEngine, state_path: str | None = None) -> None:
         self.engine = engine
+        #: where the control state is kept (``None``: nowhere, e.g. ``fdx.LLM``)
+        self.state_path = state_path
+        #: ``(path, version)`` of the last update_weights (``None``: the served model's own)
+        self.weights: tuple[str, str] | None = None
 
     def call(self, method: str, args: dict[str, Any] | None) -> Any:
         """Run control method ``method`` with keyword ``args``.
@@ -94,7 +104,46 @@ class ControlPlane:
             log.exception("control method %s failed", method)
             raise ControlError(f"control method {method} failed: {type(exc).__name__}: {exc}", 500) from exc
         log.info("control %s done in %.3fs", method, time.time() - t0)
+        if method in STATEFUL:
+            self.save_state()
         return result
+
+    # -- state that survives a restart ------------------------------------
+
+    def save_state(self) -> None:
+        """Write paused / sleeping / weights to :attr:`state_path`
+        (atomically), so the supervisor's next engine comes back the same."""
+        if self.state_path is None:
+            return
+        eng = self.engine
+        state = {"is_paused": eng.is_paused, "sleeping": sorted(eng.sleeping),
+                 "weights": None if self.weights is None else {"path": self.weights[0], "version": self.weights[1]}}
+        tmp = f"{self.state_path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(state, f)
+        os.replace(tmp, self.state_path)
+
+    def restore_state(self) -> dict[str, Any] | None:
+        """A restarted engine (before it says ready): take back the state
+        its predecessor saved -- its weights (update_weights), then asleep
+        or paused.  Returns the state restored, ``None`` if there was none."""
+        if self.state_path is None or not os.path.exists(self.state_path):
+            return None
+        with open(self.state_path, encoding="utf-8") as f:
+            state = json.load(f)
+        weights = state.get("weights")
+        if weights or state.get("is_paused") or state.get("sleeping"):
+            self.pause()
+        if weights:
+            self.update_weights(weights["path"], weights["version"])
+        if state.get("sleeping"):
+            self.sleep(state["sleeping"])
+        elif not state.get("is_paused"):
+            self.resume()
+        log.warning("restarted engine restored its control state: paused=%s sleeping=%s weights=%s",
+                    self.engine.is_paused, ",".join(sorted(self.engine.sleeping)) or "-",
+                    weights["version"] if weights else "(the served model)")
+        return state
 
     def pause(self) -> dict[str, Any]:
         """Stop admitting work; end every running and waiting request with
@@ -184,6 +233,7 @@ class ControlPlane:
         eng.kv.reset_prefix_cache()  # KV computed by the old weights is invalid
         if eng.device is not None:
             eng.device.trim_memory()  # the old weights' memory goes back to the OS (RSS does not grow per swap)
+        self.weights = (path, eng.runner.weights_version)
         return {"version": eng.runner.weights_version, "path": path}
 
     def abort_requests(self, req_ids: list[str] | str | None = None, abort_all: bool = False) -> dict[str, Any]:

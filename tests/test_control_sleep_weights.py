@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 from typing import Any, Iterator
 
 import httpx
@@ -288,3 +290,26 @@ def test_update_weights_swaps_and_restores(server: str, baseline: list[str], per
     print(f"\nupdate_weights x2 (+ sleep/wakeup): engine RSS grew {grown / 2**20:.0f} MiB "
           f"(weights are {weights / 2**20:.0f} MiB)")
     assert grown < 0.3 * weights, grown
+    # a supervisor restart keeps the control state: SIGKILL the engine while paused on perturbed-2
+    ok(server, "pause")
+    ok(server, "update_weights", {"path": perturbed_folder, "version": "perturbed-2"})
+    restarts = metric(server, "fdx:engine_restarts_total")
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(server + "/health", timeout=5).status_code == 200 and engine_pid(server) != pid:
+                break
+        except (httpx.HTTPError, AssertionError):
+            pass
+        time.sleep(0.5)
+    assert engine_pid(server) != pid, "no new engine within 180 s"
+    assert metric(server, "fdx:engine_restarts_total") == restarts + 1
+    assert ok(server, "is_paused", method="GET") == {"is_paused": True, "sleeping": []}
+    assert httpx.get(server + "/v1/models", timeout=30).json()["data"][0]["version"] == "perturbed-2"
+    assert greedy(server, PROMPTS[0])[0] == 503
+    ok(server, "resume")
+    assert outputs(server) == changed  # the restored weights are the updated ones
+    ok(server, "pause")
+    ok(server, "update_weights", {"path": original, "version": "orig"})
+    ok(server, "resume")

@@ -183,7 +183,11 @@ def test_foreign_fingerprint_is_never_loaded(tmp_path: Path) -> None:
     assert other_model.serve(req("b", prompt(41))) == 0
     other_version = Engine(backend, FakeRunner("model-a", version="v2"))
     assert other_version.serve(req("c", prompt(41))) == 0
-    # even a foreign payload copied under our key is rejected by its header
+    # even a foreign payload copied under our key is rejected by its header;
+    # drain first so model-b's own (legitimate) write of block 0 cannot land
+    # after the copy and overwrite it
+    other_model.storage.drain()
+    other_version.storage.drain()
     r = req("d", prompt(41))
     rb = other_model.kv.ensure_hashes(r, 10)
     fa = fingerprint_digest(a.runner.kv_fingerprint())
