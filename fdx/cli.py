@@ -72,6 +72,14 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     k.add_argument("--data-parallel-size", type=int,
                    help="with --scheduler dp: engine processes (replicas) behind the one API server, each "
                         "with its own batch policy, KV cache and --num-threads threads (default 1)")
+    k.add_argument("--tensor-parallel-size", "-tp", type=int,
+                   help="split the model over N ranks (worker processes) on this host, Megatron-style: each "
+                        "holds 1/N of the heads, MLP and vocabulary and of the KV cache; the ranks share "
+                        "--num-threads (default 1; see docs/PARALLELISM.md)")
+    k.add_argument("--tp-backend", choices=("shm",),
+                   help="the collectives between the tensor-parallel ranks: shm (shared memory, one host; default)")
+    k.add_argument("--tp-start-timeout", type=float,
+                   help="seconds to wait for every tensor-parallel rank to load its shard (default 600)")
     k.add_argument("--dp-local-scheduler",
                    help="with --scheduler dp: the batch policy every replica runs, v1 (default) or v0")
     k.add_argument("--dp-backend", choices=("local", "redis"),

@@ -98,6 +98,12 @@ class EngineConfig:
     scheduler: str = "v1"
     #: ``--scheduler dp``: engine replicas behind the one API process
     data_parallel_size: int = attrs.field(default=1, validator=_positive)
+    #: ranks one model is split over (tensor parallelism, fdx/parallel/); 1: in-process
+    tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
+    #: the collectives between a host's ranks (``shm``: fdx/csrc/tp_comm.cc)
+    tp_backend: str = "shm"
+    #: seconds rank 0 waits for every other rank to load its shard and say ready
+    tp_start_timeout: float = attrs.field(default=600.0, validator=_positive)
     #: ``--scheduler dp``: the batch policy each replica runs
     dp_local_scheduler: str = "v1"
     #: this engine's replica (set by the launcher for each dp engine)
@@ -168,6 +174,14 @@ class EngineConfig:
     log_stats_interval: float = 10.0
 
     @property
+    def rank_threads(self) -> int | None:
+        """Compute threads of one process of the model: ``--num-threads``
+        (default every core), shared by the ``--tensor-parallel-size`` ranks."""
+        if self.tensor_parallel_size == 1:
+            return self.num_threads
+        return max(1, (self.num_threads or os.cpu_count() or 1) // self.tensor_parallel_size)
+
+    @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
@@ -225,6 +239,9 @@ def make_config(**kwargs: Any) -> EngineConfig:
         raise ConfigError(str(exc)) from None
     if cfg.data_parallel_size > 1 and cfg.scheduler != "dp":
         raise ConfigError(f"--data-parallel-size {cfg.data_parallel_size} needs --scheduler dp")
+    if cfg.tp_backend != "shm":
+        raise ConfigError(f"--tp-backend {cfg.tp_backend!r}: choose shm (the ranks of one host over shared memory); "
+                          "ranks across hosts are not implemented yet")
     if cfg.dp_backend not in ("local", "redis"):
         raise ConfigError(f"--dp-backend must be local or redis, got {cfg.dp_backend!r}")
     if cfg.dp_backend == "redis" and (cfg.scheduler != "dp" or not cfg.redis_url):

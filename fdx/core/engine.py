@@ -56,9 +56,14 @@ def build_runner(config: EngineConfig, plugins: Plugins) -> ModelRunner:
     if not device.is_available():
         why = getattr(device, "unavailable_reason", None)
         raise FdxError(f"device {config.device!r} is not available on this machine" + (f": {why()}" if why else ""))
-    device.configure_env(config.num_threads)
+    device.configure_env(config.rank_threads)
     name = config.model_runner or device.default_runner
-    return plugins.create("model_runner", name, config=config, device=device)
+    runner: ModelRunner = plugins.create("model_runner", name, config=config, device=device)
+    if runner.tensor_parallel_size != config.tensor_parallel_size:
+        runner.close()
+        raise FdxError(f"--tensor-parallel-size {config.tensor_parallel_size}: the {name} model runner does not "
+                       "split a model across ranks (the cpu runner does)")
+    return runner
 
 
 class Engine:
@@ -285,3 +290,4 @@ class Engine:
                 self.storage.close()
             except Exception:  # noqa: BLE001 - shutdown must go on
                 log.exception("closing the KV storage tier failed")
+        self.runner.close()  # last: the storage tier may still read blocks

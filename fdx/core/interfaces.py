@@ -211,6 +211,9 @@ class ModelRunner(abc.ABC):
     """
 
     device: Device | None = None
+    #: ranks the model is split over (``--tensor-parallel-size``); a runner
+    #: that cannot split leaves it at 1 and the engine refuses a larger size
+    tensor_parallel_size: int = 1
 
     num_kv_blocks: int
     block_size: int
@@ -247,6 +250,9 @@ class ModelRunner(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, path: str, version: str) -> None:
         """Swap weights for a checkpoint of identical architecture/shapes."""
+
+    def close(self) -> None:
+        """Release what outlives the process's memory (worker processes) at shutdown."""
 
 
 # --------------------------------------------------------------------------

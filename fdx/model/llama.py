@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import attrs
 import numpy as np
@@ -63,6 +63,16 @@ from fdx.core.errors import FdxError, ModelLoadError
 from fdx.model.arch import ModelArgs, rope_angles
 from fdx.model.loader import Checkpoint, LayerWeights
 from fdx.model.packed_weights import PackedWeight, pack_bf16, pack_float, pack_gguf
+
+
+class Collective(Protocol):
+    """The tensor-parallel collectives the forward pass makes (:mod:`fdx.parallel.shm_comm`)."""
+
+    def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
+        """The sum over ranks of ``x`` (the same bits on every rank)."""
+
+    def gather(self, x: paddle.Tensor) -> paddle.Tensor | None:
+        """Rank 0: every rank's ``x [rows, cols]`` side by side; others: ``None``."""
 
 #: the compute modes (``--dtype``): see the module docstring
 MODES = ("int8", "bfloat16", "float32")
@@ -171,7 +181,13 @@ def rope_table(args: ModelArgs, max_pos: int) -> np.ndarray:
 class LlamaModel:
     """Weights + forward.  Not thread-safe; one instance per runner."""
 
-    def __init__(self, args: ModelArgs, max_pos: int, native_ops: Any | None, mode: str = "float32") -> None:
+    def __init__(self, args: ModelArgs, max_pos: int, native_ops: Any | None, mode: str = "float32",
+                 comm: Collective | None = None, vocab_start: int = 0, vocab_size: int | None = None) -> None:
+        """``comm`` (tensor parallelism): this rank holds a shard (``args`` is
+        its local geometry: :mod:`fdx.parallel.sharding`), ``comm`` sums the
+        row-parallel partial products and gathers the vocab-parallel logits;
+        ``vocab_start`` is its first vocabulary row, ``vocab_size`` the full
+        vocabulary (rank 0's logits are cut to it)."""
         if mode not in MODES:
             raise ValueError(f"compute mode {mode!r}: choose one of {', '.join(MODES)}")
         if mode in PACKED_MODES and native_ops is None:
@@ -179,6 +195,9 @@ class LlamaModel:
         self.args = args
         self.ops = native_ops
         self.mode = mode
+        self.comm = comm
+        self.vocab_start = vocab_start
+        self.full_vocab = vocab_size or args.vocab_size
         self.max_pos = max_pos
         from fdx.model.native import has_avx512
 
@@ -203,7 +222,8 @@ class LlamaModel:
         #: kernels, same bits as the per-layer path, without ~8 op dispatches a
         #: layer); ``False`` keeps the per-layer path (tests compare the two)
         self.fused_layers = (native_ops is not None and hasattr(native_ops, "fdx_decoder_layers")
-                             and not args.qk_norm)  # the op has no q/k norm
+                             and not args.qk_norm  # the op has no q/k norm
+                             and comm is None)  # nor the all-reduces of tensor parallelism
         self._stack: tuple[Any, ...] | None = None
 
     # ------------------------------------------------------------------ weights
@@ -398,7 +418,14 @@ class LlamaModel:
             k = add_norm(k.reshape([T * KV, D]), None, layer.k_norm)[0].reshape([T, KV * D])
             return paddle.concat([q, k, v], axis=-1)
 
-        x = F.embedding(step.ids, self.embed)
+        comm = self.comm
+        if comm is None:
+            x = F.embedding(step.ids, self.embed)
+        else:  # vocab-parallel: the rows of this rank's ids, zeros elsewhere; the sum completes them
+            local = step.ids - self.vocab_start
+            mine = paddle.logical_and(local >= 0, local < self.args.vocab_size)
+            x = F.embedding(paddle.where(mine, local, paddle.zeros_like(local)), self.embed)
+            x = comm.all_reduce(x * mine.astype("float32").unsqueeze(1))
         residual = None
         if packed and self.fused_layers:  # every layer in one op call: the same kernels, the same bits
             an, wq, bq, wo, fn, wgu, wd, kinds = self._layer_stack()
@@ -414,9 +441,13 @@ class LlamaModel:
                 if layer.q_norm is not None:
                     qkv = qk_norm(qkv, layer)
                 x = linear(attend(qkv, cache), layer.w_o, layer.q_o, layer.p_o)
+                if comm is not None:  # row-parallel o: sum the ranks' partial products
+                    x = comm.all_reduce(x)
                 h, residual = add_norm(x, residual, layer.ffn_norm)
                 x = linear(swiglu(linear(h, layer.w_gate_up, layer.q_gate_up, layer.p_gate_up)), layer.w_down,
                            layer.q_down, layer.p_down)
+                if comm is not None:  # row-parallel down
+                    x = comm.all_reduce(x)
         if step.sample_rows is None:
             return None
         R = int(step.sample_rows.shape[0])
@@ -424,6 +455,13 @@ class LlamaModel:
             x = paddle.index_select(x, step.sample_rows)
             residual = paddle.index_select(residual, step.sample_rows)
         h, _ = add_norm(x, residual, self.final_norm)
+        logits = self._lm_head(h, R, qgemm)
+        if comm is None:
+            return logits
+        full = comm.gather(logits)  # vocab-parallel: rank 0 gets every rank's columns
+        return full[:, : self.full_vocab] if full is not None else None
+
+    def _lm_head(self, h: paddle.Tensor, R: int, qgemm: Any) -> paddle.Tensor:
         if qgemm is not None:
             assert self.p_lm_head is not None
             return qgemm(h, self.p_lm_head.data, self.p_lm_head.kind, self.p_lm_head.n_out)

@@ -198,6 +198,7 @@ def _build(isa: str, sources: tuple[str, ...] | None = None, name: str = "fdx_op
     h.update(" ".join(cflags + tuple(_ldflags())).encode())
     h.update(sys.version.encode())
     h.update(_cpu_flags().encode())  # -march=native builds are CPU specific
+    h.update(CSRC.encode())  # Paddle's loader rebuilds when the include path differs: one dir per checkout
     key = h.hexdigest()[:16]
     build_dir = os.path.join(cache_dir(), "ops", f"{isa}-{key}" if sources is None else f"{name}-{isa}-{key}")
     os.makedirs(build_dir, exist_ok=True)

@@ -13,14 +13,21 @@ Invariants (from :class:`fdx.core.interfaces.ModelRunner`):
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from fdx.config import EngineConfig
-from fdx.core.errors import ModelLoadError
+from fdx.core.errors import FdxError, ModelLoadError
 from fdx.core.interfaces import Device
 from fdx.model.runner_base import PagedRunnerBase, StepLayout
+from fdx.parallel.shm_comm import GroupBroken
+
+if TYPE_CHECKING:
+    from fdx.core.interfaces import ModelOutput, ScheduledBatch
+    from fdx.parallel.group import RankGroup, RankLink
+    from fdx.parallel.sharding import TensorShard
+    from fdx.parallel.shm_comm import ShmComm
 
 log = logging.getLogger("fdx.model")
 
@@ -70,7 +77,13 @@ class PaddleModelRunner(PagedRunnerBase):
     #: the C++ ops read int32 block tables
     table_dtype = np.int32
 
-    def __init__(self, config: EngineConfig, device: Device) -> None:
+    def __init__(self, config: EngineConfig, device: Device, link: RankLink | None = None,
+                 on_layer: Callable[[], None] | None = None) -> None:
+        """``link``: this process is worker rank ``link.rank`` of a
+        tensor-parallel group (:mod:`fdx.parallel.worker`; ``on_layer``
+        reports each loaded layer).  Without it and with
+        ``--tensor-parallel-size N > 1``, this is rank 0: it starts the
+        group's other ranks (:class:`fdx.parallel.group.RankGroup`)."""
         import paddle
 
         from fdx.model.llama import LlamaModel
@@ -83,6 +96,16 @@ class PaddleModelRunner(PagedRunnerBase):
         requested_compute(config.dtype)  # an unknown name fails before the checkpoint opens
         self.dtype = "float32"  # the KV pool's dtype
         ckpt = self._open_checkpoint(config)
+        #: tensor parallelism: ranks, this rank's shard, rank 0's group, this rank's collectives
+        self.tensor_parallel_size = world = int(config.tensor_parallel_size)
+        self.shard: TensorShard | None = None
+        self.group: RankGroup | None = None
+        self.comm: ShmComm | None = None
+        if world > 1:
+            from fdx.parallel.sharding import make_shard
+
+            self.shard = make_shard(self.args, link.rank if link else 0, world)  # an indivisible model fails here
+            self.kv_args = self.shard.local
 
         ops = None
         if device.attention_backend() == "native":
@@ -91,14 +114,18 @@ class PaddleModelRunner(PagedRunnerBase):
             ops = load_ops()
         self.attention_impl = "native" if ops is not None else "paddle"
         #: "int8", "bfloat16" or "float32" (see fdx.model.llama)
-        self.compute = resolve_compute(config.dtype, ops, self.args)
-        self.model = LlamaModel(self.args, self.max_model_len, ops, self.compute)
-        with paddle.no_grad():
-            self.model.load(ckpt)
-        del ckpt
-
+        self.compute = resolve_compute(config.dtype, ops, self.kv_args)
         self._size_kv_pool()
+        if self.shard is not None:
+            ckpt = self._join_group(ckpt, link, on_layer)
+        self.model = LlamaModel(self.kv_args, self.max_model_len, ops, self.compute, comm=self.comm,
+                                vocab_start=self.shard.vocab_start if self.shard else 0, vocab_size=self.vocab_size)
+        with paddle.no_grad():
+            self.model.load(ckpt, progress=self.shard is None)
+        del ckpt
         self.caches: list[Any] | None = self._allocate()
+        if self.group is not None:
+            self.group.wait_ready()
         self.sampler = Sampler(self.vocab_size, config.max_logprobs, seed=config.seed)
         log.info(
             "model %s (%s) on %s: %d KV blocks x %d tokens, attention=%s, compute=%s",
@@ -106,19 +133,54 @@ class PaddleModelRunner(PagedRunnerBase):
             self.attention_impl, self.compute,
         )
 
+    def _join_group(self, ckpt: Any, link: RankLink | None, on_layer: Callable[[], None] | None) -> Any:
+        """Rank 0: start the other ranks (they load while this one does);
+        a worker: map the group's segment.  Returns this rank's shard of ``ckpt``."""
+        from fdx.parallel.group import RankGroup
+        from fdx.parallel.sharding import shard_checkpoint
+        from fdx.parallel.shm_comm import ShmComm
+
+        assert self.shard is not None
+        if link is None:
+            cfg = self.config.replace(num_kv_blocks=self.num_kv_blocks)  # every rank sizes its pool alike
+            self.group = RankGroup.start(cfg, self.config.rank_threads or 1)
+            self.comm = self.group.comm
+            self.group.start_progress(self.args.num_layers, self.source.name)
+            on_layer = self.group.on_layer
+        else:
+            self.comm = ShmComm.attach(link.shm_name, link.rank, link.world, link.slot_elems, link.timeout)
+        return shard_checkpoint(ckpt, self.shard, on_layer)
+
     def kv_fingerprint(self) -> str:
         """int8 compute writes other K/V values than float32 compute: its
         blocks get their own fingerprint (float32 keeps the shared one)."""
         base = super().kv_fingerprint()
-        if self.compute == "float32":
+        extra = ("" if self.compute == "float32" else f"|compute={self.compute}") + (
+            f"|tp={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else "")  # a block is N shards
+        if not extra:
             return base
         import hashlib
 
-        return hashlib.sha256(f"{base}|compute={self.compute}".encode()).hexdigest()[:32]
+        return hashlib.sha256(f"{base}{extra}".encode()).hexdigest()[:32]
 
     # ------------------------------------------------------------------ step
 
+    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+        if self.group is None:
+            return super().execute(batch)
+        try:
+            return super().execute(batch)
+        except GroupBroken as exc:  # a rank died, hung or failed: the supervisor restarts the group
+            self.group.fatal(exc)
+            raise
+
     def _forward(self, layout: StepLayout) -> Any:
+        if self.group is not None:
+            self.group.send(("step", layout))
+        return self.forward_shard(layout)
+
+    def forward_shard(self, layout: StepLayout) -> Any:
+        """This rank's forward of the step (every rank runs it; only rank 0's returns logits)."""
         import paddle
 
         from fdx.model.llama import StepInputs
@@ -150,3 +212,64 @@ class PaddleModelRunner(PagedRunnerBase):
 
     def _block_rows(self, ids: np.ndarray) -> np.ndarray:
         return np.stack([ids, ids + self.num_kv_blocks], axis=1)[:, :, None]
+
+    # ------------------------------------------------------------------ every rank (tensor parallelism)
+    # Rank 0 sends the call to the workers first, does its own part, then
+    # collects theirs: the ranks work at the same time, in the order of the steps.
+
+    def _on_all(self, method: str, *args: Any) -> Any:
+        assert self.group is not None
+        self.group.send(("call", method, args))
+        try:
+            mine = getattr(super(), method)(*args)
+        finally:
+            theirs = self.group.collect(method)
+        return mine, theirs
+
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """With tensor parallelism a block's bytes are the ranks' shards in rank order."""
+        if self.group is None:
+            return super().read_kv_blocks(block_ids)
+        mine, theirs = self._on_all("read_kv_blocks", list(block_ids))
+        return [b"".join(parts) for parts in zip(mine, *theirs)]
+
+    def write_kv_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+        if self.group is None:
+            return super().write_kv_blocks(block_ids, payloads)
+        n, N = self.bytes_per_block, self.tensor_parallel_size
+        for p in payloads:
+            if len(p) != n * N:
+                raise FdxError(f"KV payload has {len(p)} bytes, expected {n * N} ({N} shards of {n})")
+        ids = list(block_ids)
+        self.group.send_each([("call", "write_kv_blocks", (ids, [bytes(p[r * n : (r + 1) * n]) for p in payloads]))
+                              for r in range(1, N)])
+        try:
+            super().write_kv_blocks(ids, [p[:n] for p in payloads])
+        finally:
+            self.group.collect("write_kv_blocks")
+
+    def copy_kv_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if self.group is not None:
+            self.group.send(("cast", "copy_kv_blocks", (list(pairs),)))
+        super().copy_kv_blocks(pairs)
+
+    def release(self, tags: Sequence[str]) -> None:
+        if self.group is None:
+            return super().release(tags)
+        self._on_all("release", list(tags))
+
+    def restore(self, tags: Sequence[str]) -> None:
+        if self.group is None:
+            return super().restore(tags)
+        self._on_all("restore", list(tags))
+
+    def load_weights(self, path: str, version: str) -> None:
+        if self.group is None:
+            return super().load_weights(path, version)
+        self._on_all("load_weights", path, version)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+

@@ -101,6 +101,16 @@ class PagedRunnerBase(ModelRunner):
     sampler: Any
     caches: list[Any] | None
 
+    @property
+    def kv_args(self) -> Any:
+        """The geometry of this process's KV pool and model: the checkpoint's,
+        or a tensor-parallel rank's shard of it."""
+        return self.__dict__.get("_kv_args", self.args)
+
+    @kv_args.setter
+    def kv_args(self, value: Any) -> None:
+        self.__dict__["_kv_args"] = value
+
     # ------------------------------------------------------------------ start-up
 
     def _open_checkpoint(self, config: EngineConfig) -> Checkpoint:
@@ -133,12 +143,13 @@ class PagedRunnerBase(ModelRunner):
         what ``--kv-cache-memory`` holds within 80% of the device's free
         memory, capped at ``max_num_seqs`` full-length sequences) and the
         pool's :class:`KVCacheSpec`."""
-        a, config = self.args, self.config
+        a, config = self.kv_args, self.config
+        tp = int(config.tensor_parallel_size)
         self.bytes_per_block = a.num_layers * 2 * a.num_kv_heads * self.block_size * a.head_dim * _ITEMSIZE[self.dtype]
         if config.num_kv_blocks:
             n = int(config.num_kv_blocks)
         else:
-            budget = int(config.kv_cache_memory)
+            budget = int(config.kv_cache_memory) // tp  # the ranks of a tensor-parallel group share it
             avail = self._available_memory()
             if avail and budget > 0.8 * avail:
                 log.warning("kv_cache_memory %d B exceeds 80%% of available memory (%d B); shrinking", budget, avail)

@@ -1,0 +1,141 @@
+"""Which slice of each weight a tensor-parallel rank holds (Megatron-LM's layout).
+
+With ``world`` ranks, rank ``r`` holds:
+
+* **column-parallel** q/k/v and gate/up: its ``1/world`` of the output rows --
+  query heads ``[r*H/N, (r+1)*H/N)``, KV heads ``[r*KV/N, (r+1)*KV/N)`` (so a
+  local query head still reads the local KV head of its group), MLP rows
+  ``[r*F/N, (r+1)*F/N)`` of both gate and up;
+* **row-parallel** o and down: the matching ``1/world`` of the input columns;
+  each rank's product is a partial sum, and one all-reduce after the layer
+  adds them (``fdx.model.llama`` does it);
+* **vocab-parallel** embedding and LM head: vocabulary rows
+  ``[r*Vp, (r+1)*Vp)`` with ``Vp = ceil(V/N)`` (the last shard zero-padded).
+  A rank embeds the ids in its range (zeros elsewhere; the all-reduce
+  completes the rows exactly) and computes its logit columns; rank 0 gathers
+  them and drops the padding;
+* norms: every rank a full copy; the paged KV cache: its KV heads only.
+
+A rank's shard is a :class:`~fdx.model.loader.Checkpoint` of the *local*
+geometry (:func:`local_args`), so the model code that loads and runs it is
+the TP=1 code.  GGUF block rows are sliced too: by rows always, by columns
+where the split falls on block boundaries (else that weight's fp32 GEMV copy
+is dropped and the rank uses the float weights).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import attrs
+import numpy as np
+
+from fdx.core.errors import ConfigError
+from fdx.model.arch import ModelArgs
+from fdx.model.loader import Checkpoint, LayerWeights
+
+#: GGUF block types whose rows slice by column: type -> (elements, bytes) per block
+_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 0: (1, 4)}
+
+
+@attrs.frozen
+class TensorShard:
+    """One rank's place in the group and the slice of the model it holds."""
+
+    rank: int
+    world: int
+    #: the full model's geometry
+    full: ModelArgs
+    #: this rank's geometry (heads, KV heads, MLP width and vocabulary rows divided)
+    local: ModelArgs
+    #: the first vocabulary row this rank holds
+    vocab_start: int
+
+
+def check_divisible(args: ModelArgs, world: int) -> None:
+    """A one-line :class:`ConfigError` unless the model splits into ``world`` ranks."""
+    bad = [f"{what} {n}" for what, n in (("attention heads", args.num_heads), ("KV heads", args.num_kv_heads),
+                                         ("MLP width", args.intermediate_size)) if n % world]
+    if bad:
+        raise ConfigError(f"--tensor-parallel-size {world}: the model's {', '.join(bad)} "
+                          f"{'is' if len(bad) == 1 else 'are'} not divisible by {world} "
+                          f"({args.describe()}); choose a size that divides heads, KV heads and MLP width")
+
+
+def local_args(args: ModelArgs, world: int) -> ModelArgs:
+    check_divisible(args, world)
+    return attrs.evolve(args, num_heads=args.num_heads // world, num_kv_heads=args.num_kv_heads // world,
+                        intermediate_size=args.intermediate_size // world,
+                        vocab_size=-(-args.vocab_size // world))
+
+
+def make_shard(args: ModelArgs, rank: int, world: int) -> TensorShard:
+    loc = local_args(args, world)
+    return TensorShard(rank, world, args, loc, rank * loc.vocab_size)
+
+
+def _rows(w: np.ndarray | None, r: int, n: int) -> np.ndarray | None:
+    return None if w is None else w[r * n : (r + 1) * n]
+
+
+def _vocab_rows(w: np.ndarray, s: TensorShard) -> np.ndarray:
+    """Rows ``[start, start + Vp)`` of a ``[V, ...]`` array, zero-padded past ``V``."""
+    vp = s.local.vocab_size
+    part = w[s.vocab_start : s.vocab_start + vp]
+    if part.shape[0] == vp:
+        return part
+    pad = np.zeros((vp - part.shape[0],) + tuple(w.shape[1:]), dtype=w.dtype)
+    return np.concatenate([part, pad], axis=0)
+
+
+def _raw_cols(raw: tuple[np.ndarray, int], r: int, world: int, n_in: int) -> tuple[np.ndarray, int] | None:
+    rows, kind = raw
+    blk = _BLOCKS.get(kind)
+    if blk is None or (n_in // world) % blk[0]:
+        return None
+    per = (n_in // world) // blk[0] * blk[1]
+    return np.ascontiguousarray(rows[:, r * per : (r + 1) * per]), kind
+
+
+def shard_layer(lw: LayerWeights, s: TensorShard) -> LayerWeights:
+    a, r, N = s.full, s.rank, s.world
+    hq, hk, f = a.q_size // N, a.kv_size // N, a.intermediate_size // N
+    col = {"wq": hq, "wk": hk, "wv": hk, "w_gate": f, "w_up": f}  # output rows
+    row = {"wo": a.q_size, "w_down": a.intermediate_size}  # input columns
+    raw: dict[str, tuple[np.ndarray, int]] = {}
+    for name, (blocks, kind) in lw.raw.items():
+        if name in col:
+            raw[name] = (blocks[r * col[name] : (r + 1) * col[name]], kind)
+        elif name in row:
+            cut = _raw_cols((blocks, kind), r, N, row[name])
+            if cut is not None:
+                raw[name] = cut
+    return attrs.evolve(
+        lw,
+        wq=_rows(lw.wq, r, hq), wk=_rows(lw.wk, r, hk), wv=_rows(lw.wv, r, hk),
+        bq=_rows(lw.bq, r, hq), bk=_rows(lw.bk, r, hk), bv=_rows(lw.bv, r, hk),
+        wo=lw.wo[:, r * hq : (r + 1) * hq],
+        w_gate=_rows(lw.w_gate, r, f), w_up=_rows(lw.w_up, r, f),
+        w_down=lw.w_down[:, r * f : (r + 1) * f],
+        raw=raw,
+    )
+
+
+def shard_checkpoint(ckpt: Checkpoint, s: TensorShard, on_layer: Callable[[], None] | None = None) -> Checkpoint:
+    """Rank ``s.rank``'s part of ``ckpt`` (layers sliced one at a time as they are read)."""
+    layers = ckpt.layers
+
+    def shard_layers() -> Iterator[LayerWeights]:
+        for lw in layers():
+            yield shard_layer(lw, s)
+            if on_layer is not None:
+                on_layer()
+
+    raw: Any = None
+    if ckpt.lm_head_raw is not None:
+        raw = (_vocab_rows(ckpt.lm_head_raw[0], s), ckpt.lm_head_raw[1])
+    return attrs.evolve(
+        ckpt, args=s.local, embed=_vocab_rows(ckpt.embed, s),
+        lm_head=_vocab_rows(ckpt.lm_head, s) if ckpt.lm_head is not None else None,
+        layers=shard_layers, lm_head_raw=raw,
+    )

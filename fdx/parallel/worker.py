@@ -1,0 +1,92 @@
+"""A tensor-parallel worker: ranks 1..N-1 (``python -m fdx.parallel.worker``,
+started by :class:`fdx.parallel.group.RankGroup`).
+
+It builds the same model runner as rank 0, holding its own shard, then
+obeys rank 0's messages in order:
+
+* ``("step", layout)``: the same forward as rank 0 (the collectives keep the
+  ranks in lock step; its logits stay with rank 0);
+* ``("call", method, args)``: run ``runner.<method>(*args)`` and reply
+  ``("result", rank, value)`` or ``("error", rank, message)``;
+* ``("cast", method, args)``: the same without a reply (a beam's KV block
+  copies before a step);
+* ``("stop",)``: exit.
+
+A failing step breaks the group (every rank's collective then fails at
+once) and ends the worker: rank 0 restarts the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import traceback
+from typing import Any
+
+from fdx.parallel.group import RankLink, die_with_parent
+
+#: runner methods rank 0 may call on a worker
+CALLS = frozenset({"release", "restore", "load_weights", "read_kv_blocks", "write_kv_blocks", "copy_kv_blocks"})
+
+
+def main(argv: list[str]) -> int:
+    die_with_parent()
+    link = RankLink.from_argv(argv)
+    os.environ["OMP_NUM_THREADS"] = str(link.threads)  # before Paddle is imported
+    import zmq
+
+    ctx = zmq.Context.instance()
+    cmd = ctx.socket(zmq.PULL)
+    cmd.connect(link.cmd_addr)
+    reply = ctx.socket(zmq.PUSH)
+    reply.connect(link.reply_addr)
+
+    def send(kind: str, payload: Any) -> None:
+        reply.send(pickle.dumps((kind, link.rank, payload), protocol=pickle.HIGHEST_PROTOCOL))
+
+    kind, config = pickle.loads(cmd.recv())
+    assert kind == "init", kind
+    logging.basicConfig(level=getattr(logging, str(config.log_level).upper(), logging.INFO),
+                        format=f"%(asctime)s %(levelname)s %(name)s [tp rank {link.rank}] %(message)s")
+    try:
+        from fdx.core.plugins import get_plugins
+        from fdx.model.runner import PaddleModelRunner
+
+        plugins = get_plugins(config.disable_plugins)
+        device = plugins.create("device", config.device.split(":")[0])
+        device.configure_env(link.threads)
+        runner = PaddleModelRunner(config, device, link=link, on_layer=lambda: send("progress", 1))
+    except Exception as exc:  # noqa: BLE001 - rank 0 reports it, naming this rank
+        send("error", f"{type(exc).__name__}: {exc}")
+        logging.getLogger("fdx.parallel").error("start-up failed:\n%s", traceback.format_exc())
+        return 1
+    send("ready", None)
+    comm = runner.comm
+    while True:
+        msg = pickle.loads(cmd.recv())
+        kind = msg[0]
+        if kind == "stop":
+            return 0
+        try:
+            if kind == "step":
+                runner.forward_shard(msg[1])
+            elif kind in ("call", "cast") and msg[1] in CALLS:
+                value = getattr(runner, msg[1])(*msg[2])
+                if kind == "call":
+                    send("result", value)
+            else:
+                raise ValueError(f"unknown message {kind!r}")
+        except Exception as exc:  # noqa: BLE001
+            if kind == "call":
+                send("error", f"{type(exc).__name__}: {exc}")
+                continue
+            logging.getLogger("fdx.parallel").error("%s failed; breaking the group:\n%s", kind,
+                                                    traceback.format_exc())
+            comm.abort()
+            return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
