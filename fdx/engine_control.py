@@ -270,3 +270,14 @@ def parse_tags(tags: str | list[str] | tuple[str, ...] | None) -> list[str]:
     if bad:
         raise ControlError(f"unsupported tag(s) {', '.join(bad)} in {tags!r}; expected one of {', '.join(SLEEP_TAGS)}", 400)
     return [t for t in SLEEP_TAGS if t in out or not out]
+
+
+def restore_control_state(engine: Any, run_dir: str) -> None:
+    """A supervisor's restart comes back paused / asleep / on the weights its
+    predecessor had (saved in ``run_dir``); failing that, it stays paused."""
+    engine.controls = ControlPlane(engine, os.path.join(run_dir, STATE_FILE))
+    try:
+        engine.controls.restore_state()
+    except Exception:  # noqa: BLE001 - e.g. the updated checkpoint is gone: serve nothing until told
+        log.exception("could not restore the control state; the engine stays paused")
+        engine.is_paused = True

@@ -103,7 +103,9 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
         side.close()
         return 1
 
-    restore_control_state(engine, paths)
+    from fdx.engine_control import restore_control_state
+
+    restore_control_state(engine, paths.dir)
     if config.grammar_backend:  # its one-time warm-up (a tokenizer index, ~0.5 s under the GIL) beside the start
         threading.Thread(target=warm_grammar, args=(engine,), name="fdx-grammar-warm", daemon=True).start()
     for sock in engine.scheduler.pollables():  # e.g. a splitwise KV connector: its messages wake the loop
@@ -119,6 +121,7 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
             engine.max_model_len,
             config.model_name,
             engine.runner.weights_version,
+            engine.runner.rank_pids,
         )
     )
     log.info("engine ready: %d KV blocks of %d tokens", engine.kv.num_blocks, config.block_size)
@@ -158,19 +161,6 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
         beat.stop.set()
         engine.close()
         side.close()
-
-
-def restore_control_state(engine: Any, paths: IpcPaths) -> None:
-    """A supervisor's restart comes back paused / asleep / on the weights its
-    predecessor had (:mod:`fdx.engine_control`); failing that, it stays paused."""
-    from fdx.engine_control import STATE_FILE, ControlPlane
-
-    engine.controls = ControlPlane(engine, os.path.join(paths.dir, STATE_FILE))
-    try:
-        engine.controls.restore_state()
-    except Exception:  # noqa: BLE001 - e.g. the updated checkpoint is gone: serve nothing until told
-        log.exception("could not restore the control state; the engine stays paused")
-        engine.is_paused = True
 
 
 def warm_grammar(engine: Any) -> None:

@@ -214,6 +214,8 @@ class ModelRunner(abc.ABC):
     #: ranks the model is split over (``--tensor-parallel-size``); a runner
     #: that cannot split leaves it at 1 and the engine refuses a larger size
     tensor_parallel_size: int = 1
+    #: the pids of its other ranks' processes
+    rank_pids: tuple[int, ...] = ()
 
     num_kv_blocks: int
     block_size: int

@@ -305,6 +305,8 @@ class EngineReady:
     max_model_len: int
     model_name: str
     weights_version: str = ""
+    #: the pids of the worker ranks of a tensor-parallel model (rank 1 first)
+    rank_pids: tuple[int, ...] = ()
 
 
 @attrs.frozen

@@ -6,7 +6,7 @@
 //
 //   line r (r < world), 64 bytes: uint64 seq (the last round rank r entered),
 //                                 int32 pid
-//   line world:                   int32 abort (0, or 1 + the rank that broke the group)
+//   line world:                   the abort line: 0, or 1 + the rank at fault, why, its pid
 //   data, from offset data_offset(world): two buffers (round parity) of
 //   `world` slots of `slot_elems` floats.
 //
@@ -20,8 +20,9 @@
 // Waiting spins briefly, then yields, then sleeps in short naps; every few
 // milliseconds it checks the deadline, the abort line and whether a peer's
 // process has exited (/proc/<pid>/stat gone or a zombie).  A failure sets the
-// abort line (every other rank then fails at once), writes a one-line
-// message into `err` and returns non-zero; the group cannot be used again.
+// abort line -- the rank at fault and why -- (every other rank then fails at
+// once with the same message), writes a one-line message into `err` and
+// returns non-zero; the group cannot be used again.
 
 #include <immintrin.h>
 #include <sched.h>
@@ -37,8 +38,14 @@ namespace {
 struct alignas(64) Line {
   std::atomic<uint64_t> seq;
   std::atomic<int32_t> pid;
+  // the abort line only: 0, -1 (being set), or 1 + the rank at fault; why; its pid; its timeout (ms)
   std::atomic<int32_t> abort;
+  std::atomic<int32_t> reason;
+  std::atomic<int32_t> culprit_pid;
+  std::atomic<int64_t> waited_ms;
 };
+
+enum Reason { kExited = 1, kTimedOut = 2, kStopped = 3, kFailed = 4 };
 
 static_assert(sizeof(Line) == 64, "one cache line per rank");
 
@@ -71,10 +78,36 @@ char proc_state(int pid) {
   return (p != nullptr && p[1] == ' ') ? p[2] : 0;
 }
 
-int fail(void* base, int world, int rank, char* err, int errlen, const char* msg) {
+// Mark the group broken by `culprit` (the first one to call wins).
+void set_abort(void* base, int world, int culprit, int reason, int pid, int64_t waited_ms) {
+  Line* ab = line(base, world);
   int32_t expected = 0;
-  line(base, world)->abort.compare_exchange_strong(expected, rank + 1);
-  std::snprintf(err, errlen, "%s", msg);
+  if (!ab->abort.compare_exchange_strong(expected, -1)) return;
+  ab->reason.store(reason, std::memory_order_relaxed);
+  ab->culprit_pid.store(pid, std::memory_order_relaxed);
+  ab->waited_ms.store(waited_ms, std::memory_order_relaxed);
+  ab->abort.store(culprit + 1, std::memory_order_release);
+}
+
+// The one-line account of why the group broke (the same on every rank).
+int describe(void* base, int world, char* err, int errlen) {
+  Line* ab = line(base, world);
+  const int r = ab->abort.load(std::memory_order_acquire) - 1;
+  const int pid = ab->culprit_pid.load(std::memory_order_relaxed);
+  switch (ab->reason.load(std::memory_order_relaxed)) {
+    case kExited:
+      std::snprintf(err, errlen, "tensor-parallel rank %d (pid %d) exited", r, pid);
+      break;
+    case kTimedOut:
+    case kStopped:
+      std::snprintf(err, errlen, "tensor-parallel rank %d (pid %d) did not reach the collective within %.1f s%s", r,
+                    pid, ab->waited_ms.load() / 1000.0,
+                    ab->reason.load() == kStopped ? " (the process is stopped)" : "");
+      break;
+    default:
+      std::snprintf(err, errlen, "tensor-parallel rank %d (pid %d) failed and broke the group (its log says why)",
+                    r, pid);
+  }
   return 1;
 }
 
@@ -101,29 +134,21 @@ int wait_all(void* base, int rank, int world, uint64_t target, int64_t timeout_m
       const int64_t t = now_ns();
       if (t < next_check) continue;
       next_check = t + 2000000;
-      char msg[200];
-      const int32_t who = ab->abort.load(std::memory_order_acquire);
-      if (who != 0) {
-        std::snprintf(err, errlen, "tensor-parallel group broken by rank %d", who - 1);
-        return 2;
-      }
+      if (ab->abort.load(std::memory_order_acquire) > 0) return describe(base, world, err, errlen);
       const int pid = l->pid.load(std::memory_order_relaxed);
       const char st = pid > 0 ? proc_state(pid) : 'R';
       if (st == 0 || st == 'Z' || st == 'X') {
-        std::snprintf(msg, sizeof msg, "tensor-parallel rank %d (pid %d) exited", r, pid);
-        return fail(base, world, rank, err, errlen, msg);
+        set_abort(base, world, r, kExited, pid, 0);
+        return describe(base, world, err, errlen);
       }
       if ((t - start) / 1000000 >= timeout_ms) {
-        std::snprintf(msg, sizeof msg, "tensor-parallel rank %d (pid %d) did not reach the collective within %.1f s%s",
-                      r, pid, timeout_ms / 1000.0, st == 'T' ? " (the process is stopped)" : "");
-        return fail(base, world, rank, err, errlen, msg);
+        set_abort(base, world, r, st == 'T' ? kStopped : kTimedOut, pid, timeout_ms);
+        return describe(base, world, err, errlen);
       }
     }
   }
-  if (ab->abort.load(std::memory_order_acquire) != 0) {
-    std::snprintf(err, errlen, "tensor-parallel group broken by rank %d", ab->abort.load() - 1);
-    return 2;
-  }
+  (void)rank;
+  if (ab->abort.load(std::memory_order_acquire) > 0) return describe(base, world, err, errlen);
   return 0;
 }
 
@@ -136,11 +161,10 @@ int64_t fdx_tp_data_offset(int world) { return data_offset(world); }
 void fdx_tp_set_pid(void* base, int rank, int pid) { line(base, rank)->pid.store(pid, std::memory_order_release); }
 
 void fdx_tp_abort(void* base, int world, int rank) {
-  int32_t expected = 0;
-  line(base, world)->abort.compare_exchange_strong(expected, rank + 1);
+  set_abort(base, world, rank, kFailed, line(base, rank)->pid.load(std::memory_order_relaxed), 0);
 }
 
-int fdx_tp_broken(void* base, int world) { return line(base, world)->abort.load(std::memory_order_acquire); }
+int fdx_tp_broken(void* base, int world) { return line(base, world)->abort.load(std::memory_order_acquire) != 0; }
 
 // out = sum over ranks (in rank order) of every rank's x; n floats.  out may be x.
 int fdx_tp_all_reduce(void* base, int rank, int world, int64_t slot_elems, const float* x, float* out, int64_t n,

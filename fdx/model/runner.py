@@ -126,6 +126,7 @@ class PaddleModelRunner(PagedRunnerBase):
         self.caches: list[Any] | None = self._allocate()
         if self.group is not None:
             self.group.wait_ready()
+            self.rank_pids = tuple(self.group.pids[1:])
         self.sampler = Sampler(self.vocab_size, config.max_logprobs, seed=config.seed)
         log.info(
             "model %s (%s) on %s: %d KV blocks x %d tokens, attention=%s, compute=%s",

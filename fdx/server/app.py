@@ -147,6 +147,7 @@ def create_app(
     called if it raises; ``on_serving()`` once both the tokenizer and the
     engine are ready."""
     metrics = metrics or client.metrics or Metrics(config.model_name, lambda: client.stats)
+    metrics.set_parallel(config.tensor_parallel_size, config.tp_backend)
     client.metrics = metrics
     serving = OpenAIServing(config, client, metrics)
     started = time.time()
@@ -217,6 +218,7 @@ def create_app(
         e = client.engine
         return {
             "engine_pid": e.pid if e else None,
+            "rank_pids": list(e.rank_pids) if e else [],  # tensor parallelism: ranks 1..N-1
             "api_pid": os.getpid(),
             "launcher_pid": os.getppid(),
             "model": config.model_name,

@@ -157,6 +157,13 @@ class Metrics:
                 for r in CRASH_REASONS:
                     self._dp_crashes.labels(model, str(rank), r)
 
+    def set_parallel(self, tensor_parallel_size: int, backend: str) -> None:
+        """The model's split: ``fdx:tensor_parallel_info{size, backend}``
+        (backend ``none`` for one rank)."""
+        Info("fdx:tensor_parallel", "Tensor parallelism: the ranks a model is split over and their "
+             "collectives backend.", ["model_name"], registry=self.registry).labels(self.model).info(
+            {"size": str(tensor_parallel_size), "backend": backend if tensor_parallel_size > 1 else "none"})
+
     def finished(self, reason: str, num_prompt: int, num_output: int, e2e: float) -> None:
         c = self.success.get(reason)
         if c is not None:
