@@ -36,7 +36,7 @@ from serverutil import start_server
 pytestmark = pytest.mark.slow
 
 DATA = Path(__file__).parent / "data" / "arch"
-ARCHS = ("llama3", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "phi3")
 
 
 def goldens(name: str) -> list[dict[str, Any]]:
