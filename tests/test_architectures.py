@@ -186,7 +186,7 @@ def test_phi3_longrope_short_factors_and_attention_factor(tmp_path: Path) -> Non
     (sqrt(1 + ln 4 / ln 512): max_position_embeddings is 4x the original)
     scales the q and k rows split from the fused qkv_proj; a transformers v4
     config (``rope_scaling`` of type ``su``, ``rope_theta`` beside it) reads
-    the same."""
+    the same, as does one naming Microsoft's remote-code classes."""
     import math
 
     import attrs
@@ -214,7 +214,8 @@ def test_phi3_longrope_short_factors_and_attention_factor(tmp_path: Path) -> Non
     np.testing.assert_array_equal(layer.w_up, gate_up[a.intermediate_size:])
 
     v4_rope = {"type": "su", "short_factor": PHI3_ROPE["short_factor"], "long_factor": PHI3_ROPE["long_factor"]}
-    folder = copy_with_config(tmp_path, "phi3", rope_parameters=None, rope_scaling=v4_rope, rope_theta=10000.0)
+    folder = copy_with_config(tmp_path, "phi3", rope_parameters=None, rope_scaling=v4_rope, rope_theta=10000.0,
+                              auto_map={"AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"})
     assert load_checkpoint(str(folder)).args == attrs.evolve(ck.args, rope_scaling=attrs.evolve(rs, rope_type="su"))
 
 

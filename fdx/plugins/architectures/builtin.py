@@ -126,6 +126,9 @@ PHI3_FIELDS: dict[str, FieldRule] = {
     "attention_bias": read(equals(False)),  # Phi-3's projections have no biases
     "sliding_window": read(_positive_window),
     "resid_pdrop": harmless(), "embd_pdrop": harmless(),  # dropout: training only
+    # Microsoft's checkpoints name their remote-code classes; those compute
+    # what transformers' own Phi3ForCausalLM (which fdx matches) computes
+    "auto_map": harmless(),
 }
 
 _g = read()
