@@ -56,6 +56,16 @@ def models() -> dict[str, tuple[type, type, dict]]:
         # Mistral: a sliding window no shorter than the context (the case fdx serves)
         "mistral": (t.MistralConfig, t.MistralForCausalLM, dict(sliding_window=512, rope_theta=10000.0,
                                                                 tie_word_embeddings=False)),
+        # Phi-3: fused qkv_proj and gate_up_proj; longrope scaling with the
+        # context (512) within original_max_position_embeddings, so the short
+        # factors apply, and max_position_embeddings 4x that, so the attention
+        # factor sqrt(1 + ln 4 / ln 512) scales cos/sin; a sliding window as
+        # long as the context
+        "phi3": (t.Phi3Config, t.Phi3ForCausalLM, dict(
+            rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(16)],
+                          "long_factor": [2.0 + 0.5 * i for i in range(16)]},
+            max_position_embeddings=2048, original_max_position_embeddings=512, sliding_window=512,
+            pad_token_id=None, rope_theta=10000.0, tie_word_embeddings=False)),
     }
 
 
@@ -70,7 +80,7 @@ def tokenizer_json(vocab: int) -> dict:
 def build(name: str, cfg_cls: type, model_cls: type, extra: dict) -> None:
     folder = os.path.join(OUT, name)
     os.makedirs(folder, exist_ok=True)
-    cfg = cfg_cls(**COMMON, **extra)
+    cfg = cfg_cls(**{**COMMON, **extra})
     cfg.architectures = [model_cls.__name__]
     torch.manual_seed(0)
     model = model_cls(cfg).float().eval()

@@ -19,7 +19,8 @@ as a second copy of the model:
 Invariant: two runners built from the same :class:`ModelArgs` compute the
 same maths; every fact the maths depends on is a field of it.  RoPE tables
 for both runners come from :func:`rope_inv_freq`, the one place a rope
-scaling is applied.
+scaling's frequencies are applied (LongRoPE's attention factor is folded
+into the q/k weights by the loader: :class:`LongRopeScaling`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,28 @@ class RopeScaling:
     factor: float
     low_freq_factor: float
     high_freq_factor: float
+    original_max_position: int
+
+
+@attrs.frozen
+class LongRopeScaling:
+    """Phi-3's LongRoPE (``rope_type: longrope``, formerly ``su``): each
+    rotary frequency divided by its own factor, and cos/sin multiplied by
+    ``attention_factor`` (transformers' ``_compute_longrope_parameters``).
+
+    transformers switches from ``short_factor`` to ``long_factor`` once a
+    sequence outgrows ``original_max_position``, re-rotating every cached
+    key; fdx keeps rotated keys in its paged cache, so it serves a longrope
+    checkpoint only while no sequence can outgrow ``original_max_position``
+    (checked at runner start) and uses the short factors alone.  The
+    attention factor scales q and k alike, so the loader folds it into the
+    q/k projection rows (RoPE is linear); :func:`rope_inv_freq` applies the
+    short factors."""
+
+    rope_type: str
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    attention_factor: float
     original_max_position: int
 
 
@@ -72,7 +95,7 @@ class ModelArgs:
     tie_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | LongRopeScaling | None = None
     sliding_window: int | None = None
 
     @property
@@ -99,6 +122,10 @@ def rope_inv_freq(args: ModelArgs) -> np.ndarray:
     rs = args.rope_scaling
     if rs is None:
         return inv
+    if isinstance(rs, LongRopeScaling):  # the short factors (see LongRopeScaling)
+        if len(rs.short_factor) != half:
+            raise ValueError(f"longrope short_factor has {len(rs.short_factor)} entries, head_dim / 2 = {half}")
+        return inv / np.asarray(rs.short_factor, dtype=np.float64)
     if rs.rope_type != "llama3":  # the loader refuses others; this guards new callers
         raise ValueError(f"rope scaling {rs.rope_type!r} is not implemented")
     low_wavelen = rs.original_max_position / rs.low_freq_factor
@@ -143,6 +170,11 @@ class WeightNames:
     bv: str = ""
     q_norm: str = ""
     k_norm: str = ""
+    #: fused projections (Phi-3): ``wqkv`` rows are q, k, v in that order,
+    #: ``w_gate_up`` rows gate then up; the loader splits them, and
+    #: ``wq``/``wk``/``wv`` (``w_gate``/``w_up``) are then empty
+    wqkv: str = ""
+    w_gate_up: str = ""
 
 
 HF_LLAMA_WEIGHTS = WeightNames(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import glob
 import json
+import math
 import os
 from typing import Any, Iterator
 
@@ -24,7 +25,7 @@ import attrs
 import numpy as np
 
 from fdx.core.errors import ModelLoadError, PluginError
-from fdx.model.arch import Architecture, ModelArgs, RopeScaling, WeightNames
+from fdx.model.arch import Architecture, LongRopeScaling, ModelArgs, RopeScaling, WeightNames
 from fdx.model.source import ModelSource, resolve
 from fdx.model.tokenizer import ModelTokenizer, tokenizer_from_gguf, tokenizer_from_hf
 
@@ -153,7 +154,8 @@ def _refuse(where: str, what: str, key: str, value: Any, reason: str) -> ModelLo
 
 def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm: bool) -> tuple[set[str], set[str]]:
     """(required, optional) tensor names of a checkpoint of ``n_layers``."""
-    per = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
+    per = ["attn_norm", *(["wqkv"] if names.wqkv else ["wq", "wk", "wv"]), "wo", "ffn_norm",
+           *(["w_gate_up"] if names.w_gate_up else ["w_gate", "w_up"]), "w_down"]
     opt = ["bq", "bk", "bv"]
     if qkv_bias:
         per, opt = per + opt, []
@@ -311,10 +313,13 @@ def hf_model_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> Mod
     # transformers >= 5 writes rope_parameters (theta inside); older configs rope_theta + rope_scaling
     rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = None
-    if rp.get("rope_type", rp.get("type", "default")) == "llama3":
+    scaling: RopeScaling | LongRopeScaling | None = None
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if rope_type == "llama3":
         scaling = RopeScaling("llama3", float(rp["factor"]), float(rp["low_freq_factor"]),
                               float(rp["high_freq_factor"]), int(rp["original_max_position_embeddings"]))
+    elif rope_type in ("longrope", "su"):
+        scaling = _longrope(rp, cfg, cfg_path)
     window_rule = arch.hf_fields.get("sliding_window")
     window = cfg.get("sliding_window") if window_rule is not None and window_rule.kind == "read" else None
     try:
@@ -340,6 +345,32 @@ def hf_model_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> Mod
         )
     except KeyError as exc:
         raise ModelLoadError(f"{cfg_path}: missing key {exc.args[0]!r}") from None
+
+
+def _longrope(rp: dict[str, Any], cfg: dict[str, Any], cfg_path: str) -> LongRopeScaling:
+    """transformers' ``_compute_longrope_parameters``: the original context
+    from the rope dict, else the config; the attention factor given, else
+    ``sqrt(1 + ln(factor) / ln(original))`` with ``factor`` given, else
+    ``max_position_embeddings / original`` (1.0 when ``factor <= 1``)."""
+    orig = rp.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    if orig is None:
+        raise ModelLoadError(f"{cfg_path}: rope type longrope needs 'original_max_position_embeddings'")
+    orig = int(orig)
+    factor = rp.get("factor")
+    factor = float(factor) if factor is not None else int(cfg.get("max_position_embeddings", orig)) / orig
+    attn = rp.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1.0 + math.log(factor) / math.log(orig))
+    return LongRopeScaling(str(rp.get("rope_type", rp.get("type"))), tuple(map(float, rp["short_factor"])),
+                           tuple(map(float, rp["long_factor"])), float(attn), orig)
+
+
+def _split_rows(where: str, name: str, w: np.ndarray, sizes: tuple[int, ...]) -> list[np.ndarray]:
+    """A fused projection's rows cut into ``sizes`` (q/k/v, gate/up)."""
+    if w.ndim != 2 or w.shape[0] != sum(sizes):
+        raise ModelLoadError(f"{where}: tensor {name!r} has shape {list(w.shape)}, expected {sum(sizes)} rows "
+                             f"({' + '.join(map(str, sizes))})")
+    return np.split(w, np.cumsum(sizes)[:-1], axis=0)
 
 
 #: HF tensors that carry no weights fdx needs (recomputed buffers saved by old transformers)
@@ -384,18 +415,33 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
             raise ModelLoadError(f"{f}: cannot read tensor {name!r} ({exc})") from None
         return _to_f32(t)
 
+    qk_scale = args.rope_scaling.attention_factor if isinstance(args.rope_scaling, LongRopeScaling) else 1.0
+    if qk_scale != 1.0 and (args.qk_norm or args.attention_bias):  # the fold below would be wrong
+        raise ModelLoadError(f"{cfg_path}: longrope's attention factor with q/k norm or biases is not implemented")
+
     def layers() -> Iterator[LayerWeights]:
         for i in range(args.num_layers):
             n = {f.name: getattr(names, f.name).format(i=i) for f in attrs.fields(WeightNames)}
+            if names.wqkv:
+                wq, wk, wv = _split_rows(src.path, n["wqkv"], get(n["wqkv"]), (args.q_size, args.kv_size, args.kv_size))
+            else:
+                wq, wk, wv = get(n["wq"]), get(n["wk"]), get(n["wv"])
+            if qk_scale != 1.0:  # cos/sin x attention factor == q and k x it (RoPE is linear)
+                wq, wk = wq * np.float32(qk_scale), wk * np.float32(qk_scale)
+            if names.w_gate_up:
+                ff = args.intermediate_size
+                w_gate, w_up = _split_rows(src.path, n["w_gate_up"], get(n["w_gate_up"]), (ff, ff))
+            else:
+                w_gate, w_up = get(n["w_gate"]), get(n["w_up"])
             yield LayerWeights(
                 attn_norm=get(n["attn_norm"]),
-                wq=get(n["wq"]),
-                wk=get(n["wk"]),
-                wv=get(n["wv"]),
+                wq=wq,
+                wk=wk,
+                wv=wv,
                 wo=get(n["wo"]),
                 ffn_norm=get(n["ffn_norm"]),
-                w_gate=get(n["w_gate"]),
-                w_up=get(n["w_up"]),
+                w_gate=w_gate,
+                w_up=w_up,
                 w_down=get(n["w_down"]),
                 bq=get(n["bq"], optional=True) if n["bq"] else None,
                 bk=get(n["bk"], optional=True) if n["bk"] else None,

@@ -22,6 +22,7 @@ import numpy as np
 from fdx.core.errors import FdxError, ModelLoadError
 from fdx.core.interfaces import KVCacheSpec, ModelOutput, ModelRunner, ScheduledBatch
 from fdx.core.messages import ALL_LOGPROBS, TokenLogprob
+from fdx.model.arch import LongRopeScaling
 from fdx.model.packed_weights import bf16_bits_to_f32
 
 if TYPE_CHECKING:
@@ -131,6 +132,12 @@ class PagedRunnerBase(ModelRunner):
             raise ModelLoadError(
                 f"{ckpt.source.path}: unsupported config field 'sliding_window' = {window}: sliding-window "
                 f"attention is not implemented; serve with --max-model-len <= {window} (now {self.max_model_len})")
+        rs = self.args.rope_scaling
+        if isinstance(rs, LongRopeScaling) and self.max_model_len > rs.original_max_position:
+            raise ModelLoadError(  # past it transformers re-rotates every cached key with the long factors
+                f"{ckpt.source.path}: unsupported config field 'original_max_position_embeddings' = "
+                f"{rs.original_max_position}: rope type {rs.rope_type!r} past it (the long factors) is not "
+                f"implemented; serve with --max-model-len <= {rs.original_max_position} (now {self.max_model_len})")
         self.weights_version = ""
         self._weights_path = config.model
         return ckpt

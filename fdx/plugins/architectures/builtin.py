@@ -1,6 +1,6 @@
-"""fdx's built-in architectures: Llama (1, 2, 3.x), Qwen2, Qwen3, Mistral.
+"""fdx's built-in architectures: Llama (1, 2, 3.x), Qwen2, Qwen3, Mistral, Phi-3.
 
-All four share the Llama skeleton and fdx's one model code; what differs is
+All five share the Llama skeleton and fdx's one model code; what differs is
 declared here (recipe, weight names, the config fields each understands).
 Registered through ``fdx_register_architectures``, exactly as a third-party
 package registers one.
@@ -29,12 +29,20 @@ ROPE_KEYS = {
     "default": frozenset({"rope_type", "type", "rope_theta"}),
     "llama3": frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
                          "original_max_position_embeddings"}),
+    "longrope": frozenset({"rope_type", "type", "rope_theta", "short_factor", "long_factor", "factor",
+                           "attention_factor", "original_max_position_embeddings"}),
 }
+ROPE_KEYS["su"] = ROPE_KEYS["longrope"]  # longrope's first name (early Phi-3 configs)
+#: keys a rope type may omit (its default applies)
+ROPE_OPTIONAL = {"longrope": frozenset({"factor", "attention_factor", "original_max_position_embeddings"})}
+ROPE_OPTIONAL["su"] = ROPE_OPTIONAL["longrope"]
 
 
-def rope_check(*types: str) -> Any:
+def rope_check(*types: str, partial_rotary: bool = False) -> Any:
     """A check of ``rope_scaling`` / ``rope_parameters``: ``None`` or a dict of a
-    rope type in ``types`` with exactly the keys fdx reads for it."""
+    rope type in ``types`` with exactly the keys fdx reads for it.
+    ``partial_rotary``: the dict may carry ``partial_rotary_factor`` (Phi-3's
+    config class always writes it), refused unless 1.0."""
 
     def check(v: Any, cfg: Mapping[str, Any]) -> str | None:
         if v is None:
@@ -44,13 +52,38 @@ def rope_check(*types: str) -> Any:
         rt = v.get("rope_type", v.get("type", "default"))
         if rt not in types:
             return f"rope type {rt!r} is not implemented (fdx implements {', '.join(types)})"
-        extra = sorted(set(v) - ROPE_KEYS[rt])
+        keys = set(v)
+        if partial_rotary and "partial_rotary_factor" in keys:
+            if v["partial_rotary_factor"] != 1.0:
+                return f"partial_rotary_factor {v['partial_rotary_factor']!r} is not implemented (fdx implements 1.0)"
+            keys.discard("partial_rotary_factor")
+        extra = sorted(keys - ROPE_KEYS[rt])
         if extra:
             return f"key {extra[0]!r} (rope type {rt!r}) is not implemented"
-        missing = sorted(ROPE_KEYS[rt] - {"rope_type", "type", "rope_theta"} - set(v))
+        missing = sorted(ROPE_KEYS[rt] - {"rope_type", "type", "rope_theta"} - ROPE_OPTIONAL.get(rt, frozenset()) - keys)
         if missing:
             return f"rope type {rt!r} needs {missing[0]!r}"
         return None
+
+    return check
+
+
+def _longrope_factors(v: Any, cfg: Mapping[str, Any]) -> str | None:
+    """LongRoPE's factor lists: ``head_dim / 2`` positive numbers each."""
+    if not isinstance(v, dict) or v.get("rope_type", v.get("type")) not in ("longrope", "su"):
+        return None
+    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    half = (cfg.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0)) // 2
+    for key in ("short_factor", "long_factor"):
+        f = v[key]
+        if not (isinstance(f, list) and len(f) == half and all(isinstance(x, (int, float)) and x > 0 for x in f)):
+            return f"{key} must be {half} positive numbers (head_dim / 2)"
+    return None
+
+
+def _all(*checks: Any) -> Any:
+    def check(v: Any, cfg: Mapping[str, Any]) -> str | None:
+        return next((why for why in (c(v, cfg) for c in checks) if why), None)
 
     return check
 
@@ -84,6 +117,19 @@ MISTRAL_FIELDS: dict[str, FieldRule] = {
     **{k: v for k, v in LLAMA_FIELDS.items() if k not in ("mlp_bias", "attention_bias")}, **PLAIN_ROPE,
     "sliding_window": read(_positive_window),
 }
+_phi3_rope = read(_all(rope_check("default", "longrope", "su", partial_rotary=True), _longrope_factors))
+PHI3_FIELDS: dict[str, FieldRule] = {
+    **{k: v for k, v in LLAMA_FIELDS.items() if k not in ("mlp_bias", "attention_bias")},
+    "rope_scaling": _phi3_rope, "rope_parameters": _phi3_rope,
+    "original_max_position_embeddings": read(),  # longrope's short/long boundary and attention factor
+    "partial_rotary_factor": read(equals(1.0)),  # v4 configs keep it at the top level
+    "attention_bias": read(equals(False)),  # Phi-3's projections have no biases
+    "sliding_window": read(_positive_window),
+    "resid_pdrop": harmless(), "embd_pdrop": harmless(),  # dropout: training only
+    # Microsoft's checkpoints name their remote-code classes; those compute
+    # what transformers' own Phi3ForCausalLM (which fdx matches) computes
+    "auto_map": harmless(),
+}
 
 _g = read()
 LLAMA_GGUF_KEYS: dict[str, FieldRule] = {
@@ -113,7 +159,16 @@ MISTRAL = Architecture(
     hf_weights=HF_LLAMA_WEIGHTS, hf_fields=MISTRAL_FIELDS,
     description="Mistral (a sliding window no shorter than the context)",
 )
-BUILTIN = (LLAMA, QWEN2, QWEN3, MISTRAL)
+HF_PHI3_WEIGHTS = attrs.evolve(
+    HF_LLAMA_WEIGHTS, wq="", wk="", wv="", w_gate="", w_up="", bq="", bk="", bv="", q_norm="", k_norm="",
+    wqkv="model.layers.{i}.self_attn.qkv_proj.weight", w_gate_up="model.layers.{i}.mlp.gate_up_proj.weight",
+)
+PHI3 = Architecture(
+    name="phi3", hf_names=("Phi3ForCausalLM",), recipe=LayerRecipe(), hf_weights=HF_PHI3_WEIGHTS,
+    hf_fields=PHI3_FIELDS,
+    description="Phi-3 / Phi-3.5 (fused qkv and gate_up; longrope within original_max_position_embeddings)",
+)
+BUILTIN = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3)
 
 
 @hookimpl
