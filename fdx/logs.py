@@ -51,3 +51,27 @@ def setup_logging(level: str = "info", process: str = "main") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+
+
+def import_paddle_quietly() -> None:
+    """``import paddle`` with its start-up chatter routed into fdx's log at
+    debug: it prints "WARNING: OMP_NUM_THREADS set to N, not 1 ..." to stdout
+    whenever OMP_NUM_THREADS > 1 (fdx sets it on purpose: MKL's threads) and
+    warns "No ccache found" (its extension builder, loaded on import).  A
+    second call is a no-op (Paddle is imported once)."""
+    if "paddle" in sys.modules:
+        return
+    import contextlib
+    import io
+    import warnings
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import paddle  # noqa: F401
+    log = logging.getLogger("fdx.paddle")
+    for line in out.getvalue().splitlines():
+        if line.strip():
+            log.debug("paddle: %s", line.strip())
+    for w in caught:
+        log.debug("paddle: %s", w.message)
