@@ -55,7 +55,7 @@ def setup_logging(level: str = "info", process: str = "main") -> None:
 
 def import_paddle_quietly() -> None:
     """``import paddle`` with its start-up chatter routed into fdx's log at
-    debug: it prints "WARNING: OMP_NUM_THREADS set to N, not 1 ..." to stdout
+    debug: it prints "WARNING: OMP_NUM_THREADS set to N, not 1 ..." to stderr
     whenever OMP_NUM_THREADS > 1 (fdx sets it on purpose: MKL's threads) and
     warns "No ccache found" (its extension builder, loaded on import).  A
     second call is a no-op (Paddle is imported once)."""
@@ -66,7 +66,7 @@ def import_paddle_quietly() -> None:
     import warnings
 
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), warnings.catch_warnings(record=True) as caught:
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         import paddle  # noqa: F401
     log = logging.getLogger("fdx.paddle")

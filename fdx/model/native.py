@@ -229,8 +229,12 @@ def _build(isa: str, sources: tuple[str, ...] | None = None, name: str = "fdx_op
     module = f"{name}_{isa}_{key}"
     cached = os.path.join(cache_dir(), "ops", sub)
     packaged = os.path.join(PREBUILT, sub)
-    for d in ([packaged] if sources is None else []) + [cached]:
-        if os.path.isfile(os.path.join(d, module, module + ".so")):
+    if into_package and not _is_built(packaged, module) and _is_built(cached, module):
+        import shutil
+
+        shutil.copytree(cached, packaged, dirs_exist_ok=True)  # the same build: no need to compile it again
+    for d in ([packaged] if sources is None else []) + ([] if into_package else [cached]):
+        if _is_built(d, module):
             try:
                 return _load_built(d, module)
             except Exception as exc:  # noqa: BLE001 - a broken build: rebuild it below (or report)
@@ -254,6 +258,10 @@ def _build(isa: str, sources: tuple[str, ...] | None = None, name: str = "fdx_op
                 build_directory=build_dir,
                 verbose=False,
             )
+
+
+def _is_built(build_dir: str, module: str) -> bool:
+    return os.path.isfile(os.path.join(build_dir, module, module + ".so"))
 
 
 def _load_built(build_dir: str, module: str) -> Any:
