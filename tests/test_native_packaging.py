@@ -17,7 +17,7 @@ import pytest
 from fdx.model import native
 
 REPO = Path(__file__).resolve().parent.parent
-WANT = sorted(f"fdx/csrc/{n}" for n in native.SOURCES + native.HEADERS)
+WANT = sorted(f"fdx/csrc/{n}" for n in native.SOURCES + native.HEADERS + native.STANDALONE)
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,8 @@ PREBUILT = os.path.join(os.path.dirname(CSRC), "_ops")
 BUILD_COMMAND = f"{os.path.basename(sys.executable) or 'python'} -m fdx.model.native"
 SOURCES = ("paged_attention.cc", "qgemv.cc", "qgemm.cc", "small_ops.cc", "decoder_layers.cc")
 HEADERS = ("simd_math.h", "kernels.h")
+#: plain C libraries beside the op module (ctypes, not Paddle ops): tensor parallelism's collectives
+STANDALONE = ("tp_comm.cc",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fno-associative-math", "-ffp-contract=off")
 
 #: extra compiler flags per kernel set (-march=native targets the CPU; the
@@ -295,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fdx: building the native CPU ops failed ({type(exc).__name__}: {exc}); fdx serve will use pure Paddle ops",
               file=sys.stderr)
         return 1
+    from fdx.parallel.shm_comm import load_library
+
+    load_library(into_package=True)
     global _ops, _isa, _dot, _bf16_dot, _tried
     _ops, _isa, _tried = ops, isa, True
     _dot, _bf16_dot = _dot_products(ops)

@@ -34,9 +34,10 @@ from typing import Any
 import numpy as np
 
 from fdx.core.errors import FdxError
-from fdx.model.native import CSRC, cache_dir
+from fdx.model.native import CSRC, PREBUILT, cache_dir
 
 SOURCE = os.path.join(CSRC, "tp_comm.cc")
+LIB = "libfdx_tp_comm.so"
 #: floats per slot: a larger tensor takes several rounds
 DEFAULT_SLOT_ELEMS = 1 << 20
 
@@ -47,16 +48,19 @@ class GroupBroken(FdxError):
     """A rank died, hung past the timeout, or failed: the group is unusable."""
 
 
-def load_library() -> Any:
-    """The compiled fdx/csrc/tp_comm.cc (built once into the fdx cache dir)."""
+def load_library(into_package: bool = False) -> Any:
+    """The compiled fdx/csrc/tp_comm.cc: the install-time build in the
+    package (``python -m fdx.model.native``), else one built once (a second
+    of g++) into the fdx cache dir; ``into_package`` builds it there."""
     global _lib
-    if _lib is not None:
+    if _lib is not None and not into_package:
         return _lib
     with open(SOURCE, "rb") as f:
         key = hashlib.sha256(f.read()).hexdigest()[:16]
-    d = os.path.join(cache_dir(), "comm", key)
+    packaged = os.path.join(PREBUILT, f"comm-{key}")
+    d = packaged if into_package or os.path.exists(os.path.join(packaged, LIB)) else os.path.join(cache_dir(), "comm", key)
     os.makedirs(d, exist_ok=True)
-    so = os.path.join(d, "libfdx_tp_comm.so")
+    so = os.path.join(d, LIB)
     with open(os.path.join(d, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(so):
