@@ -312,14 +312,22 @@ def test_float32_matches_transformers(arch_name: str) -> None:
 
 #: int8 misses the 97% bar on these random models by one token: every miss is a
 #: genuine fp32 near-tie (top-2 gap 0.004-0.012, phi3 0.04-0.09, against an int8
-#: logit error ~0.15-0.2)
-INT8_SHORT = {"llama3", "mistral", "phi3"}
+#: logit error ~0.15-0.2); the MoE models by 3 and 5 (mixtral 93/96, qwen3_moe
+#: 91/96): near-ties again (gaps 0.009-0.05), and where Q8_0's error flips a
+#: router's top-k choice a logit moves by up to 1.4 (a bf16 router was tried:
+#: qwen3_moe 94/96 but mixtral 91/96, no better overall)
+INT8_SHORT = {"llama3", "mistral", "phi3", "qwen3_moe", "mixtral"}
+#: bfloat16 on the random Qwen3-MoE: 92/96, near-ties (top-2 gaps 0.003-0.11
+#: against a bf16 logit error of 0.12-0.35, the larger where a router's choice flips)
+BF16_SHORT = {"qwen3_moe"}
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
 def test_packed_modes_agree_with_float32(arch_name: str, dtype: str, request: Any) -> None:
     if dtype == "int8" and arch_name in INT8_SHORT:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="93/96 top-1: near-ties of the random model"))
+        request.applymarker(pytest.mark.xfail(strict=True, reason="91-93/96 top-1: near-ties of the random model"))
+    if dtype == "bfloat16" and arch_name in BF16_SHORT:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="92/96 top-1: near-ties of the random model"))
     runner = make_runner(arch_name, dtype)
     hits = total = 0
     for s in goldens(arch_name):
