@@ -105,6 +105,14 @@ FLIPS = [
     ("phi3", {"rope_parameters": {**PHI3_ROPE, "mscale": 1.0}}, "rope_parameters", "mscale"),
     ("phi3", {"attention_bias": True}, "attention_bias", "False"),
     ("phi3", {"sliding_window": 0}, "sliding_window", "positive"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step", "1"),
+    ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers", "dense layers"),
+    ("qwen3_moe", {"num_experts_per_tok": 0}, "num_experts_per_tok", "positive"),
+    ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok", "between 1 and the number of experts (8)"),
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window", "False"),
+    ("mixtral", {"num_local_experts": 0}, "num_local_experts", "positive"),
+    ("mixtral", {"hidden_act": "gelu"}, "hidden_act", "silu"),
+    ("mixtral", {"sliding_window": 0}, "sliding_window", "positive"),
 ]
 
 
@@ -425,3 +433,89 @@ def test_fdx_plugins_lists_the_architectures() -> None:
     assert out.returncode == 0, out.stderr
     rows = {tuple(ln.split()[:2]) for ln in out.stdout.splitlines()}
     assert {("architecture", n) for n in ("llama", "qwen2", "qwen3", "mistral", "phi3")} <= rows, out.stdout
+
+
+# --------------------------------------------------------------------------
+# mixture of experts
+# --------------------------------------------------------------------------
+
+
+def test_moe_experts_are_read_and_tensor_parallel_is_refused(tmp_path: Path) -> None:
+    """Qwen3-MoE's and Mixtral's experts come out stacked from their own
+    tensor names, the routing fields as the configs say (Qwen3-MoE's
+    ``num_experts``, as the hub's configs name it, reads as transformers 5's
+    ``num_local_experts``); a missing expert is named; MoE under tensor
+    parallelism is a one-line ConfigError at start-up."""
+    from safetensors.numpy import load_file, save_file
+
+    from fdx.config import make_config
+    from fdx.core.errors import ConfigError
+    from fdx.model.loader import load_checkpoint
+    from fdx.model.runner import PaddleModelRunner
+    from fdx.plugins.hardware.cpu import CPUDevice
+
+    q = load_checkpoint(str(DATA / "qwen3_moe"))
+    a = q.args
+    assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.norm_topk_prob) == (8, 2, 64, True)
+    w = load_file(str(DATA / "qwen3_moe" / "model.safetensors"))
+    lw = list(q.layers())[1]
+    np.testing.assert_array_equal(lw.router, w["model.layers.1.mlp.gate.weight"])
+    np.testing.assert_array_equal(lw.e_up[5], w["model.layers.1.mlp.experts.5.up_proj.weight"])
+    np.testing.assert_array_equal(lw.e_down[7], w["model.layers.1.mlp.experts.7.down_proj.weight"])
+    assert lw.w_gate is None and lw.w_down is None
+    cfg = json.loads((DATA / "qwen3_moe" / "config.json").read_text())
+    hub = copy_with_config(tmp_path, "qwen3_moe", num_local_experts=None, num_experts=cfg["num_local_experts"])
+    assert load_checkpoint(str(hub)).args == a
+    m = load_checkpoint(str(DATA / "mixtral")).args
+    assert (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.norm_topk_prob) == (4, 2, 96, True)
+    mw = load_file(str(DATA / "mixtral" / "model.safetensors"))
+    ml = list(load_checkpoint(str(DATA / "mixtral")).layers())[0]
+    np.testing.assert_array_equal(ml.e_gate[3], mw["model.layers.0.block_sparse_moe.experts.3.w1.weight"])
+    np.testing.assert_array_equal(ml.e_up[3], mw["model.layers.0.block_sparse_moe.experts.3.w3.weight"])
+
+    del w["model.layers.0.mlp.experts.3.gate_proj.weight"]
+    dst = copy_with_config(tmp_path, "qwen3_moe")
+    (dst / "model.safetensors").unlink()
+    save_file(w, str(dst / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="missing tensor 'model.layers.0.mlp.experts.3.gate_proj.weight'"):
+        load_checkpoint(str(dst))
+
+    with pytest.raises(ConfigError) as ei:
+        PaddleModelRunner(make_config(model=str(DATA / "qwen3_moe"), num_kv_blocks=8, max_model_len=512,
+                                      tensor_parallel_size=2), CPUDevice())
+    msg = str(ei.value)
+    assert "\n" not in msg and "--tensor-parallel-size 2" in msg and "mixture-of-experts" in msg, msg
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_moe_batch_invariance(dtype: str) -> None:
+    """The packed modes: each golden prompt alone and among 16 others
+    (random lengths, some sampled, other max_tokens: the experts' row groups
+    change size every step) through ``fdx.LLM`` gives bit-identical tokens
+    and logprobs (the chosen token's and the top-2)."""
+    import random
+
+    import fdx
+    from fdx import SamplingParams
+
+    llm = fdx.LLM(model=str(DATA / "qwen3_moe"), dtype=dtype, num_kv_blocks=128, max_model_len=512,
+                  max_num_seqs=32, max_num_batched_tokens=256)
+    assert llm.engine.runner.compute == dtype
+
+    def params(**kw: Any) -> Any:
+        return SamplingParams(**{"temperature": 0.0, "max_tokens": 8, "logprobs": 2, "ignore_eos": True, **kw})
+
+    def key(res: Any) -> Any:
+        return list(res.token_ids), [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in res.outputs[0].logprobs]
+
+    prompts = [s["prompt"] for s in goldens("qwen3_moe")]
+    alone = [key(llm.generate([p], params())[0]) for p in prompts]
+    rng = random.Random(25)
+    others = [([rng.randrange(3, 512) for _ in range(rng.randrange(2, 50))],
+               params(max_tokens=rng.randrange(1, 17), logprobs=None,
+                      **({"temperature": 0.8, "seed": rng.randrange(1 << 30)} if rng.random() < 0.3 else {})))
+              for _ in range(16)]
+    for i, p in enumerate(prompts):
+        batch = others[:i * 5] + [(p, params())] + others[i * 5:]
+        res = llm.generate([b[0] for b in batch], [b[1] for b in batch])
+        assert key(res[i * 5]) == alone[i], f"{dtype}: prompt {i} changed among {len(batch) - 1} others"
