@@ -5,7 +5,8 @@ scripts/make_arch_goldens.py: small random-weight models built with
 transformers' own config classes (Llama 3 with llama3 rope scaling, Qwen2
 with q/k/v biases and tied embeddings, Qwen3 with per-head q/k norm and an
 explicit head_dim, Mistral with a sliding window as long as its context,
-Phi-3 with fused qkv/gate_up weights and longrope scaling),
+Phi-3 with fused qkv/gate_up weights and longrope scaling, Qwen3-MoE with
+8 experts top-2 and norm_topk_prob, Mixtral with 4 experts top-2),
 and transformers' fp32 greedy tokens and logprobs for 3 token-id prompts x
 32 tokens.  No torch here.
 
@@ -15,7 +16,10 @@ and transformers' fp32 greedy tokens and logprobs for 3 token-id prompts x
   cache): the same top-1 token at every position, logprobs within 1e-3;
 * int8 and bfloat16: top-1 agreement with the goldens >= 97%;
 * a real ``fdx serve --dtype float32`` per architecture gives the greedy
-  tokens over HTTP (token-id prompts, ``return_token_ids``).
+  tokens over HTTP (token-id prompts, ``return_token_ids``);
+* MoE: the experts read from their tensor names, tensor parallelism refused,
+  and in int8/bfloat16 a prompt's tokens and logprobs are bit-identical alone
+  and among 16 others.
 """
 
 from __future__ import annotations
@@ -432,7 +436,7 @@ def test_fdx_plugins_lists_the_architectures() -> None:
     out = subprocess.run([sys.executable, "-m", "fdx", "plugins"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = {tuple(ln.split()[:2]) for ln in out.stdout.splitlines()}
-    assert {("architecture", n) for n in ("llama", "qwen2", "qwen3", "mistral", "phi3")} <= rows, out.stdout
+    assert {("architecture", n) for n in ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral")} <= rows, out.stdout
 
 
 # --------------------------------------------------------------------------
