@@ -65,6 +65,18 @@ def copy_with_config(tmp: Path, name: str, **changes: Any) -> Path:
     return dst
 
 
+def copy_without_tensor(tmp: Path, name: str, tensor: str) -> Path:
+    """A copy of model ``name`` whose safetensors lack ``tensor``."""
+    from safetensors.numpy import load_file, save_file
+
+    w = load_file(str(DATA / name / "model.safetensors"))
+    del w[tensor]
+    dst = copy_with_config(tmp, name)
+    (dst / "model.safetensors").unlink()
+    save_file(w, str(dst / "model.safetensors"))
+    return dst
+
+
 # --------------------------------------------------------------------------
 # no silent misreads
 # --------------------------------------------------------------------------
@@ -133,8 +145,6 @@ def test_unimplemented_math_field_is_refused_naming_it(tmp_path: Path, name: str
 
 
 def test_unknown_architecture_lists_choices_and_stray_tensor_is_refused(tmp_path: Path) -> None:
-    from safetensors.numpy import load_file, save_file
-
     from fdx.model.loader import load_checkpoint
 
     folder = copy_with_config(tmp_path, "qwen3", architectures=["Gemma3ForCausalLM"])
@@ -152,11 +162,7 @@ def test_unknown_architecture_lists_choices_and_stray_tensor_is_refused(tmp_path
         load_checkpoint(str(folder))
     assert "unsupported tensor 'model.layers.0.self_attn.k_norm.weight'" in str(ei.value)
     # and a missing one is named
-    w = load_file(str(DATA / "qwen3" / "model.safetensors"))
-    del w["model.layers.1.self_attn.q_norm.weight"]
-    dst = copy_with_config(tmp_path, "qwen3")
-    (dst / "model.safetensors").unlink()
-    save_file(w, str(dst / "model.safetensors"))
+    dst = copy_without_tensor(tmp_path, "qwen3", "model.layers.1.self_attn.q_norm.weight")
     with pytest.raises(ModelLoadError, match="missing tensor 'model.layers.1.self_attn.q_norm.weight'"):
         load_checkpoint(str(dst))
 
@@ -450,7 +456,7 @@ def test_moe_experts_are_read_and_tensor_parallel_is_refused(tmp_path: Path) -> 
     ``num_experts``, as the hub's configs name it, reads as transformers 5's
     ``num_local_experts``); a missing expert is named; MoE under tensor
     parallelism is a one-line ConfigError at start-up."""
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import load_file
 
     from fdx.config import make_config
     from fdx.core.errors import ConfigError
@@ -477,10 +483,7 @@ def test_moe_experts_are_read_and_tensor_parallel_is_refused(tmp_path: Path) -> 
     np.testing.assert_array_equal(ml.e_gate[3], mw["model.layers.0.block_sparse_moe.experts.3.w1.weight"])
     np.testing.assert_array_equal(ml.e_up[3], mw["model.layers.0.block_sparse_moe.experts.3.w3.weight"])
 
-    del w["model.layers.0.mlp.experts.3.gate_proj.weight"]
-    dst = copy_with_config(tmp_path, "qwen3_moe")
-    (dst / "model.safetensors").unlink()
-    save_file(w, str(dst / "model.safetensors"))
+    dst = copy_without_tensor(tmp_path, "qwen3_moe", "model.layers.0.mlp.experts.3.gate_proj.weight")
     with pytest.raises(ModelLoadError, match="missing tensor 'model.layers.0.mlp.experts.3.gate_proj.weight'"):
         load_checkpoint(str(dst))
 
