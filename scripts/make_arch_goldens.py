@@ -66,6 +66,17 @@ def models() -> dict[str, tuple[type, type, dict]]:
                           "long_factor": [2.0 + 0.5 * i for i in range(16)]},
             max_position_embeddings=2048, original_max_position_embeddings=512, sliding_window=512,
             pad_token_id=None, rope_theta=10000.0, tie_word_embeddings=False)),
+        # Qwen3-MoE: 8 experts, top-2 with norm_topk_prob (the renormalised
+        # top-k weights of Qwen3-30B-A3B), every layer sparse; q/k norm and
+        # head_dim 64 as Qwen3; the dense intermediate_size is unused
+        "qwen3_moe": (t.Qwen3MoeConfig, t.Qwen3MoeForCausalLM, dict(
+            head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0, tie_word_embeddings=False)),
+        # Mixtral: 4 experts of intermediate_size, top-2 (softmax over the
+        # two selected logits), a sliding window as long as the context
+        "mixtral": (t.MixtralConfig, t.MixtralForCausalLM, dict(
+            num_local_experts=4, num_experts_per_tok=2, intermediate_size=96, sliding_window=512,
+            rope_theta=1000000.0, tie_word_embeddings=False)),
     }
 
 
@@ -89,7 +100,7 @@ def build(name: str, cfg_cls: type, model_cls: type, extra: dict) -> None:
             if p.dim() == 1:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in pname else p.normal_(0, 0.5)
             else:
-                p.normal_(0, 1.0 / p.shape[1] ** 0.5)
+                p.normal_(0, 1.0 / p.shape[-1] ** 0.5)  # [out, in] or experts' [E, out, in]
         model.model.embed_tokens.weight.normal_(0, 1.0)
         model.model.norm.weight.mul_(3.0)  # sharper logits: few near-ties for the int8/bf16 checks
     model.save_pretrained(folder, safe_serialization=True)

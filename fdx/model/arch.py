@@ -97,6 +97,16 @@ class ModelArgs:
     qk_norm: bool = False
     rope_scaling: RopeScaling | LongRopeScaling | None = None
     sliding_window: int | None = None
+    #: mixture of experts (:mod:`fdx.model.moe`); ``num_experts == 0``: every
+    #: layer has a dense MLP of ``intermediate_size``.  Otherwise every layer's
+    #: MLP is ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``,
+    #: each token routed to ``num_experts_per_tok`` of them by a softmax over
+    #: the router's logits, their top-k weights renormalised to sum to 1 when
+    #: ``norm_topk_prob`` (Mixtral always; Qwen3-MoE by its config)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @property
     def q_size(self) -> int:
@@ -107,7 +117,9 @@ class ModelArgs:
         return self.num_kv_heads * self.head_dim
 
     def describe(self) -> str:
-        extra = "".join((" qk-norm" if self.qk_norm else "", f" rope={self.rope_scaling.rope_type}" if self.rope_scaling else ""))
+        extra = "".join((" qk-norm" if self.qk_norm else "", f" rope={self.rope_scaling.rope_type}" if self.rope_scaling else "",
+                         f" moe={self.num_experts}x{self.moe_intermediate_size}/top{self.num_experts_per_tok}"
+                         if self.num_experts else ""))
         return (
             f"{self.arch} L{self.num_layers} d{self.hidden_size} ff{self.intermediate_size} "
             f"h{self.num_heads}/kv{self.num_kv_heads}x{self.head_dim} V{self.vocab_size}{extra}"
@@ -150,8 +162,9 @@ def rope_angles(args: ModelArgs, max_pos: int) -> np.ndarray:
 
 @attrs.frozen
 class WeightNames:
-    """Tensor names of one checkpoint format; per-layer names hold ``{i}``.
-    An empty name: the architecture has no such tensor."""
+    """Tensor names of one checkpoint format; per-layer names hold ``{i}``,
+    per-expert names ``{i}`` and ``{e}``.  An empty name: the architecture
+    has no such tensor."""
 
     embed: str
     final_norm: str
@@ -175,6 +188,17 @@ class WeightNames:
     #: ``wq``/``wk``/``wv`` (``w_gate``/``w_up``) are then empty
     wqkv: str = ""
     w_gate_up: str = ""
+    #: mixture of experts: the router (``[num_experts, hidden]``) and each
+    #: expert's SwiGLU (``{e}``: the expert's index); a MoE layer has these
+    #: instead of ``w_gate``/``w_up``/``w_down``
+    router: str = ""
+    expert_gate: str = ""
+    expert_up: str = ""
+    expert_down: str = ""
+
+    def layer(self, i: int) -> dict[str, str]:
+        """Every field's name in layer ``i`` (per-expert names keep ``{e}``)."""
+        return {f.name: getattr(self, f.name).format(i=i, e="{e}") for f in attrs.fields(WeightNames)}
 
 
 HF_LLAMA_WEIGHTS = WeightNames(
@@ -201,7 +225,7 @@ GGUF_LLAMA_WEIGHTS = WeightNames(
 
 
 #: the values of each :class:`LayerRecipe` variant field the model code implements
-IMPLEMENTED_RECIPE = {"norm": ("rms",), "mlp": ("swiglu",), "rope": ("neox",)}
+IMPLEMENTED_RECIPE = {"norm": ("rms",), "mlp": ("swiglu", "moe"), "rope": ("neox",)}
 
 
 @attrs.frozen
@@ -212,9 +236,12 @@ class LayerRecipe:
     ``qkv_bias``: the q/k/v projections always carry biases (Qwen2; other
     architectures take them when the config's ``attention_bias`` says so).
     ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3).
-    ``norm``/``mlp``/``rope`` name the only variants fdx implements today
-    (``rms``, ``swiglu``, ``neox``: rotate_half over the whole head); they
-    are fields so a new variant is a new value, checked at load.
+    ``norm``/``mlp``/``rope`` name the variants fdx implements today
+    (``rms``; ``swiglu``, or ``moe``: routed SwiGLU experts in every layer;
+    ``neox``: rotate_half over the whole head); they are fields so a new
+    variant is a new value, checked at load.  ``moe_renormalize``: the
+    top-k router weights always sum to 1 (Mixtral; other MoE architectures
+    take it from the config's ``norm_topk_prob``).
     """
 
     qkv_bias: bool = False
@@ -222,6 +249,7 @@ class LayerRecipe:
     norm: str = "rms"
     mlp: str = "swiglu"
     rope: str = "neox"
+    moe_renormalize: bool = False
 
     def unimplemented(self) -> str | None:
         """The first variant field whose value the model code lacks, as ``"field=value"``."""

@@ -139,6 +139,9 @@ class GPULlama:
         The new weights replace the old ones only once all are built, so a
         failed load leaves the model as it was."""
         a = self.args
+        if a.num_experts:
+            raise ModelLoadError(f"{ckpt.source.path}: the gpu runner has no mixture-of-experts layers yet "
+                                 f"({a.describe()}); use the cpu runner")
         if ckpt.args != a:
             raise ModelLoadError(f"{ckpt.source.path}: architecture mismatch ({ckpt.args.describe()} != {a.describe()})")
         layers: list[GPULayer] = []
