@@ -279,6 +279,38 @@ def _load_built(build_dir: str, module: str) -> Any:
             return extension_utils._import_module_from_library(module, os.path.join(build_dir, module), False)
 
 
+def build_library(source: str, into_package: bool = False) -> str:
+    """The path of ``fdx/csrc/<source>`` built as a plain shared library
+    (:data:`STANDALONE`, loaded with ctypes): the install-time build in the
+    package, else one built once (a second of g++) into the cache dir;
+    ``into_package`` builds it into the package."""
+    import shutil
+    import subprocess
+
+    path = os.path.join(CSRC, source)
+    with open(path, "rb") as f:
+        key = hashlib.sha256(f.read()).hexdigest()[:16]
+    stem = os.path.splitext(source)[0]
+    lib = f"libfdx_{stem}.so"
+    packaged = os.path.join(PREBUILT, f"{stem}-{key}")
+    d = packaged if into_package or os.path.exists(os.path.join(packaged, lib)) else os.path.join(cache_dir(), stem, key)
+    os.makedirs(d, exist_ok=True)
+    so = os.path.join(d, lib)
+    with open(os.path.join(d, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(so):
+            cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+            if cxx is None:
+                raise RuntimeError(f"building fdx/csrc/{source} needs a C++ compiler (g++)")
+            tmp = so + f".{os.getpid()}.tmp"
+            r = subprocess.run([cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-o", tmp, path],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"building fdx/csrc/{source} failed: {r.stderr.strip().splitlines()[-1:]}")
+            os.replace(tmp, so)
+    return so
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m fdx.model.native``: build the ops for this machine's kernel
     set into the installed package (``make install`` runs it), so that
@@ -297,9 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fdx: building the native CPU ops failed ({type(exc).__name__}: {exc}); fdx serve will use pure Paddle ops",
               file=sys.stderr)
         return 1
-    from fdx.parallel.shm_comm import load_library
-
-    load_library(into_package=True)
+    for src in STANDALONE:
+        build_library(src, into_package=True)
     global _ops, _isa, _dot, _bf16_dot, _tried
     _ops, _isa, _tried = ops, isa, True
     _dot, _bf16_dot = _dot_products(ops)

@@ -22,22 +22,15 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import mmap
 import os
-import shutil
-import subprocess
 import uuid
 from typing import Any
 
 import numpy as np
 
 from fdx.core.errors import FdxError
-from fdx.model.native import CSRC, PREBUILT, cache_dir
-
-SOURCE = os.path.join(CSRC, "tp_comm.cc")
-LIB = "libfdx_tp_comm.so"
+from fdx.model.native import build_library
 #: floats per slot: a larger tensor takes several rounds
 DEFAULT_SLOT_ELEMS = 1 << 20
 
@@ -48,31 +41,16 @@ class GroupBroken(FdxError):
     """A rank died, hung past the timeout, or failed: the group is unusable."""
 
 
-def load_library(into_package: bool = False) -> Any:
-    """The compiled fdx/csrc/tp_comm.cc: the install-time build in the
-    package (``python -m fdx.model.native``), else one built once (a second
-    of g++) into the fdx cache dir; ``into_package`` builds it there."""
+def load_library() -> Any:
+    """fdx/csrc/tp_comm.cc, built at install time or once into the cache
+    (:func:`fdx.model.native.build_library`)."""
     global _lib
-    if _lib is not None and not into_package:
+    if _lib is not None:
         return _lib
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read()).hexdigest()[:16]
-    packaged = os.path.join(PREBUILT, f"comm-{key}")
-    d = packaged if into_package or os.path.exists(os.path.join(packaged, LIB)) else os.path.join(cache_dir(), "comm", key)
-    os.makedirs(d, exist_ok=True)
-    so = os.path.join(d, LIB)
-    with open(os.path.join(d, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(so):
-            cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-            if cxx is None:
-                raise FdxError("tensor parallelism's shm backend needs a C++ compiler (g++) to build fdx/csrc/tp_comm.cc")
-            tmp = so + f".{os.getpid()}.tmp"
-            r = subprocess.run([cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-o", tmp, SOURCE],
-                               capture_output=True, text=True)
-            if r.returncode != 0:
-                raise FdxError(f"building fdx/csrc/tp_comm.cc failed: {r.stderr.strip().splitlines()[-1:]}")
-            os.replace(tmp, so)
+    try:
+        so = build_library("tp_comm.cc")
+    except RuntimeError as exc:
+        raise FdxError(f"tensor parallelism's shm backend: {exc}") from None
     lib = ctypes.CDLL(so)
     vp, i32, i64, fp, cp = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p
     lib.fdx_tp_data_offset.argtypes, lib.fdx_tp_data_offset.restype = [i32], i64
