@@ -2,7 +2,7 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXTRAS ?= cpu,test,redis,mooncake,plot,grammar
+EXTRAS ?= cpu,test,redis,mooncake,plot,grammar,tracing
 
 .PHONY: install deps serve test test-fast clean
 
