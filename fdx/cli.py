@@ -68,6 +68,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     c.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
 
     k = p.add_argument_group("components (chosen by name; see `fdx plugins`)")
+    k.add_argument("--deployment",
+                   help="deployment plugin: how fdx serve lays out its processes (default: single; dp with "
+                        "--scheduler dp; splitwise with --num-prefill/--num-decode; see `fdx plugins`)")
     k.add_argument("--scheduler", help="scheduler plugin (default v1; dp: --data-parallel-size replicas)")
     k.add_argument("--data-parallel-size", type=int,
                    help="with --scheduler dp: engine processes (replicas) behind the one API server, each "
@@ -235,13 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             # serve never compiles the C++ ops: an install-time build (or a cached one) or the fallback
             os.environ.setdefault("FDX_NATIVE_BUILD", "0")
             cfg = config_from_args(args, plugins)
+            from fdx.deploy.launcher import serve
             from fdx.model.loader import load_tokenizer
-            from fdx.router.topology import is_managed, run_topology
-            from fdx.server.launcher import serve
 
             load_tokenizer(cfg.model)  # a missing/corrupt model fails here, in one line, before any process starts
-            # --scheduler splitwise --num-prefill N --num-decode M: P, D and the router; else one server
-            return run_topology(cfg) if is_managed(cfg) else serve(cfg)
+            return serve(cfg, plugins)  # the deployment (--deployment) decides the processes
         parser.print_help()
         return 0
     except FdxError as exc:

@@ -95,6 +95,9 @@ class EngineConfig:
     kv_cache_memory: int = attrs.field(default=1 << 30, validator=_positive)  # bytes
 
     # components (chosen by name from the registries)
+    #: how ``fdx serve`` lays out its processes (``None``: implied by the flags,
+    #: :func:`fdx.deploy.deployment.deployment_name`)
+    deployment: str | None = None
     scheduler: str = "v1"
     #: ``--scheduler dp``: engine replicas behind the one API process
     data_parallel_size: int = attrs.field(default=1, validator=_positive)
@@ -109,7 +112,7 @@ class EngineConfig:
     #: this engine's replica (set by the launcher for each dp engine)
     dp_rank: int = attrs.field(default=0, validator=_non_negative)
     #: ``--scheduler dp``: ``local`` (this node's replicas) or ``redis`` (a
-    #: global queue across nodes, fdx/server/dp_global_queue.py)
+    #: global queue across nodes, fdx/plugins/deployments/dp_global_queue.py)
     dp_backend: str = "local"
     redis_url: str | None = None
     #: Redis keys are ``fdx:<dp_cluster>:...``

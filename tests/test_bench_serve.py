@@ -44,7 +44,7 @@ def fdx_url(tmp_path_factory: Any) -> Iterator[str]:
             yield base_url
         return
     try:
-        import fdx.server.launcher  # noqa: F401
+        import fdx.deploy.launcher  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"fdx serve is not available yet ({exc})")
     port = _free_port()

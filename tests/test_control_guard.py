@@ -20,7 +20,7 @@ from fdx.server.control import clean_message, resolve_weights_path
 def _app(tmp_path: Path, **cfg: Any) -> Iterator[TestClient]:
     from fdx.core.ipc import IpcPaths
     from fdx.server.app import create_app
-    from fdx.server.client import EngineClient
+    from fdx.deploy.engine_client import EngineClient
 
     config = make_config(**cfg)
     run = tmp_path / "run"

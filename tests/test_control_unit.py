@@ -226,7 +226,7 @@ def test_api_key_guards_control_routes(tmp_path: Any) -> None:
 
     from fdx.core.ipc import IpcPaths
     from fdx.server.app import create_app
-    from fdx.server.client import EngineClient
+    from fdx.deploy.engine_client import EngineClient
 
     cfg = make_config(api_key="sekret")
     client = EngineClient(cfg, IpcPaths(str(tmp_path)))

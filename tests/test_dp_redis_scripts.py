@@ -1,4 +1,4 @@
-"""The dp global queue's Lua scripts (fdx/server/dp_global_queue.py) on a real
+"""The dp global queue's Lua scripts (fdx/plugins/deployments/dp_global_queue.py) on a real
 ``redis-server``: placement on the least-loaded instance, the atomic pick
 (own queue first, then stealing from the busiest), skipping aborted and
 expired entries, reaping a dead instance, aborts routed to the owner, and
@@ -14,7 +14,7 @@ from kvservices import RedisServer, have_redis
 
 redis = pytest.importorskip("redis")
 
-from fdx.server.dp_global_queue import ABORT, ANY, ENQUEUE, EXPIRE, PICK, RELEASE  # noqa: E402
+from fdx.plugins.deployments.dp_global_queue import ABORT, ANY, ENQUEUE, EXPIRE, PICK, RELEASE  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not have_redis(), reason="redis-server not installed (apt-get install redis-server)")
 P = "fdx:t"

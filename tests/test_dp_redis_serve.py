@@ -41,7 +41,7 @@ import pytest
 from kvservices import RedisServer, have_redis
 from serverutil import children_of, metric_value, read_log, start_server
 
-from fdx.server.dp_global_queue import OUTAGE_S
+from fdx.plugins.deployments.dp_global_queue import OUTAGE_S
 
 redis = pytest.importorskip("redis")
 

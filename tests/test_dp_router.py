@@ -11,9 +11,9 @@ from fdx.config import make_config
 from fdx.core.errors import ConfigError
 from fdx.core.ipc import IpcPaths
 from fdx.core.messages import EngineStats
-from fdx.plugins.schedulers.dp import dp_size, replica_config, replica_paths
-from fdx.server.dp_client import merge_replies, total_stats
-from fdx.server.dp_router import PrefixAffinityRouter, prefix_hashes
+from fdx.plugins.deployments.dp import dp_size, replica_config, replica_paths
+from fdx.plugins.deployments.dp_replicas import merge_replies, total_stats
+from fdx.deploy.affinity import PrefixAffinityRouter, prefix_hashes
 
 BS = 16
 

@@ -17,9 +17,9 @@ from fdx.config import make_config
 from fdx.core.errors import RequestError
 from fdx.core.ipc import make_run_dir
 from fdx.core.messages import EngineFailed, EngineReady, EngineStats, Heartbeat, OutputBatch, SamplingParams
-from fdx.server.client import ControlCallError, EngineClient, EngineUnavailable
+from fdx.deploy.engine_client import ControlCallError, EngineClient, EngineUnavailable
 from fdx.server.metrics import Metrics
-from fdx.server.launcher import child_config_json, spawn_child
+from fdx.deploy.launcher import child_config_json, spawn_child
 
 
 async def _drain(h: Any) -> Any:

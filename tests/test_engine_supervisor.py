@@ -21,7 +21,7 @@ from serverutil import metric_value, pid_alive, read_log, record_stream, start_s
 from fdx.core.engine_proc import HeartbeatThread, Progress
 from fdx.core.ipc import IpcPaths, Liveness
 from fdx.core.messages import EngineStats, Heartbeat, decode
-from fdx.server.launcher import RestartPolicy
+from fdx.deploy.launcher import RestartPolicy
 
 MAX_RESTARTS = 3
 STEP_TIMEOUT = 10.0

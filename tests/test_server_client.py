@@ -27,7 +27,7 @@ from fdx.core.messages import (
     SamplingParams,
     Shutdown,
 )
-from fdx.server.client import ControlCallError, EngineClient, EngineUnavailable
+from fdx.deploy.engine_client import ControlCallError, EngineClient, EngineUnavailable
 
 
 class FakeEngine(threading.Thread):

@@ -33,7 +33,7 @@ class _RoutesPlugin:
 def http(tmp_path: Path) -> Iterator[TestClient]:
     from fdx.core.ipc import IpcPaths
     from fdx.server.app import create_app
-    from fdx.server.client import EngineClient
+    from fdx.deploy.engine_client import EngineClient
 
     config = make_config(max_request_bytes=LIMIT)
     client = EngineClient(config, IpcPaths(str(tmp_path)))

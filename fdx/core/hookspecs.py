@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from fdx.config import EngineConfig
     from fdx.core.messages import SamplingParams
-    from fdx.server.client import EngineClient
+    from fdx.deploy.frontend import EngineFrontend
 
 PROJECT = "fdx"
 
@@ -245,6 +245,24 @@ def fdx_register_architectures(register: Register) -> None:
 
 
 @hookspec
+def fdx_register_deployments(register: Register) -> None:
+    """Contribute deployments: how ``fdx serve`` lays out its processes
+    (``--deployment NAME``; default ``single``, ``dp`` under ``--scheduler
+    dp``, ``splitwise`` for ``--num-prefill``/``--num-decode``).
+
+    Called once at start-up in the launcher and in the API process.
+
+    :param register: call ``register(name, factory, description=...)``.
+        ``factory(config=EngineConfig)`` returns a
+        :class:`fdx.deploy.deployment.Deployment`: the engine processes to
+        run, and the :class:`fdx.deploy.frontend.EngineFrontend` the API
+        process reaches them through (or the whole foreground, ``run()``).
+
+    Return nothing.  Registering a name twice is an error naming both plugins.
+    """
+
+
+@hookspec
 def fdx_register_tool_parsers(register: Register) -> None:
     """Contribute tool-call parsers, selected with ``--tool-call-parser NAME``.
 
@@ -300,13 +318,13 @@ def fdx_adjust_config(config: EngineConfig, args: argparse.Namespace | None) -> 
 
 
 @hookspec
-def fdx_add_routes(app: FastAPI, client: EngineClient) -> None:
+def fdx_add_routes(app: FastAPI, client: EngineFrontend) -> None:
     """Add HTTP routes to the OpenAI-compatible server.
 
     Called once, in the API-server process, after fdx's own routes exist.
 
     :param app: the :class:`fastapi.FastAPI` application.
-    :param client: the :class:`fdx.server.client.EngineClient`, through which
+    :param client: the deployment's :class:`fdx.deploy.frontend.EngineFrontend`, through which
         a route can submit requests or control calls to the engine.
 
     Return nothing.

@@ -34,6 +34,7 @@ KINDS: dict[str, str] = {
     "kv_connector": "fdx_register_kv_connectors",
     "speculator": "fdx_register_speculators",
     "architecture": "fdx_register_architectures",
+    "deployment": "fdx_register_deployments",
 }
 
 

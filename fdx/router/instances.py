@@ -21,7 +21,7 @@
   D's response headers arrive, which D sends with the first token); a
   prompt's weight is its UTF-8 bytes (about 4 per token), or its token ids.
   D: its requests in flight.  P is picked by
-  :class:`fdx.server.dp_router.PrefixAffinityRouter` over the same units
+  :class:`fdx.deploy.affinity.PrefixAffinityRouter` over the same units
   (the prompt's bytes or ids stand in for tokens: blocks of
   ``affinity_block_tokens`` x 4 bytes; sticky unless much busier), D by
   least requests in flight (ties: the one given fewest).
@@ -39,7 +39,7 @@ import aiohttp
 import anyio
 import attrs
 
-from fdx.server.dp_router import Choice, PrefixAffinityRouter
+from fdx.deploy.affinity import Choice, PrefixAffinityRouter
 
 log = logging.getLogger("fdx.router")
 

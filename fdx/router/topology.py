@@ -1,7 +1,7 @@
 """``fdx serve --scheduler splitwise --num-prefill N --num-decode M``: a splitwise topology on one machine.
 
 ``fdx serve`` (:mod:`fdx.cli`) hands such a config to :func:`run_topology`
-(any other to :func:`fdx.server.launcher.serve`), which stays in the
+(any other to :func:`fdx.deploy.launcher.serve`), which stays in the
 foreground and owns N + M + 1 managed children:
 
 * each instance is a full ``fdx serve`` (its own launcher, API and engine
@@ -19,7 +19,7 @@ the instances until they are up); ready when the router's ``/health`` is
 A child dying later (crashed, killed, or an instance whose own engine gave
 up) is reported (an error line naming it, its pid and how it ended) and
 started again on the same port after a backoff
-(:class:`fdx.server.launcher.RestartPolicy`, ``--max-engine-restarts`` per
+(:class:`fdx.deploy.launcher.RestartPolicy`, ``--max-engine-restarts`` per
 ``--restart-window`` for each child; beyond that everything stops, exit 1).
 SIGINT/SIGTERM stops the router first, then the instances (each stops its
 own children), SIGTERM then SIGKILL by PID, bounded in time; exit 0.
@@ -43,7 +43,7 @@ import attrs
 
 from fdx.config import EngineConfig
 from fdx.logs import setup_logging
-from fdx.server.launcher import RestartPolicy, child_config_json, describe_exit, signal_child, spawn_child, wait_child
+from fdx.deploy.launcher import RestartPolicy, child_config_json, describe_exit, signal_child, spawn_child, wait_child
 
 log = logging.getLogger("fdx.serve")
 
@@ -202,7 +202,7 @@ def _instance_main() -> int:
     itself) when the topology process is gone."""
     from fdx.config import make_config
     from fdx.core.ipc import child_args, pid_alive
-    from fdx.server.launcher import serve
+    from fdx.deploy.launcher import serve
 
     values, _name, parent_pid = child_args(sys.argv[1:])
     config = make_config(**values)

@@ -3,11 +3,12 @@
 The config JSON (API key included) arrives on the inherited pipe FD, so it
 never shows in ``ps``.
 
-Binds the ZMQ sockets first thing (before any heavy import), so the launcher
-can start the engine as soon as the socket files exist; with ``--scheduler
-dp``, one channel pair per replica in ``RUN_DIR/dp<rank>/``, served by a
-:class:`fdx.server.dp_client.ReplicaSet` instead of one ``EngineClient``.  Then it runs the
-FastAPI app under uvicorn.  It reports to the launcher through files in the
+Loads the plugins, asks the deployment (``--deployment``,
+:mod:`fdx.deploy.deployment`) for its engine processes and binds each one's
+ZMQ sockets before any heavy import, so the launcher can start the engines
+as soon as the socket files exist; the deployment's front end
+(:class:`fdx.deploy.frontend.EngineFrontend`) then serves the app.  It runs
+the FastAPI app under uvicorn.  It reports to the launcher through files in the
 run directory (see :class:`StatusBoard`); it exits when told (SIGTERM/SIGINT,
 handled by uvicorn: the lifespan shutdown sends ``Shutdown`` to the engine)
 or when the launcher disappears.
@@ -73,52 +74,37 @@ def main() -> None:
     from fdx.core.ipc import FrontendSide, IpcPaths, child_args
 
     from fdx.config import make_config
-    from fdx.plugins.schedulers.dp import is_dp, replica_paths
+    from fdx.core.plugins import get_plugins
+    from fdx.deploy.deployment import create_deployment
+    from fdx.logs import setup_logging
 
     values, run_dir, parent_pid = child_args(sys.argv[1:])
     config = make_config(**values)
     paths = IpcPaths(run_dir)
-    # bind now: the engines may connect any time after (one channel pair per dp replica)
-    sides = [FrontendSide(p) for p in replica_paths(paths, config)]
-    side = sides[0]
-
-    import uvicorn
-
-    from fdx.logs import setup_logging
-    from fdx.core.plugins import get_plugins
-    from fdx.server.app import create_app
-    from fdx.server.client import EngineClient
-
     setup_logging(config.log_level, process="api")
-    import prometheus_client
-
-    prometheus_client.disable_created_metrics()  # no *_created series (as vLLM)
     board = StatusBoard(run_dir)
     try:
         plugins = get_plugins(config.disable_plugins)
+        deployment = create_deployment(config, plugins)
+        # bind now: the launcher starts the engines once every socket exists (one channel pair each)
+        sides = [FrontendSide(e.paths) for e in deployment.engines(paths)]
+    except Exception as exc:  # noqa: BLE001
+        board.failed(f"{exc}")
+        sys.exit(1)
+
+    import prometheus_client
+    import uvicorn
+
+    from fdx.server.app import create_app
+
+    prometheus_client.disable_created_metrics()  # no *_created series (as vLLM)
+    try:
+        client = deployment.frontend(sides, plugins.hook)
     except Exception as exc:  # noqa: BLE001
         board.failed(f"{exc}")
         for sd in sides:
             sd.close()
         sys.exit(1)
-    client: Any
-    if is_dp(config):
-        from fdx.server.dp_client import ReplicaSet
-        from fdx.server.metrics import Metrics
-
-        replicas = ReplicaSet(config, [sd.paths for sd in sides], hook=plugins.hook, sides=sides)
-        replicas.metrics = Metrics(config.model_name, lambda: replicas.stats, replicas.replica_stats)
-        client = replicas
-        if config.dp_backend == "redis":  # the node joins the Redis global queue (fdx/server/dp_global_queue.py)
-            try:
-                from fdx.server.dp_global_queue import GlobalQueueClient
-
-                client = GlobalQueueClient(config, replicas)
-            except ImportError as exc:
-                board.failed(f"--dp-backend redis needs the redis package (pip install 'fdx[redis]'): {exc}")
-                sys.exit(1)
-    else:
-        client = EngineClient(config, paths, hook=plugins.hook, side=side)
 
     def load_tokenizer() -> tuple[Any, Any]:
         from fdx.model.loader import load_tokenizer as load
@@ -128,7 +114,7 @@ def main() -> None:
         return tok, proc
 
     def on_serving() -> None:
-        board.ready({"engine_pid": client.engine_pid, "engine_pids": getattr(client, "engine_pids", [client.engine_pid]),
+        board.ready({"engine_pid": client.engine_pid, "engine_pids": [e.pid for e in client.engines()],
                      "api_pid": os.getpid(),
                      "url": f"http://{config.host}:{config.port}"})
 

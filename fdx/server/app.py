@@ -1,6 +1,6 @@
 """The FastAPI application of the API process.
 
-:func:`create_app` wires the :class:`EngineClient`, the metrics and the
+:func:`create_app` wires the deployment's :class:`~fdx.deploy.frontend.EngineFrontend`, the metrics and the
 OpenAI handlers, then calls the ``fdx_add_routes`` hook once.  Every error
 leaves as the OpenAI envelope (FastAPI's 422 becomes a 400; a 500 names
 no exception type and no path, only a reference to the server log).  When
@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import fdx
 from fdx.config import EngineConfig
 from fdx.core.errors import RequestError
-from fdx.server.client import EngineClient
+from fdx.deploy.frontend import EngineFrontend
 from fdx.server.control import add_control_routes, is_control_path
 from fdx.server.metrics import CONTENT_TYPE, Metrics
 from fdx.server.protocol import (
@@ -134,7 +134,7 @@ class _BodyLimitMiddleware:
 
 def create_app(
     config: EngineConfig,
-    client: EngineClient,
+    client: EngineFrontend,
     *,
     plugins: Any = None,
     metrics: Metrics | None = None,
@@ -219,6 +219,9 @@ def create_app(
         return {
             "engine_pid": e.pid if e else None,
             "rank_pids": list(e.rank_pids) if e else [],  # tensor parallelism: ranks 1..N-1
+            # every engine process of the deployment: its name, pid, state and ranks
+            "engines": [{"name": h.name, "pid": h.pid, "state": h.state, "rank_pids": list(h.rank_pids)}
+                        for h in client.engines()],
             "api_pid": os.getpid(),
             "launcher_pid": os.getppid(),
             "model": config.model_name,

@@ -102,7 +102,7 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    """Per-process metrics; observed by :class:`fdx.server.client.EngineClient`."""
+    """Per-process metrics; observed by :class:`fdx.deploy.engine_client.EngineClient`."""
 
     def __init__(self, model: str, get_stats: Callable[[], EngineStats],
                  get_replicas: ReplicaStats | None = None) -> None:

@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from fdx.core.hookspecs import Register
     from fdx.core.interfaces import KVConnector
     from fdx.core.kv_cache import KVCacheManager
-    from fdx.server.client import EngineClient
+    from fdx.deploy.frontend import EngineFrontend as EngineClient
 
 log = logging.getLogger("fdx.splitwise")
 

@@ -19,7 +19,7 @@ from fdx.core.errors import ModelLoadError, RequestError
 from fdx.core.messages import ALL_LOGPROBS, MAX_ALL_LOGPROBS_PROMPT, KVTransferParams, SamplingParams
 from fdx.generation_config import GenerationDefaults, load_generation_defaults
 from fdx.output_processor import OutputProcessor
-from fdx.server.client import EngineClient, EngineUnavailable
+from fdx.deploy.frontend import EngineFrontend, EngineUnavailable
 from fdx.server.protocol import sampling_params
 from fdx.server.serving.beam_search import beam_params
 from fdx.server.serving.generation import Endpoint, Generation, Prompt, respond
@@ -44,7 +44,7 @@ def generation_defaults(config: EngineConfig) -> GenerationDefaults:
 class OpenAIServing:
     """Holds the tokenizer / token processor and serves the two endpoints."""
 
-    def __init__(self, config: EngineConfig, client: EngineClient, metrics: Any = None) -> None:
+    def __init__(self, config: EngineConfig, client: EngineFrontend, metrics: Any = None) -> None:
         self.config = config
         self.client = client
         self.metrics = metrics

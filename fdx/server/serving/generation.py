@@ -39,7 +39,7 @@ from fdx.server.sse import EventStreamResponse
 
 if TYPE_CHECKING:
     from fdx.config import EngineConfig
-    from fdx.server.client import EngineClient, RequestHandle
+    from fdx.deploy.frontend import EngineFrontend, RequestHandle
 
 
 def json_logprob(v: float) -> float:
@@ -110,7 +110,7 @@ class Generation:
     def __init__(
         self,
         config: EngineConfig,
-        client: EngineClient,
+        client: EngineFrontend,
         outputs: OutputProcessor,
         request_id: str,
         prompts: list[Prompt],

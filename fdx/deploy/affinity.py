@@ -1,6 +1,6 @@
 """Which dp replica takes a request: least loaded, with prefix affinity.
 
-Pure logic (no sockets), used by :class:`fdx.server.dp_client.ReplicaSet`.
+Pure logic (no sockets), used by :class:`fdx.plugins.deployments.dp_replicas.ReplicaSet`.
 
 * **Load** of a replica is the tokens it holds or still has to run for the
   requests this API process has in flight on it: for each, its prompt

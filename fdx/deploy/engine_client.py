@@ -40,6 +40,7 @@ import zmq
 
 from fdx.config import EngineConfig
 from fdx.core.errors import RequestError
+from fdx.deploy.frontend import ControlCallError, EngineHealth, EngineUnavailable, RequestHandle, Sink
 from fdx.core.ipc import FrontendSide, IpcPaths, Liveness, pid_alive
 from fdx.core.messages import (
     AbortRequest,
@@ -61,37 +62,6 @@ from fdx.core.messages import (
 
 log = logging.getLogger("fdx.server")
 
-
-class EngineUnavailable(RequestError):
-    """The engine is starting, dead or hung (HTTP 503)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, 503)
-
-
-class ControlCallError(RequestError):
-    """A control call failed: the engine's code (400/500), or 504 on timeout."""
-
-
-Sink = asyncio.Queue  # items: (RequestHandle, RequestOutput | BaseException)
-
-
-@attrs.define(eq=False)
-class RequestHandle:
-    """One engine request (one choice) as seen by the front end."""
-
-    request_id: str
-    num_prompt_tokens: int
-    params: SamplingParams
-    arrival: float  # time.time() at HTTP arrival
-    sink: Sink
-    tag: Any = None  # caller's data (e.g. the choice index)
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    done: bool = False
-    prompt: tuple[int, ...] = ()  # the prompt's token ids (to send it again elsewhere: dp re-routing)
 
 
 class EngineClient:
@@ -185,6 +155,11 @@ class EngineClient:
     @property
     def engine_pid(self) -> int | None:
         return self.engine.pid if self.engine else None
+
+    def engines(self, name: str = "engine") -> list[EngineHealth]:
+        e = self.engine
+        state = "serving" if self.unavailable_reason() is None else ("unavailable" if self.failed else "starting")
+        return [EngineHealth(name, e.pid if e else None, state, e.rank_pids if e else ())]
 
     @property
     def max_model_len(self) -> int:

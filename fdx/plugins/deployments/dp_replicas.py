@@ -1,13 +1,13 @@
 """The API process's side of ``--scheduler dp``: N engine replicas as one client.
 
-:class:`ReplicaSet` holds one :class:`~fdx.server.client.EngineClient` per
+:class:`ReplicaSet` holds one :class:`~fdx.deploy.engine_client.EngineClient` per
 replica (each over its own channel pair in ``RUN_DIR/dp<rank>/``, with its
 own liveness watch) and offers the same surface as a single
 ``EngineClient``, so the app, the endpoints and the control routes do not
 know how many engines there are.  Invariants:
 
 * a request is sent to exactly one replica, chosen by
-  :class:`~fdx.server.dp_router.PrefixAffinityRouter` among the replicas
+  :class:`~fdx.deploy.affinity.PrefixAffinityRouter` among the replicas
   that serve now; each replica client keeps its own guarantees (one
   terminal item per handle, hooks and metrics once);
 * a replica that dies or hangs holding requests none of whose tokens has
@@ -37,9 +37,10 @@ import attrs
 from fdx.config import EngineConfig
 from fdx.core.ipc import FrontendSide, IpcPaths
 from fdx.core.messages import EngineReady, EngineStats, SamplingParams
-from fdx.server.client import ControlCallError, EngineClient, EngineUnavailable, RequestHandle, Sink
+from fdx.deploy.engine_client import EngineClient
+from fdx.deploy.frontend import ControlCallError, EngineHealth, EngineUnavailable, RequestHandle, Sink
 from fdx.core.errors import RequestError
-from fdx.server.dp_router import PrefixAffinityRouter
+from fdx.deploy.affinity import PrefixAffinityRouter
 
 log = logging.getLogger("fdx.server")
 
@@ -203,6 +204,9 @@ class ReplicaSet:
     def engine_pids(self) -> list[int | None]:
         return [c.engine_pid for c in self.replicas]
 
+    def engines(self) -> list[EngineHealth]:
+        return [h for r, c in enumerate(self.replicas) for h in c.engines(f"dp replica {r}")]
+
     @property
     def max_model_len(self) -> int:
         return self._first().max_model_len
@@ -242,7 +246,7 @@ class ReplicaSet:
 
     def load(self, rank: int) -> int:
         """Tokens replica ``rank`` holds or still has to run for this API's
-        requests on it (see :mod:`fdx.server.dp_router`)."""
+        requests on it (see :mod:`fdx.deploy.affinity`)."""
         return sum(max(0, h.num_prompt_tokens - h.num_cached_tokens) + h.num_output_tokens
                    for h in self.replicas[rank]._live.values())
 

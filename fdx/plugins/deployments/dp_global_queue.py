@@ -2,7 +2,7 @@
 
 Every node runs ``fdx serve --scheduler dp --dp-backend redis --redis-url
 redis://HOST:PORT`` (N local replicas allowed).  In each API process a
-:class:`GlobalQueueClient` wraps the node's :class:`~fdx.server.dp_client.ReplicaSet`
+:class:`GlobalQueueClient` wraps the node's :class:`~fdx.plugins.deployments.dp_replicas.ReplicaSet`
 and offers the same surface to the app, playing two parts:
 
 * **origin** (the API holding the client connection): every accepted
@@ -55,9 +55,10 @@ import attrs
 from fdx.config import EngineConfig
 from fdx.core.errors import RequestError
 from fdx.core.messages import AbortRequest, AddRequest, OutputBatch, RequestOutput, SamplingParams, decode, encode
-from fdx.server.client import EngineUnavailable, RequestHandle, Sink, wire_error
-from fdx.server.dp_router import prefix_hashes
-from fdx.server.dp_client import spawn_tracked
+from fdx.deploy.engine_client import wire_error
+from fdx.deploy.frontend import EngineUnavailable, RequestHandle, Sink
+from fdx.deploy.affinity import prefix_hashes
+from fdx.plugins.deployments.dp_replicas import spawn_tracked
 
 log = logging.getLogger("fdx.server")
 

@@ -25,15 +25,13 @@ Invariants:
   everything stops, exit 1, so an outside supervisor (systemd, Kubernetes)
   sees it.
 * The API process dying -> everything stops, exit 1.
-* ``--scheduler splitwise --num-prefill N --num-decode M`` -> the managed
-  splitwise topology of :mod:`fdx.router.topology` instead (N + M
-  ``fdx serve`` instances and the router as children).
-* ``--scheduler dp --data-parallel-size N`` -> N engine processes, one
-  :class:`EngineSlot` each (replica ``rank``, its channel pair in
-  ``RUN_DIR/dp<rank>/``, its config from
-  :func:`fdx.plugins.schedulers.dp.replica_config`, its own
-  :class:`RestartPolicy`): each is supervised and restarted as the single
-  engine is; one replica giving up stops everything, exit 1.
+* The deployment (``--deployment``, :mod:`fdx.deploy.deployment`) says
+  which engine processes to run: one :class:`EngineSlot` each (its channel
+  pair, its config, its own :class:`RestartPolicy`), each supervised and
+  restarted as the single engine is; one giving up stops everything, exit
+  1.  A deployment may instead run the whole foreground itself (the managed
+  splitwise topology: N + M ``fdx serve`` instances and the router).  The
+  launcher knows no deployment by name.
 """
 
 from __future__ import annotations
@@ -53,7 +51,8 @@ from typing import Any
 import attrs
 
 from fdx.config import EngineConfig
-from fdx.core.ipc import IpcPaths, make_run_dir, write_config
+from fdx.core.ipc import make_run_dir, write_config
+from fdx.deploy.deployment import EngineProcess
 from fdx.logs import setup_logging
 from fdx.server.api_proc import FAILED_FILE, READY_FILE
 
@@ -211,27 +210,27 @@ class EngineSlot:
     policy: RestartPolicy
     proc: subprocess.Popen[bytes] | None = None
     restart_at: float | None = None
-
-    @property
-    def name(self) -> str:
-        return "engine" if self.rank < 0 else f"dp replica {self.rank} engine"
+    #: how logs name it (the deployment's :attr:`~fdx.deploy.deployment.EngineProcess.name`)
+    name: str = "engine"
 
 
-def engine_slots(config: EngineConfig, paths: IpcPaths) -> list[EngineSlot]:
-    """The engines to run: one, or one per dp replica, each with its own
-    channel pair (``RUN_DIR/dp<rank>/``, :mod:`fdx.plugins.schedulers.dp`)."""
-    from fdx.plugins.schedulers.dp import is_dp, replica_config, replica_paths
-
-    slots = []
-    for rank, rp in enumerate(replica_paths(paths, config)):
-        cfg = replica_config(config, rank)
-        slots.append(EngineSlot(rank if is_dp(config) else -1, rp.dir, child_config_json(cfg, engine=True),
-                                RestartPolicy(config.max_engine_restarts, config.restart_window)))
-    return slots
+def engine_slots(engines: list[EngineProcess]) -> list[EngineSlot]:
+    """One supervised slot per engine process of the deployment (replica
+    ``rank`` = its position, ``-1`` for a lone engine)."""
+    return [EngineSlot(rank if len(engines) > 1 else -1, e.paths.dir, child_config_json(e.config, engine=True),
+                       RestartPolicy(e.config.max_engine_restarts, e.config.restart_window), name=e.name)
+            for rank, e in enumerate(engines)]
 
 
-def serve(config: EngineConfig) -> int:
-    """Run the server until a signal; returns the process exit code."""
+def serve(config: EngineConfig, plugins: Any = None) -> int:
+    """Run ``config``'s deployment until a signal; returns the process exit code."""
+    from fdx.core.plugins import get_plugins
+    from fdx.deploy.deployment import create_deployment
+
+    deployment = create_deployment(config, plugins or get_plugins(config.disable_plugins))
+    code = deployment.run()
+    if code is not None:  # it ran the whole foreground (e.g. the managed splitwise topology)
+        return code
     setup_logging(config.log_level, process="serve")
     hide_secrets_in_argv([getattr(config, f.name) for f in attrs.fields(EngineConfig)
                           if is_secret(f.name) and isinstance(getattr(config, f.name), str)])
@@ -246,7 +245,7 @@ def serve(config: EngineConfig) -> int:
     slots: list[EngineSlot] = []
     ready = False
     try:
-        slots = engine_slots(config, paths)
+        slots = engine_slots(deployment.engines(paths))
         api = spawn_child("fdx.server.api_proc", api_json, paths.dir, os.getpid())
         sockets = [os.path.join(s.run_dir, n) for s in slots for n in ("in.sock", "out.sock")]
         deadline = time.monotonic() + SOCKET_WAIT_S
@@ -263,7 +262,7 @@ def serve(config: EngineConfig) -> int:
         for slot in slots:
             slot.proc = spawn_child("fdx.core.engine_proc", slot.config_json, slot.run_dir, os.getpid())
         log.info("started API server (pid %d) and %s (pid %s); run dir %s", api.pid,
-                 "engine" if len(slots) == 1 else f"{len(slots)} dp engines",
+                 "engine" if len(slots) == 1 else f"{len(slots)} engines",
                  ", ".join(str(s.proc.pid) for s in slots if s.proc), paths.dir)
         failed_path = os.path.join(paths.dir, FAILED_FILE)
         ready_path = os.path.join(paths.dir, READY_FILE)

@@ -1,0 +1,16 @@
+"""How ``fdx serve`` lays out its processes and how the API reaches its engines.
+
+* :mod:`fdx.deploy.deployment` -- the ``deployment`` plugin kind
+  (``fdx_register_deployments``, ``--deployment``): the engine processes a
+  deployment needs and the front end the API process talks to;
+* :mod:`fdx.deploy.frontend` -- :class:`~fdx.deploy.frontend.EngineFrontend`,
+  the one protocol the HTTP server (``fdx/server``) uses to reach engines;
+* :mod:`fdx.deploy.engine_client` -- the ZMQ client of one engine process;
+* :mod:`fdx.deploy.launcher` -- the foreground supervisor that runs a
+  deployment's processes;
+* :mod:`fdx.deploy.affinity` -- prefix-affine, load-aware routing, shared
+  by the dp replicas and the splitwise router.
+
+The built-in deployments (``single``, ``dp``, ``splitwise``) live in
+``fdx/plugins/deployments/`` and register as any third-party one does.
+"""
