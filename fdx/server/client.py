@@ -92,6 +92,8 @@ class RequestHandle:
     num_cached_tokens: int = 0
     done: bool = False
     prompt: tuple[int, ...] = ()  # the prompt's token ids (to send it again elsewhere: dp re-routing)
+    queue_time: float | None = None  # the engine's arrival -> first scheduling (RequestOutput.queue_time)
+    trace_context: str = ""  # AddRequest.trace_context (fdx.tracing)
 
 
 class EngineClient:
@@ -227,6 +229,7 @@ class EngineClient:
         sink: Sink | None = None,
         tag: Any = None,
         kv_transfer_params: KVTransferParams | None = None,
+        trace_context: str = "",
     ) -> RequestHandle:
         """Send one AddRequest; outputs arrive on ``handle.sink``."""
         self.check_available()
@@ -235,13 +238,13 @@ class EngineClient:
         if request_id in self._live:
             raise RequestError(f"duplicate request id {request_id!r}", 400, param="request_id")
         ids = tuple(prompt_token_ids)
-        msg = AddRequest(request_id, ids, params, arrival, kv_transfer_params)
+        msg = AddRequest(request_id, ids, params, arrival, kv_transfer_params, trace_context)
         try:
             data = encode(msg)
         except Exception:  # noqa: BLE001 - a value msgpack cannot carry (int >= 2**64, lone surrogate)
             raise wire_error(msg) from None
         h = RequestHandle(request_id, len(ids), params, arrival, sink if sink is not None else asyncio.Queue(), tag,
-                          prompt=ids)
+                          prompt=ids, trace_context=trace_context)
         # registered only once the message is on its way: no failure path leaves a handle behind
         self._live[request_id] = h
         try:
@@ -262,7 +265,7 @@ class EngineClient:
         self.check_available()
         if self._closed or h.request_id in self._live:
             raise EngineUnavailable("cannot take the request here")
-        data = encode(AddRequest(h.request_id, h.prompt, h.params, h.arrival))
+        data = encode(AddRequest(h.request_id, h.prompt, h.params, h.arrival, trace_context=h.trace_context))
         self._live[h.request_id] = h
         h.done = False
         try:
@@ -431,8 +434,10 @@ class EngineClient:
             self._mark_dead(message)
 
     def _route(self, h: RequestHandle, out: RequestOutput, now: float) -> None:
-        if out.queue_time is not None and self.metrics is not None:
-            self.metrics.queue.observe(out.queue_time)
+        if out.queue_time is not None:
+            h.queue_time = out.queue_time
+            if self.metrics is not None:
+                self.metrics.queue.observe(out.queue_time)
         if out.new_token_ids:
             k = len(out.new_token_ids)
             if h.first_token_time is None:
