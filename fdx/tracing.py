@@ -40,8 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from fdx.core.errors import ConfigError
 
-if TYPE_CHECKING:
-    from fdx.config import EngineConfig
+if TYPE_CHECKING:  # (fdx.config imports this module to check the flag: its EngineConfig is typed Any here)
     from fdx.core.messages import SamplingParams
 
 log = logging.getLogger("fdx.tracing")
@@ -105,9 +104,10 @@ def tracer(endpoint: str | None, process: str, **resource: Any) -> Any:
         return _tracer
 
 
-def config_tracer(config: EngineConfig, process: str) -> Any:
-    """:func:`tracer` for an ``fdx serve`` process (its role and dp rank as
-    resource attributes)."""
+def config_tracer(config: Any, process: str) -> Any:
+    """:func:`tracer` for an ``fdx serve`` process of ``config`` (an
+    :class:`~fdx.config.EngineConfig`; its role and dp rank as resource
+    attributes)."""
     return tracer(config.otlp_traces_endpoint, process, **{"fdx.splitwise.role": config.splitwise_role,
                                                            "fdx.dp.rank": config.dp_rank})
 
@@ -149,7 +149,7 @@ def _parent(trace_context: str) -> Any:
     return extract({"traceparent": trace_context}) if trace_context else None
 
 
-def engine_span(config: EngineConfig, name: str, trace_context: str, start: float, end: float,
+def engine_span(config: Any, name: str, trace_context: str, start: float, end: float,
                 attributes: dict[str, Any]) -> None:
     """Record one finished engine-side span (wall-clock ``start``..``end``)
     under ``trace_context``; nothing when tracing is off or the request
