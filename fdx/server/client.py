@@ -94,6 +94,7 @@ class RequestHandle:
     prompt: tuple[int, ...] = ()  # the prompt's token ids (to send it again elsewhere: dp re-routing)
     queue_time: float | None = None  # the engine's arrival -> first scheduling (RequestOutput.queue_time)
     trace_context: str = ""  # AddRequest.trace_context (fdx.tracing)
+    dp_rank: int | None = None  # the dp replica that holds it (set by ReplicaSet)
 
 
 class EngineClient:
