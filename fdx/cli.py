@@ -47,6 +47,10 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="logprobs name each token 'token_id:<id>' unless a request sets "
                         "return_tokens_as_token_ids false (vLLM's flag)")
     s.add_argument("--log-level", help="debug, info, warning, error")
+    s.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="export OpenTelemetry traces over OTLP/HTTP (protobuf) to URL, e.g. "
+                        "http://127.0.0.1:4318/v1/traces (default: off; a client's traceparent is continued; "
+                        "needs pip install 'fdx[tracing]'; docs/TRACING.md)")
 
     v = p.add_argument_group("engine supervision")
     v.add_argument("--max-engine-restarts", type=int,

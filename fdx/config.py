@@ -175,6 +175,8 @@ class EngineConfig:
     restart_window: float = attrs.field(default=300.0, validator=_positive)
     log_level: str = "info"
     log_stats_interval: float = 10.0
+    #: OTLP/HTTP (protobuf) endpoint the spans of every process go to (``None``: tracing off; docs/TRACING.md)
+    otlp_traces_endpoint: str | None = None
 
     @property
     def rank_threads(self) -> int | None:
@@ -251,6 +253,10 @@ def make_config(**kwargs: Any) -> EngineConfig:
         raise ConfigError("--dp-backend redis needs --scheduler dp and --redis-url redis://HOST:PORT")
     if cfg.redis_url and not cfg.redis_url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError(f"--redis-url must be redis://HOST:PORT (or rediss://, unix://), got {cfg.redis_url!r}")
+    if cfg.otlp_traces_endpoint:
+        from fdx.tracing import check_endpoint
+
+        check_endpoint(cfg.otlp_traces_endpoint)
     if cfg.splitwise_role not in (None, "prefill", "decode"):
         raise ConfigError(f"--splitwise-role must be prefill or decode, got {cfg.splitwise_role!r}")
     if (cfg.splitwise_role or cfg.kv_connector) and cfg.scheduler != "splitwise":

@@ -118,7 +118,8 @@ class Engine:
                                                     error=error, error_code=code))
             return
         req = Request(msg.request_id, list(msg.prompt_token_ids), msg.params, self.runner.eos_token_ids,
-                      self.max_model_len, msg.arrival_time, kv_transfer=msg.kv_transfer_params, grammar=grammar)
+                      self.max_model_len, msg.arrival_time, kv_transfer=msg.kv_transfer_params, grammar=grammar,
+                      trace_context=msg.trace_context)
         try:
             self.scheduler.add_request(req)
         except Exception as exc:  # noqa: BLE001 - a plugin failing on one request ends that request

@@ -114,13 +114,16 @@ class KVTransferParams:
 class AddRequest:
     """Submit one sequence (one choice: ``n`` is expanded by the front end).
     With ``kv_transfer_params`` a decode instance has the prompt computed
-    by that prefill instance and decodes only."""
+    by that prefill instance and decodes only.  ``trace_context``: the W3C
+    ``traceparent`` of the request's span (``--otlp-traces-endpoint``,
+    :mod:`fdx.tracing`; empty: not traced)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     arrival_time: float
     kv_transfer_params: KVTransferParams | None = None
+    trace_context: str = ""
 
 
 @attrs.frozen

@@ -65,6 +65,8 @@ class Request:
     storage_probed: bool = False
     #: splitwise decode instance: the prefill instance computes the prompt
     kv_transfer: KVTransferParams | None = None
+    #: ``AddRequest.trace_context`` (for plugins that record spans, e.g. splitwise)
+    trace_context: str = ""
     #: logprobs of prompt tokens 1.. (``params.prompt_logprobs``), filled by the model runner, sent once
     prompt_logprobs: list[TokenLogprob] = attrs.field(factory=list)
     prompt_logprobs_sent: bool = False

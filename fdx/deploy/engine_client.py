@@ -202,6 +202,7 @@ class EngineClient:
         sink: Sink | None = None,
         tag: Any = None,
         kv_transfer_params: KVTransferParams | None = None,
+        trace_context: str = "",
     ) -> RequestHandle:
         """Send one AddRequest; outputs arrive on ``handle.sink``."""
         self.check_available()
@@ -210,13 +211,13 @@ class EngineClient:
         if request_id in self._live:
             raise RequestError(f"duplicate request id {request_id!r}", 400, param="request_id")
         ids = tuple(prompt_token_ids)
-        msg = AddRequest(request_id, ids, params, arrival, kv_transfer_params)
+        msg = AddRequest(request_id, ids, params, arrival, kv_transfer_params, trace_context)
         try:
             data = encode(msg)
         except Exception:  # noqa: BLE001 - a value msgpack cannot carry (int >= 2**64, lone surrogate)
             raise wire_error(msg) from None
         h = RequestHandle(request_id, len(ids), params, arrival, sink if sink is not None else asyncio.Queue(), tag,
-                          prompt=ids)
+                          prompt=ids, trace_context=trace_context)
         # registered only once the message is on its way: no failure path leaves a handle behind
         self._live[request_id] = h
         try:
@@ -237,7 +238,7 @@ class EngineClient:
         self.check_available()
         if self._closed or h.request_id in self._live:
             raise EngineUnavailable("cannot take the request here")
-        data = encode(AddRequest(h.request_id, h.prompt, h.params, h.arrival))
+        data = encode(AddRequest(h.request_id, h.prompt, h.params, h.arrival, trace_context=h.trace_context))
         self._live[h.request_id] = h
         h.done = False
         try:
@@ -406,8 +407,10 @@ class EngineClient:
             self._mark_dead(message)
 
     def _route(self, h: RequestHandle, out: RequestOutput, now: float) -> None:
-        if out.queue_time is not None and self.metrics is not None:
-            self.metrics.queue.observe(out.queue_time)
+        if out.queue_time is not None:
+            h.queue_time = out.queue_time
+            if self.metrics is not None:
+                self.metrics.queue.observe(out.queue_time)
         if out.new_token_ids:
             k = len(out.new_token_ids)
             if h.first_token_time is None:

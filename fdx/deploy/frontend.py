@@ -61,6 +61,9 @@ class RequestHandle:
     num_cached_tokens: int = 0
     done: bool = False
     prompt: tuple[int, ...] = ()  # the prompt's token ids (to send it again elsewhere: dp re-routing)
+    queue_time: float | None = None  # the engine's arrival -> first scheduling (RequestOutput.queue_time)
+    trace_context: str = ""  # AddRequest.trace_context (fdx.tracing)
+    dp_rank: int | None = None  # the dp replica that holds it (set by ReplicaSet)
 
 
 @attrs.frozen

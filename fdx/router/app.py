@@ -45,6 +45,11 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     pool = InstancePool(config.prefill, config.decode, probe_interval=config.probe_interval,
                         probe_timeout=config.probe_timeout, headers=headers)
     metrics = RouterMetrics(pool)
+    tracer = None
+    if config.otlp_traces_endpoint:
+        from fdx.tracing import tracer as make_tracer
+
+        tracer = make_tracer(config.otlp_traces_endpoint, "router")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -126,7 +131,14 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         if len(raw) > config.max_request_bytes:
             return _error(f"request body exceeds {config.max_request_bytes} bytes", 413)
         plan = plan_request(request.url.path, raw)
-        return RelayResponse(pool, plan, forward_headers(request), metrics)
+        upstream = forward_headers(request)
+        span = None
+        if tracer is not None:  # the router's span; the instance's API span is its child
+            from fdx.tracing import router_span, traceparent
+
+            span = router_span(tracer, request.headers, request.url.path)
+            upstream["traceparent"] = traceparent(span)
+        return RelayResponse(pool, plan, upstream, metrics, span)
 
     app.add_api_route("/v1/completions", generate, methods=["POST"])
     app.add_api_route("/v1/chat/completions", generate, methods=["POST"])

@@ -44,10 +44,16 @@ class RouterConfig:
     connect_timeout: float = attrs.field(default=3.0, validator=_positive)
     max_request_bytes: int = attrs.field(default=4 << 20, validator=_positive)
     log_level: str = "info"
+    #: OTLP/HTTP endpoint of the router's spans (``None``: tracing off; fdx.tracing)
+    otlp_traces_endpoint: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be a TCP port (0-65535), got {self.port}")
+        if self.otlp_traces_endpoint:
+            from fdx.tracing import check_endpoint
+
+            check_endpoint(self.otlp_traces_endpoint)
         urls = [u.rstrip("/") for u in (*self.prefill, *self.decode)]
         if len(set(urls)) != len(urls):
             raise ConfigError("an instance URL is given twice")

@@ -42,6 +42,8 @@ def build_parser(prog: str = "fdx router") -> argparse.ArgumentParser:
     p.add_argument("--connect-timeout", type=float, default=3.0,
                    help="seconds to connect to an instance before it counts as unreachable (default 3)")
     p.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    p.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="export OpenTelemetry spans over OTLP/HTTP to URL (default: off; docs/TRACING.md)")
     return p
 
 
@@ -50,7 +52,7 @@ def config_from_argv(argv: Sequence[str]) -> RouterConfig:
     return RouterConfig(prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
                         api_key=args.api_key or None, probe_interval=args.probe_interval,
                         probe_timeout=args.probe_timeout, connect_timeout=args.connect_timeout,
-                        log_level=args.log_level)
+                        log_level=args.log_level, otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def config_json(config: RouterConfig) -> str:

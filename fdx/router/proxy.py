@@ -45,7 +45,7 @@ log = logging.getLogger("fdx.router")
 
 DONE = b"data: [DONE]\n\n"
 #: request headers passed on to the instances
-FORWARD_HEADERS = (b"authorization", b"content-type", b"x-request-id", b"accept")
+FORWARD_HEADERS = (b"authorization", b"content-type", b"x-request-id", b"accept", b"traceparent", b"tracestate")
 #: response headers passed back to the client
 RETURN_HEADERS = ("content-type", "cache-control", "x-accel-buffering", "x-request-id", "retry-after")
 
@@ -114,8 +114,12 @@ class RouterError(Exception):
 class RelayResponse(Response):
     """An ASGI response relaying one request to the instance(s) picked for it."""
 
-    def __init__(self, pool: InstancePool, plan: RequestPlan, headers: dict[str, str], metrics: Any) -> None:
+    def __init__(self, pool: InstancePool, plan: RequestPlan, headers: dict[str, str], metrics: Any,
+                 span: Any = None) -> None:
         self.background = None
+        #: the router's span of this request (``--otlp-traces-endpoint``), ended with the relay
+        self.span = span
+        self.error: str | None = None
         self.pool = pool
         self.plan = plan
         self.upstream_headers = headers
@@ -143,6 +147,10 @@ class RelayResponse(Response):
                 gone = True  # the client went away mid-send
             finally:
                 tg.cancel_scope.cancel()
+                if self.span is not None:
+                    from fdx.tracing import end_span
+
+                    end_span(self.span, "client disconnected" if gone else self.error)
         if gone and self.metrics is not None:
             self.metrics.disconnected.inc()
 
@@ -157,12 +165,16 @@ class RelayResponse(Response):
             if got is None:
                 raise RouterError(_none_up("prefill", pool, tried))
             self.metrics.routed(got[0], got[1].reason)
+            if self.span is not None:
+                self.span.set_attribute("fdx.router.prefill_url", got[0].url)
             return Flight(got[0], None, plan.weight), plan.body
         d = pool.pick_decode(exclude=tried)
         if d is None:
             raise RouterError(_none_up("decode", pool, tried))
         if not d.splitwise or not plan.is_object:
             self.metrics.routed(d, "whole")
+            if self.span is not None:
+                self.span.set_attribute("fdx.router.decode_url", d.url)
             return Flight(d, None, plan.weight), plan.body
         got = pool.pick_prefill(plan.key, splitwise=True, exclude=tried)
         if got is None:
@@ -170,6 +182,9 @@ class RelayResponse(Response):
         p, choice = got
         self.metrics.routed(p, choice.reason)
         self.metrics.routed(d, "load")
+        if self.span is not None:
+            self.span.set_attributes({"fdx.router.prefill_url": p.url, "fdx.router.decode_url": d.url,
+                                      "fdx.router.prefill_reason": choice.reason})
         if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s (prompt weight %d) -> P %s (%s, %d of it cached there) then D %s (%d in flight)",
                       plan.path, plan.weight, p.url, choice.reason, choice.matched_tokens, d.url, d.in_flight)
@@ -317,6 +332,7 @@ class RelayResponse(Response):
 
     async def _fail(self, send: Send, message: str, code: int) -> None:
         self.metrics.rejected(code)
+        self.error = message
         if self.started:  # cannot happen today: failures after the start go through the stream
             return
         self.started = True

@@ -94,7 +94,7 @@ def topology_children(config: EngineConfig) -> list[Child]:
                               RestartPolicy(config.max_engine_restarts, config.restart_window), url))
     rc = RouterConfig(prefill=urls["prefill"], decode=urls["decode"], host=config.host, port=config.port,
                       api_key=config.api_key, max_request_bytes=config.max_request_bytes,
-                      log_level=config.log_level)
+                      log_level=config.log_level, otlp_traces_endpoint=config.otlp_traces_endpoint)
     kids.append(Child("router", "fdx.router", config_json(rc),
                       RestartPolicy(config.max_engine_restarts, config.restart_window),
                       f"http://{config.host}:{config.port}"))

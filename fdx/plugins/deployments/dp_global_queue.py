@@ -450,20 +450,20 @@ class GlobalQueueClient:
         return sum(1 for r in self.pending.values() if r.handle.first_token_time is None)
 
     def submit(self, request_id: str, prompt_token_ids: Iterable[int], params: SamplingParams, arrival: float,
-               sink: Sink | None = None, tag: Any = None) -> RequestHandle:
+               sink: Sink | None = None, tag: Any = None, trace_context: str = "") -> RequestHandle:
         self.check_available()
         if self._closed:
             raise EngineUnavailable("server shutting down")
         if request_id in self.pending:
             raise RequestError(f"duplicate request id {request_id!r}", 400, param="request_id")
         ids = tuple(prompt_token_ids)
-        add = AddRequest(request_id, ids, params, arrival)
+        add = AddRequest(request_id, ids, params, arrival, trace_context=trace_context)
         try:
             encode(add)
         except Exception:  # noqa: BLE001 - a value msgpack cannot carry
             raise wire_error(add) from None
         h = RequestHandle(request_id, len(ids), params, arrival, sink if sink is not None else asyncio.Queue(), tag,
-                          prompt=ids)
+                          prompt=ids, trace_context=trace_context)
         r = Remote(h, add, time.monotonic() + self.ttl,
                    prefix_hashes=tuple(f"{x & 0xFFFFFFFFFFFFFFFF:016x}"
                                        for x in prefix_hashes(ids, self.config.block_size, AFFINITY_BLOCKS)))
@@ -858,7 +858,7 @@ class GlobalQueueClient:
             add = decode(blob)
             assert isinstance(add, AddRequest)
             w.handle = self.replicas.submit(key, add.prompt_token_ids, add.params, add.arrival_time, self._wsink,
-                                            tag=w)
+                                            tag=w, trace_context=add.trace_context)
         except RequestError as exc:  # replicas down just now (503: queued again), or the request is bad
             self._forward(w, [RequestOutput(key, (), finish_reason="abort", error=str(exc), error_code=exc.code)])
         except Exception as exc:  # noqa: BLE001

@@ -257,7 +257,7 @@ class ReplicaSet:
         return None
 
     def submit(self, request_id: str, prompt_token_ids: Iterable[int], params: SamplingParams, arrival: float,
-               sink: Sink | None = None, tag: Any = None) -> RequestHandle:
+               sink: Sink | None = None, tag: Any = None, trace_context: str = "") -> RequestHandle:
         self.check_available()
         if self.owner(request_id) is not None:
             raise RequestError(f"duplicate request id {request_id!r}", 400, param="request_id")
@@ -267,11 +267,13 @@ class ReplicaSet:
         while loads:
             choice = self.router.choose(ids, loads)
             try:
-                h = self.replicas[choice.rank].submit(request_id, ids, params, arrival, sink, tag)
+                h = self.replicas[choice.rank].submit(request_id, ids, params, arrival, sink, tag,
+                                                      trace_context=trace_context)
             except EngineUnavailable as exc:  # went down just now: the next one
                 last = exc
                 loads.pop(choice.rank)
                 continue
+            h.dp_rank = choice.rank
             routed = getattr(self._metrics, "dp_routed", None)
             if routed is not None:
                 routed(choice.rank, choice.reason)
@@ -348,6 +350,7 @@ class ReplicaSet:
             choice = self.router.choose(h.prompt, loads)
             try:
                 self.replicas[choice.rank].adopt(h)
+                h.dp_rank = choice.rank
             except EngineUnavailable:
                 loads.pop(choice.rank)
                 continue

@@ -66,6 +66,7 @@ from fdx.core.hookspecs import hookimpl
 from fdx.core.interfaces import ModelOutput, ScheduledBatch, Scheduler
 from fdx.core.kv_cache import cdiv
 from fdx.core.messages import AbortRequest, AddRequest, KVTransferParams, RequestOutput, SplitwiseStats
+from fdx.tracing import config_tracer, engine_span, monotonic_to_wall
 from fdx.core.request import Request, Status
 
 if TYPE_CHECKING:
@@ -105,6 +106,7 @@ class Job:
     peer: str  # D's kv_addr
     num_cached_blocks: int
     started: float
+    trace_context: str = ""  # D's AddRequest.trace_context (fdx.tracing)
 
 
 class Latency:
@@ -162,6 +164,8 @@ class SplitwiseScheduler(Scheduler):
         self.num_failed_handoffs = 0
         self.kv_bytes = 0
         self.recomputed_prompt_tokens = 0
+        if config.otlp_traces_endpoint:  # the exporter set up now, not on the first traced request's step
+            config_tracer(config, "engine")
 
     # ------------------------------------------------------------------ requests
 
@@ -318,7 +322,8 @@ class SplitwiseScheduler(Scheduler):
             fresh = req.block_ids[len(computed):]
             params = attrs.evolve(req.kv_transfer, decode_addr=self.connector.address, block_ids=tuple(fresh),
                                   num_cached_blocks=len(computed))
-            job = AddRequest(req.request_id, tuple(req.prompt_token_ids), req.params, req.arrival_time, params)
+            job = AddRequest(req.request_id, tuple(req.prompt_token_ids), req.params, req.arrival_time, params,
+                             req.trace_context)
             try:
                 self.connector.send(peer, job)
             except Exception as exc:  # noqa: BLE001
@@ -356,6 +361,11 @@ class SplitwiseScheduler(Scheduler):
         seconds = time.monotonic() - h.started
         self.latency.observe(seconds)
         self.kv_bytes += nbytes
+        if req.trace_context:
+            self._span("kv_transfer", req.trace_context, monotonic_to_wall(h.started), time.time(),
+                       {"fdx.kv_transfer.direction": "receive", "fdx.kv_transfer.bytes": nbytes,
+                        "fdx.kv_transfer.blocks": len(h.fresh), "fdx.kv_transfer.peer": peer,
+                        "fdx.request_id": req.request_id})
         req.num_computed_tokens = req.num_prompt_tokens
         self.kv.commit(req)
         p = req.params
@@ -398,7 +408,7 @@ class SplitwiseScheduler(Scheduler):
                       runner.eos_token_ids if runner is not None else frozenset(),
                       runner.max_model_len if runner is not None else self.config.max_model_len or 2048,
                       time.time())
-        job = Job(req, msg.request_id, decode_addr, params.num_cached_blocks, time.monotonic())
+        job = Job(req, msg.request_id, decode_addr, params.num_cached_blocks, time.monotonic(), msg.trace_context)
         n_blocks = cdiv(req.num_prompt_tokens, self.kv.block_size)
         if jid in self.jobs or self.local.get(jid) is not None:
             self._reply_error(job, f"duplicate prefill job {msg.request_id!r}", 400)
@@ -423,7 +433,16 @@ class SplitwiseScheduler(Scheduler):
         src = req.block_ids[job.num_cached_blocks:n_blocks]
         out = RequestOutput(job.rid, (token,), None, req.num_prompt_tokens, req.num_cached_tokens, 1,
                             (logprob,) if logprob is not None else None)
+        sent = time.time()
         nbytes = self._send(job.peer, out, src)
+        if job.trace_context:
+            rid = {"fdx.request_id": job.rid}
+            self._span("prefill", job.trace_context, monotonic_to_wall(job.started), sent,
+                       {**rid, "gen_ai.usage.input_tokens": req.num_prompt_tokens,
+                        "fdx.cached_tokens": req.num_cached_tokens})
+            self._span("kv_transfer", job.trace_context, sent, time.time(),
+                       {**rid, "fdx.kv_transfer.direction": "send", "fdx.kv_transfer.bytes": nbytes or 0,
+                        "fdx.kv_transfer.blocks": len(src), "fdx.kv_transfer.peer": job.peer})
         if nbytes is None:  # D hears of it (if it can hear at all), instead of waiting for its timeout
             self._reply_error(job, "the prefill instance could not send the KV (see its log)", 503)
             return
@@ -432,6 +451,12 @@ class SplitwiseScheduler(Scheduler):
         self.kv_bytes += nbytes
         log.debug("splitwise %s: prefilled, first token %d and %d KV blocks (%d bytes) sent to %s after %.1f ms",
                   job.rid, token, len(src), nbytes, job.peer, 1000 * seconds)
+
+    def _span(self, name: str, trace_context: str, start: float, end: float, attributes: dict[str, Any]) -> None:
+        """One engine-side span of a traced request (``--otlp-traces-endpoint``)."""
+        engine_span(self.config, name, trace_context, start, end,
+                    {"fdx.kv_connector": self.config.kv_connector or "", "fdx.splitwise.role": self.role,
+                     **attributes})
 
     def _reply_error(self, job: Job, error: str, code: int) -> None:
         self.num_failed_handoffs += 1

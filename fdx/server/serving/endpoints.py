@@ -24,6 +24,7 @@ from fdx.server.protocol import sampling_params
 from fdx.server.serving.beam_search import beam_params
 from fdx.server.serving.generation import Endpoint, Generation, Prompt, respond
 from fdx.server.serving.prompts import PromptTokenizer
+from fdx.tracing import RequestTrace, config_tracer
 
 log = logging.getLogger("fdx.server")
 
@@ -53,6 +54,8 @@ class OpenAIServing:
         self.outputs: OutputProcessor | None = None
         self.prompts: PromptTokenizer = None  # type: ignore[assignment]  # set with the tokenizer
         self.defaults = generation_defaults(config)
+        #: the OpenTelemetry tracer (``--otlp-traces-endpoint``), ``None`` when tracing is off
+        self.tracer = config_tracer(config, "api") if config.otlp_traces_endpoint else None
 
     @property
     def model_name(self) -> str:
@@ -129,5 +132,8 @@ class OpenAIServing:
         as_ids = req.return_tokens_as_token_ids
         gen.tokens_as_ids = self.config.return_tokens_as_token_ids if as_ids is None else bool(as_ids)
         gen.continuous_usage = bool(req.stream and so and so.include_usage and so.continuous_usage_stats)  # as vLLM
+        if self.tracer is not None:
+            operation = "chat" if endpoint.object_full.startswith("chat") else "text_completion"
+            gen.trace = RequestTrace(self.tracer, request.headers, operation, self.model_name, params, gen.id, arrival)
         gen.submit(arrival)
         return await respond(request, gen, endpoint, bool(req.stream), bool(req.stream and so and so.include_usage))

@@ -40,6 +40,7 @@ from fdx.server.sse import EventStreamResponse
 if TYPE_CHECKING:
     from fdx.config import EngineConfig
     from fdx.deploy.frontend import EngineFrontend, RequestHandle
+    from fdx.tracing import RequestTrace
 
 
 def json_logprob(v: float) -> float:
@@ -138,6 +139,8 @@ class Generation:
         self.tokens_as_ids = False
         #: completion tokens of each choice sent to the client so far (continuous usage stats)
         self.shown: list[int] = []
+        #: the request's spans (``--otlp-traces-endpoint``; ``None``: not traced)
+        self.trace: RequestTrace | None = None
 
     @property
     def want_logprobs(self) -> bool:
@@ -148,7 +151,9 @@ class Generation:
         ones already sent are aborted and the error propagates."""
         n = self.params.n
         total = len(self.prompts) * n
-        kv = {"kv_transfer_params": self.kv_transfer} if self.kv_transfer is not None else {}
+        kv: dict[str, Any] = {"kv_transfer_params": self.kv_transfer} if self.kv_transfer is not None else {}
+        if self.trace is not None:
+            kv["trace_context"] = self.trace.context
         try:
             for p_idx, prompt in enumerate(self.prompts):
                 if self.params.beam_width:  # one engine request, its n beams are the n choices
@@ -165,13 +170,25 @@ class Generation:
                     state = self.outputs.open(rid, idx, p_idx, prompt.ids, sp)
                     self.handles.append(self.client.submit(rid, prompt.ids, sp, arrival, self.sink, tag=state, **kv))
                     self.states.append(state)
-        except BaseException:
+        except BaseException as exc:
+            if self.trace is not None:
+                self.trace.error = str(exc) or type(exc).__name__
             self.abort("request rejected")
             raise
         self.shown = [0] * len(self.states)  # one count per choice, beam choices included
 
     def abort(self, reason: str) -> None:
-        """Abort every choice still running in the engine."""
+        """Abort every choice still running in the engine (every way out of
+        a request ends here: its trace, if any, ends too)."""
+        trace = self.trace
+        if trace is not None and not trace.ended:
+            if trace.error is None and any(not h.done for h in self.handles):
+                trace.error = reason
+            self.client.abort(self.handles, reason)
+            u = self.usage()
+            trace.end(self.handles, self.model, [s.finish_reason for s in self.states if s.finish_reason],
+                      u.prompt_tokens, u.completion_tokens)
+            return
         self.client.abort(self.handles, reason)
 
     def usage(self) -> Usage:
@@ -191,7 +208,7 @@ class Generation:
         events before the failure in its batch are yielded first."""
         pending = len(self.states)
         sink = self.sink
-        process = self.outputs.process
+        process = self.outputs.process if self.trace is None else self.trace.timed(self.outputs.process)
         while pending > 0:
             items = [await sink.get()]
             while not sink.empty():
@@ -221,6 +238,8 @@ class Generation:
             if batch:
                 yield batch
             if error is not None:
+                if self.trace is not None:
+                    self.trace.error = str(error)
                 raise error
 
     def _cut_short(self, x: Any) -> RequestError:
