@@ -92,14 +92,12 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
         from fdx.core.engine import Engine
 
         engine = Engine(config)
-    except FdxError as exc:
-        side.send(EngineFailed(str(exc), exc.details or "", pid=os.getpid()))
-        log.error("engine failed to start: %s", exc)
-        side.close()
-        return 1
-    except Exception as exc:  # noqa: BLE001
-        side.send(EngineFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc(), pid=os.getpid()))
-        log.exception("engine failed to start")
+    except Exception as exc:  # noqa: BLE001 - an FdxError is its one line; anything else, its type and traceback
+        ours = isinstance(exc, FdxError)
+        message, details = (str(exc), exc.details or "") if ours else (f"{type(exc).__name__}: {exc}",  # type: ignore[attr-defined]
+                                                                        traceback.format_exc())
+        side.send(EngineFailed(message, details, pid=os.getpid()))
+        log.error("engine failed to start: %s", exc, exc_info=not ours)
         side.close()
         return 1
 

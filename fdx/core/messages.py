@@ -81,6 +81,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    def beam_candidates(self, width: int, num_stop_ids: int) -> int:
+        """HF's ``beams_to_keep``: enough candidates a step that ``width`` of them
+        continue even when each beam's stop ids are among its best."""
+        return max(2, 1 + num_stop_ids) * width
+
 
 # --------------------------------------------------------------------------
 # Front end -> engine

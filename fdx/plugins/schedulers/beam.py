@@ -80,18 +80,12 @@ def beam_conflict(p: SamplingParams, max_logprobs: int, num_stop_ids: int) -> st
     for name, bad, why in conflicts:
         if bad:
             return f"use_beam_search: {name} {why} with beam search"
-    keep = candidates_per_step(p.beam_width, num_stop_ids)
+    keep = p.beam_candidates(p.beam_width, num_stop_ids)
     if keep > max_logprobs:
         mult = keep // p.beam_width
         return (f"use_beam_search: n (the beam width, {p.beam_width}) must be at most {max_logprobs // mult} "
                 f"(each step reads {mult} x n top logprobs per beam; --max-logprobs is {max_logprobs})")
     return None
-
-
-def candidates_per_step(width: int, num_stop_ids: int) -> int:
-    """HF's ``beams_to_keep``: enough candidates that ``width`` of them
-    continue even when each beam's stop ids are among its best."""
-    return max(2, 1 + num_stop_ids) * width
 
 
 def stop_ids(req: Request) -> frozenset[int]:
@@ -135,7 +129,7 @@ class BeamGroup:
         first candidates."""
         stops = stop_ids(parent)
         width = parent.params.beam_width
-        keep = candidates_per_step(width, len(stops))
+        keep = parent.params.beam_candidates(width, len(stops))
         parent.params = attrs.evolve(parent.params, temperature=0.0, logprobs=keep, n=1)
         return cls(parent, width, parent.params, keep, stops)
 

@@ -24,7 +24,6 @@ import attrs
 
 from fdx.core.errors import RequestError
 from fdx.core.messages import RequestOutput, SamplingParams
-from fdx.plugins.schedulers.beam import candidates_per_step
 
 if TYPE_CHECKING:
     from fdx.output_processor import ChoiceState, OutputEvent
@@ -75,7 +74,7 @@ def beam_params(req: Any, params: SamplingParams, max_logprobs: int, eos_token_i
             raise RequestError(f"'{name}' is not supported with use_beam_search (beam search is deterministic "
                                f"and scores the raw log-probabilities)", 400, param=name)
     stops = (frozenset() if params.ignore_eos else eos_token_ids) | frozenset(params.stop_token_ids)
-    mult = candidates_per_step(1, len(stops))
+    mult = params.beam_candidates(1, len(stops))
     if params.n * mult > max_logprobs:
         raise RequestError(f"'n' (the beam width) must be at most {max_logprobs // mult} with use_beam_search: each "
                            f"step reads {mult} x n top logprobs per beam (--max-logprobs {max_logprobs})", 400,
