@@ -37,7 +37,7 @@ from serverutil import start_server
 pytestmark = pytest.mark.slow
 
 DATA = Path(__file__).parent / "data" / "arch"
-ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "phi3")
+ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "phi3", "gemma2")
 
 
 def goldens(name: str) -> list[dict[str, Any]]:

@@ -77,8 +77,27 @@ class ModelArgs:
     are ``[out, in]`` and q/k rows are in HF order (NEOX "rotate_half" RoPE).
     ``qk_norm``: a per-head RMSNorm (weights ``[head_dim]``) on q and k,
     before RoPE (Qwen3).  ``sliding_window``: the attention window the
-    checkpoint declares (``None``: full attention); fdx serves it only when
-    no sequence can outgrow it.
+    checkpoint declares for every layer (``None``: full attention); fdx
+    serves it only when no sequence can outgrow it (Mistral, Phi-3).
+
+    Gemma's quirks (all off by default: the Llama maths, the fused C++ paths):
+
+    * ``mlp``: ``"swiglu"`` (SiLU gate) or ``"geglu"`` (tanh-approximated GELU gate);
+    * ``embed_scale``: the embedding rows are multiplied by it (``sqrt(hidden_size)``);
+    * ``sandwich_norms``: an RMSNorm on the attention output and on the MLP
+      output before each joins the residual (the layer's ``post_attn_norm``
+      and ``post_ffn_norm``).  Gemma's ``(1 + w)`` norm weights are folded to
+      ``1 + w`` by the loader, so every norm here is the plain ``x * w`` one;
+    * ``attn_scale``: the score scale (``query_pre_attn_scalar ** -0.5``;
+      ``None``: ``head_dim ** -0.5``);
+    * ``attn_softcap`` / ``final_softcap``: ``c * tanh(x / c)`` of the scaled
+      attention scores (before the mask) and of the logits;
+    * ``layer_windows``: per layer, the sliding window (``0``: global
+      attention) a query attends over -- keys at ``pos - window < j <= pos``
+      (transformers' ``sliding_window_causal_mask_function``); empty: every
+      layer global.  Honoured in the attention, so any context length serves;
+    * ``rope_local_theta``: the rope base of the windowed layers (Gemma 3;
+      ``None``: ``rope_theta``).
     """
 
     arch: str
@@ -97,6 +116,23 @@ class ModelArgs:
     qk_norm: bool = False
     rope_scaling: RopeScaling | LongRopeScaling | None = None
     sliding_window: int | None = None
+    mlp: str = "swiglu"
+    embed_scale: float | None = None
+    sandwich_norms: bool = False
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    layer_windows: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
+
+    @property
+    def gemma_fields(self) -> tuple[str, ...]:
+        """The Gemma fields set away from their Llama defaults (the fused C++
+        layer op and the GPU runner compute none of them)."""
+        d = {f.name: f.default for f in attrs.fields(ModelArgs)}
+        names = ("mlp", "embed_scale", "sandwich_norms", "attn_scale", "attn_softcap", "final_softcap",
+                 "layer_windows", "rope_local_theta")
+        return tuple(n for n in names if getattr(self, n) != d[n])
 
     @property
     def q_size(self) -> int:
@@ -107,18 +143,25 @@ class ModelArgs:
         return self.num_kv_heads * self.head_dim
 
     def describe(self) -> str:
-        extra = "".join((" qk-norm" if self.qk_norm else "", f" rope={self.rope_scaling.rope_type}" if self.rope_scaling else ""))
+        extra = "".join((" qk-norm" if self.qk_norm else "", f" rope={self.rope_scaling.rope_type}" if self.rope_scaling else "",
+                         f" {self.mlp}" if self.mlp != "swiglu" else "",
+                         f" softcap={self.attn_softcap}/{self.final_softcap}" if self.attn_softcap or self.final_softcap else "",
+                         f" windows={'/'.join(map(str, self.layer_windows))}" if any(self.layer_windows) else ""))
         return (
             f"{self.arch} L{self.num_layers} d{self.hidden_size} ff{self.intermediate_size} "
             f"h{self.num_heads}/kv{self.num_kv_heads}x{self.head_dim} V{self.vocab_size}{extra}"
         )
 
 
-def rope_inv_freq(args: ModelArgs) -> np.ndarray:
+def rope_inv_freq(args: ModelArgs, local: bool = False) -> np.ndarray:
     """The ``head_dim / 2`` rotary frequencies (float64), rope scaling applied.
-    Both runners build their cos/sin tables from this."""
+    Both runners build their cos/sin tables from this.  ``local``: those of
+    the windowed layers (``rope_local_theta``, unscaled: Gemma 3)."""
     half = args.head_dim // 2
-    inv = 1.0 / (args.rope_theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / args.head_dim))
+    theta = args.rope_local_theta if local and args.rope_local_theta is not None else args.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / args.head_dim))
+    if local:
+        return inv
     rs = args.rope_scaling
     if rs is None:
         return inv
@@ -138,9 +181,9 @@ def rope_inv_freq(args: ModelArgs) -> np.ndarray:
     return np.where(medium, mid, scaled)
 
 
-def rope_angles(args: ModelArgs, max_pos: int) -> np.ndarray:
+def rope_angles(args: ModelArgs, max_pos: int, local: bool = False) -> np.ndarray:
     """``[max_pos, head_dim / 2]`` rotary angles (float64) of positions ``0..max_pos-1``."""
-    return np.arange(max_pos, dtype=np.float64)[:, None] * rope_inv_freq(args)[None, :]
+    return np.arange(max_pos, dtype=np.float64)[:, None] * rope_inv_freq(args, local)[None, :]
 
 
 # --------------------------------------------------------------------------
@@ -170,6 +213,9 @@ class WeightNames:
     bv: str = ""
     q_norm: str = ""
     k_norm: str = ""
+    #: Gemma's sandwich norms: on the attention output and on the MLP output
+    post_attn_norm: str = ""
+    post_ffn_norm: str = ""
     #: fused projections (Phi-3): ``wqkv`` rows are q, k, v in that order,
     #: ``w_gate_up`` rows gate then up; the loader splits them, and
     #: ``wq``/``wk``/``wv`` (``w_gate``/``w_up``) are then empty
@@ -201,7 +247,7 @@ GGUF_LLAMA_WEIGHTS = WeightNames(
 
 
 #: the values of each :class:`LayerRecipe` variant field the model code implements
-IMPLEMENTED_RECIPE = {"norm": ("rms",), "mlp": ("swiglu",), "rope": ("neox",)}
+IMPLEMENTED_RECIPE = {"norm": ("rms", "rms_1p"), "mlp": ("swiglu", "geglu"), "rope": ("neox",)}
 
 
 @attrs.frozen
@@ -212,9 +258,16 @@ class LayerRecipe:
     ``qkv_bias``: the q/k/v projections always carry biases (Qwen2; other
     architectures take them when the config's ``attention_bias`` says so).
     ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3).
-    ``norm``/``mlp``/``rope`` name the only variants fdx implements today
-    (``rms``, ``swiglu``, ``neox``: rotate_half over the whole head); they
+    ``norm``/``mlp``/``rope`` name the variants fdx implements
+    (:data:`IMPLEMENTED_RECIPE`: ``rms``, or Gemma's ``rms_1p`` whose weights
+    are stored as ``w`` and applied as ``1 + w`` (folded at load);
+    ``swiglu`` or ``geglu``; ``neox``: rotate_half over the whole head); they
     are fields so a new variant is a new value, checked at load.
+    ``sandwich_norms``: RMSNorms after attention and after the MLP too
+    (Gemma 2/3).  ``embed_scale``: embeddings scaled by ``sqrt(hidden_size)``.
+    ``layer_types``: the config's ``layer_types`` (``sliding_attention`` /
+    ``full_attention``) pick each layer's window (Gemma 2/3); otherwise
+    ``sliding_window``, where read, covers every layer (Mistral).
     """
 
     qkv_bias: bool = False
@@ -222,6 +275,9 @@ class LayerRecipe:
     norm: str = "rms"
     mlp: str = "swiglu"
     rope: str = "neox"
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    layer_types: bool = False
 
     def unimplemented(self) -> str | None:
         """The first variant field whose value the model code lacks, as ``"field=value"``."""

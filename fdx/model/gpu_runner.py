@@ -110,6 +110,9 @@ class GPUModelRunner(PagedRunnerBase):
         _check_dtype_works(self.dtype, self.place)
         ckpt = self._open_checkpoint(config)
         a = self.args
+        if a.gemma_fields:  # GPULlama computes the Llama recipe only (no silent misreads)
+            raise ModelLoadError(f"{ckpt.source.path}: the GPU runner does not implement {a.arch}'s "
+                                 f"{', '.join(a.gemma_fields)}; serve it with the CPU runner")
 
         disabled = [s.strip() for s in os.environ.get("FDX_GPU_DISABLE_FUSED", "").split(",") if s.strip()]
         bad = sorted(set(disabled) - set(FUSED_OPS))

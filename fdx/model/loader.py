@@ -49,6 +49,9 @@ class LayerWeights:
     #: per-head q/k RMSNorm weights ``[head_dim]`` (``ModelArgs.qk_norm``)
     q_norm: np.ndarray | None = None
     k_norm: np.ndarray | None = None
+    #: Gemma's sandwich norms ``[hidden]`` (``ModelArgs.sandwich_norms``)
+    post_attn_norm: np.ndarray | None = None
+    post_ffn_norm: np.ndarray | None = None
     #: GGUF block-quantized rows of the linear weights (same row order as the
     #: fp32 arrays): name -> (uint8 [out, row_bytes], ggml type id)
     raw: dict[str, tuple[np.ndarray, int]] = attrs.field(factory=dict)
@@ -152,7 +155,8 @@ def _refuse(where: str, what: str, key: str, value: Any, reason: str) -> ModelLo
     return ModelLoadError(f"{where}: unsupported {what} {key!r} = {v if len(v) <= 80 else v[:77] + '...'}: {reason}")
 
 
-def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm: bool) -> tuple[set[str], set[str]]:
+def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm: bool,
+                  sandwich: bool = False) -> tuple[set[str], set[str]]:
     """(required, optional) tensor names of a checkpoint of ``n_layers``."""
     per = ["attn_norm", *(["wqkv"] if names.wqkv else ["wq", "wk", "wv"]), "wo", "ffn_norm",
            *(["w_gate_up"] if names.w_gate_up else ["w_gate", "w_up"]), "w_down"]
@@ -161,6 +165,8 @@ def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm:
         per, opt = per + opt, []
     if qk_norm:
         per += ["q_norm", "k_norm"]
+    if sandwich:
+        per += ["post_attn_norm", "post_ffn_norm"]
     req = {names.embed, names.final_norm}
     optional = {names.lm_head}
     for i in range(n_layers):
@@ -170,7 +176,8 @@ def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm:
 
 
 def _check_tensors(where: str, present: Any, names: WeightNames, args: ModelArgs, ignore: tuple[str, ...] = ()) -> None:
-    req, optional = _tensor_names(names, args.num_layers, qkv_bias=args.attention_bias, qk_norm=args.qk_norm)
+    req, optional = _tensor_names(names, args.num_layers, qkv_bias=args.attention_bias, qk_norm=args.qk_norm,
+                                  sandwich=args.sandwich_norms)
     for t in sorted(present):
         if t not in req and t not in optional and not t.endswith(ignore):
             raise ModelLoadError(f"{where}: unsupported tensor {t!r}: not part of fdx's {args.arch} architecture")
@@ -322,9 +329,23 @@ def hf_model_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> Mod
         scaling = _longrope(rp, cfg, cfg_path)
     window_rule = arch.hf_fields.get("sliding_window")
     window = cfg.get("sliding_window") if window_rule is not None and window_rule.kind == "read" else None
+    rc = arch.recipe
     try:
         hidden = int(cfg["hidden_size"])
         n_head = int(cfg["num_attention_heads"])
+        layer_windows: tuple[int, ...] = ()
+        if rc.layer_types:  # per-layer windows (Gemma): honoured in the attention, not refused
+            layer_windows = _layer_windows(cfg, window, cfg_path)
+            window = None
+        gemma = dict(
+            mlp=rc.mlp,
+            embed_scale=math.sqrt(hidden) if rc.embed_scale else None,
+            sandwich_norms=rc.sandwich_norms,
+            attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if cfg.get("query_pre_attn_scalar") else None,
+            attn_softcap=_opt_float(cfg.get("attn_logit_softcapping")),
+            final_softcap=_opt_float(cfg.get("final_logit_softcapping")),
+            layer_windows=layer_windows,
+        )
         return ModelArgs(
             arch=arch.name,
             num_layers=int(cfg["num_hidden_layers"]),
@@ -342,9 +363,28 @@ def hf_model_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> Mod
             qk_norm=arch.recipe.qk_norm,
             rope_scaling=scaling,
             sliding_window=int(window) if window is not None else None,
+            **gemma,
         )
     except KeyError as exc:
         raise ModelLoadError(f"{cfg_path}: missing key {exc.args[0]!r}") from None
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _layer_windows(cfg: dict[str, Any], window: Any, cfg_path: str) -> tuple[int, ...]:
+    """Each layer's window (0: global) from ``layer_types``, else the config
+    class's default pattern: every ``sliding_window_pattern``-th layer global
+    (Gemma 2's configs: 2, so the even layers slide)."""
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = int(cfg.get("_sliding_window_pattern") or cfg.get("sliding_window_pattern") or 2)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if "sliding_attention" in types and window is None:
+        raise ModelLoadError(f"{cfg_path}: config field 'layer_types' has sliding layers but 'sliding_window' is not set")
+    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
 
 
 def _longrope(rp: dict[str, Any], cfg: dict[str, Any], cfg_path: str) -> LongRopeScaling:
@@ -415,6 +455,13 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
             raise ModelLoadError(f"{f}: cannot read tensor {name!r} ({exc})") from None
         return _to_f32(t)
 
+    # Gemma's (1 + w) RMSNorm: fold the 1 in, so every runner's norm is x * w
+    one = np.float32(1.0) if arch.recipe.norm == "rms_1p" else None
+
+    def norm(name: str) -> np.ndarray:
+        w = get(name)
+        return w if one is None else w + one
+
     qk_scale = args.rope_scaling.attention_factor if isinstance(args.rope_scaling, LongRopeScaling) else 1.0
     if qk_scale != 1.0 and (args.qk_norm or args.attention_bias):  # the fold below would be wrong
         raise ModelLoadError(f"{cfg_path}: longrope's attention factor with q/k norm or biases is not implemented")
@@ -434,20 +481,22 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
             else:
                 w_gate, w_up = get(n["w_gate"]), get(n["w_up"])
             yield LayerWeights(
-                attn_norm=get(n["attn_norm"]),
+                attn_norm=norm(n["attn_norm"]),
                 wq=wq,
                 wk=wk,
                 wv=wv,
                 wo=get(n["wo"]),
-                ffn_norm=get(n["ffn_norm"]),
+                ffn_norm=norm(n["ffn_norm"]),
                 w_gate=w_gate,
                 w_up=w_up,
                 w_down=get(n["w_down"]),
                 bq=get(n["bq"], optional=True) if n["bq"] else None,
                 bk=get(n["bk"], optional=True) if n["bk"] else None,
                 bv=get(n["bv"], optional=True) if n["bv"] else None,
-                q_norm=get(n["q_norm"]) if args.qk_norm else None,
-                k_norm=get(n["k_norm"]) if args.qk_norm else None,
+                q_norm=norm(n["q_norm"]) if args.qk_norm else None,
+                k_norm=norm(n["k_norm"]) if args.qk_norm else None,
+                post_attn_norm=norm(n["post_attn_norm"]) if args.sandwich_norms else None,
+                post_ffn_norm=norm(n["post_ffn_norm"]) if args.sandwich_norms else None,
             )
 
     lm_head = None if args.tie_embeddings else get(names.lm_head, optional=True)
@@ -457,7 +506,7 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
         source=src,
         args=args,
         embed=get(names.embed),
-        final_norm=get(names.final_norm),
+        final_norm=norm(names.final_norm),
         lm_head=lm_head,
         layers=layers,
     )

@@ -1,6 +1,6 @@
-"""fdx's built-in architectures: Llama (1, 2, 3.x), Qwen2, Qwen3, Mistral, Phi-3.
+"""fdx's built-in architectures: Llama (1, 2, 3.x), Qwen2, Qwen3, Mistral, Phi-3, Gemma 2.
 
-All five share the Llama skeleton and fdx's one model code; what differs is
+All share the Llama skeleton and fdx's one model code; what differs is
 declared here (recipe, weight names, the config fields each understands).
 Registered through ``fdx_register_architectures``, exactly as a third-party
 package registers one.
@@ -131,6 +131,38 @@ PHI3_FIELDS: dict[str, FieldRule] = {
     "auto_map": harmless(),
 }
 
+def _layer_types(v: Any, cfg: Mapping[str, Any]) -> str | None:
+    """Gemma's per-layer attention kinds: one per layer, each sliding or full."""
+    if v is None:
+        return None  # the config class's default pattern (the loader derives it)
+    if not isinstance(v, list) or len(v) != cfg.get("num_hidden_layers"):
+        return f"must list one layer type per layer ({cfg.get('num_hidden_layers')})"
+    bad = [t for t in v if t not in ("sliding_attention", "full_attention")]
+    return f"layer type {bad[0]!r} is not implemented (fdx implements 'sliding_attention', 'full_attention')" if bad else None
+
+
+def _positive_or_none(v: Any, cfg: Mapping[str, Any]) -> str | None:
+    return None if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0) else \
+        f"{v!r} is not a positive number"
+
+
+def _same_as_window(v: Any, cfg: Mapping[str, Any]) -> str | None:
+    return None if v == cfg.get("sliding_window") else f"{v!r} differs from sliding_window {cfg.get('sliding_window')!r}"
+
+
+_gelu_tanh = read(equals("gelu_pytorch_tanh"))
+GEMMA2_FIELDS: dict[str, FieldRule] = {
+    **{k: v for k, v in LLAMA_FIELDS.items() if k not in ("mlp_bias", "hidden_act")}, **PLAIN_ROPE,
+    "hidden_activation": _gelu_tanh, "hidden_act": _gelu_tanh,  # v4 configs carry both
+    "attention_bias": read(equals(False)),  # Gemma's o_proj would take a bias too
+    "query_pre_attn_scalar": read(_positive_or_none),
+    "attn_logit_softcapping": read(_positive_or_none), "final_logit_softcapping": read(_positive_or_none),
+    "sliding_window": read(_positive_window), "layer_types": read(_layer_types),
+    "sliding_window_size": harmless(_same_as_window),  # an alias some Gemma 2 checkpoints carry
+    "cache_implementation": harmless(),  # transformers' KV cache class ("hybrid")
+    "use_bidirectional_attention": read(equals(None, False)),
+}
+
 _g = read()
 LLAMA_GGUF_KEYS: dict[str, FieldRule] = {
     "block_count": _g, "context_length": _g, "embedding_length": _g, "feed_forward_length": _g,
@@ -168,7 +200,19 @@ PHI3 = Architecture(
     hf_fields=PHI3_FIELDS,
     description="Phi-3 / Phi-3.5 (fused qkv and gate_up; longrope within original_max_position_embeddings)",
 )
-BUILTIN = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3)
+HF_GEMMA_WEIGHTS = attrs.evolve(
+    HF_LLAMA_WEIGHTS, lm_head="lm_head.weight", bq="", bk="", bv="", q_norm="", k_norm="",
+    post_attn_norm="model.layers.{i}.post_attention_layernorm.weight",
+    ffn_norm="model.layers.{i}.pre_feedforward_layernorm.weight",
+    post_ffn_norm="model.layers.{i}.post_feedforward_layernorm.weight",
+)
+GEMMA_RECIPE = LayerRecipe(norm="rms_1p", mlp="geglu", sandwich_norms=True, embed_scale=True, layer_types=True)
+GEMMA2 = Architecture(
+    name="gemma2", hf_names=("Gemma2ForCausalLM",), recipe=GEMMA_RECIPE, hf_weights=HF_GEMMA_WEIGHTS,
+    hf_fields=GEMMA2_FIELDS,
+    description="Gemma 2 (GeGLU, (1 + w) sandwich norms, soft-capping, alternating sliding-window layers)",
+)
+BUILTIN = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2)
 
 
 @hookimpl
