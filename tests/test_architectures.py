@@ -5,7 +5,8 @@ scripts/make_arch_goldens.py: small random-weight models built with
 transformers' own config classes (Llama 3 with llama3 rope scaling, Qwen2
 with q/k/v biases and tied embeddings, Qwen3 with per-head q/k norm and an
 explicit head_dim, Mistral with a sliding window as long as its context,
-Phi-3 with fused qkv/gate_up weights and longrope scaling),
+Phi-3 with fused qkv/gate_up weights and longrope scaling, Gemma 2 with
+soft-capping on and a sliding window shorter than two of the prompts),
 and transformers' fp32 greedy tokens and logprobs for 3 token-id prompts x
 32 tokens.  No torch here.
 
@@ -105,6 +106,16 @@ FLIPS = [
     ("phi3", {"rope_parameters": {**PHI3_ROPE, "mscale": 1.0}}, "rope_parameters", "mscale"),
     ("phi3", {"attention_bias": True}, "attention_bias", "False"),
     ("phi3", {"sliding_window": 0}, "sliding_window", "positive"),
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation", "gelu_pytorch_tanh"),
+    ("gemma2", {"attention_bias": True}, "attention_bias", "False"),
+    ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping", "positive"),
+    ("gemma2", {"final_logit_softcapping": "30"}, "final_logit_softcapping", "positive"),
+    ("gemma2", {"layer_types": ["sliding_attention", "chunked_attention", "sliding_attention", "full_attention"]},
+     "layer_types", "chunked_attention"),
+    ("gemma2", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types", "one layer type per layer"),
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention", "False"),
+    ("gemma2", {"sliding_window_size": 4096}, "sliding_window_size", "differs from sliding_window"),
+    ("gemma2", {"rope_parameters": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e4}}, "rope_parameters", "linear"),
 ]
 
 
@@ -130,7 +141,7 @@ def test_unknown_architecture_lists_choices_and_stray_tensor_is_refused(tmp_path
         load_checkpoint(str(folder))
     msg = str(ei.value)
     assert "'Gemma3ForCausalLM'" in msg and all(n in msg for n in ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                                                                   "Phi3ForCausalLM"))
+                                                                   "Phi3ForCausalLM", "Gemma2ForCausalLM"))
 
     # a Qwen3 checkpoint labelled Llama: its q/k norm weights are not silently dropped
     folder = copy_with_config(tmp_path, "qwen3",
@@ -228,6 +239,40 @@ def test_phi3_fused_weight_of_the_wrong_size_is_refused(tmp_path: Path) -> None:
     assert "tensor 'model.layers.0.mlp.gate_up_proj.weight' has shape [512, 128], expected 400 rows (200 + 200)" in str(ei.value)
 
 
+def test_gemma2_config_and_weights_as_read(tmp_path: Path) -> None:
+    """Gemma 2's fields land in ModelArgs (per-layer windows from
+    ``layer_types``, the attention scale from ``query_pre_attn_scalar``, both
+    caps, the embedding scale); its ``(1 + w)`` norm weights come out as
+    ``1 + w``; a transformers v4 config (no ``layer_types``: the class's
+    even-layers-slide pattern; ``rope_theta``, ``hidden_act`` beside
+    ``hidden_activation``, ``sliding_window_size``, ``cache_implementation``)
+    reads the same; sliding layers without a window are refused."""
+    import math
+
+    from safetensors.numpy import load_file
+
+    from fdx.model.loader import load_checkpoint
+
+    ck = load_checkpoint(str(DATA / "gemma2"))
+    a = ck.args
+    assert (a.arch, a.mlp, a.sandwich_norms, a.layer_windows, a.sliding_window) == ("gemma2", "geglu", True, (8, 0, 8, 0), None)
+    assert (a.attn_softcap, a.final_softcap, a.tie_embeddings) == (5.0, 30.0, True)
+    assert math.isclose(a.attn_scale, 48 ** -0.5) and math.isclose(a.embed_scale, math.sqrt(128))
+    w = load_file(str(DATA / "gemma2" / "model.safetensors"))
+    layer = list(ck.layers())[2]
+    for ours, theirs in (("attn_norm", "input_layernorm"), ("post_attn_norm", "post_attention_layernorm"),
+                         ("ffn_norm", "pre_feedforward_layernorm"), ("post_ffn_norm", "post_feedforward_layernorm")):
+        np.testing.assert_array_equal(getattr(layer, ours), w[f"model.layers.2.{theirs}.weight"] + np.float32(1))
+    np.testing.assert_array_equal(ck.final_norm, w["model.norm.weight"] + np.float32(1))
+
+    v4 = copy_with_config(tmp_path, "gemma2", layer_types=None, rope_parameters=None, rope_scaling=None, rope_theta=10000.0,
+                          hidden_act="gelu_pytorch_tanh", sliding_window_size=8, cache_implementation="hybrid")
+    assert load_checkpoint(str(v4)).args == a
+    folder = copy_with_config(tmp_path, "gemma2", sliding_window=None)
+    with pytest.raises(ModelLoadError, match="'layer_types' has sliding layers but 'sliding_window' is not set"):
+        load_checkpoint(str(folder))
+
+
 def test_llama3_rope_scaling_changes_only_the_low_frequencies() -> None:
     from fdx.model.arch import RopeScaling, rope_inv_freq
     from fdx.model.loader import load_checkpoint
@@ -310,6 +355,25 @@ def test_float32_matches_transformers(arch_name: str) -> None:
     assert worst < 1e-3, f"{arch_name}: logprobs differ by {worst:.2e}"
 
 
+def test_gemma2_goldens_depend_on_the_window_and_the_caps(tmp_path: Path) -> None:
+    """The parity test can fail on each Gemma quirk: served without its
+    sliding window (every layer global) or without either soft-cap, the
+    random Gemma 2 drifts far from transformers' logprobs."""
+    from fdx.config import make_config
+    from fdx.model.runner import PaddleModelRunner
+    from fdx.plugins.hardware.cpu import CPUDevice
+
+    s = goldens("gemma2")[2]  # the 37-token prompt: longer than the window
+    for changes in ({"layer_types": ["full_attention"] * 4}, {"attn_logit_softcapping": None},
+                    {"final_logit_softcapping": None}):
+        folder = copy_with_config(tmp_path, "gemma2", **changes)
+        runner = PaddleModelRunner(make_config(model=str(folder), num_kv_blocks=32, block_size=4, max_model_len=512,
+                                               dtype="float32"), CPUDevice())
+        lp = log_softmax(teacher_forced(runner, s["prompt"], s["tokens"]))
+        drift = np.abs(lp[np.arange(len(s["tokens"])), s["tokens"]] - np.asarray(s["logprobs"])).max()
+        assert drift > 0.05, f"{changes}: the goldens do not tell this change apart ({drift:.2e})"
+
+
 #: int8 misses the 97% bar on these random models by one token: every miss is a
 #: genuine fp32 near-tie (top-2 gap 0.004-0.012, phi3 0.04-0.09, against an int8
 #: logit error ~0.15-0.2)
@@ -386,7 +450,7 @@ def test_architecture_plugin_on_a_fresh_plugin_manager(tmp_path: Path, plugin_ma
     plugin_manager.register(arch_plugin, name="my_llama")
     try:
         plugins = collect(plugin_manager)
-        assert {"llama", "qwen2", "qwen3", "mistral", "phi3", "my-llama"} <= set(plugins.registry("architecture").names())
+        assert {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "my-llama"} <= set(plugins.registry("architecture").names())
         set_plugins(plugins)
         ck = load_checkpoint(str(folder))
         assert ck.args.arch == "my-llama" and ck.args.rope_scaling is not None
@@ -416,4 +480,4 @@ def test_fdx_plugins_lists_the_architectures() -> None:
     out = subprocess.run([sys.executable, "-m", "fdx", "plugins"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = {tuple(ln.split()[:2]) for ln in out.stdout.splitlines()}
-    assert {("architecture", n) for n in ("llama", "qwen2", "qwen3", "mistral", "phi3")} <= rows, out.stdout
+    assert {("architecture", n) for n in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2")} <= rows, out.stdout
