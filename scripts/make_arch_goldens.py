@@ -35,7 +35,7 @@ PROMPT_LENS = (6, 19, 37)
 #: Gemma's soft-caps (both bend the scores/logits of the model below) and,
 #: per Gemma model, (embedding std, final norm w of 1 + w)
 GEMMA_ATTN_CAP, GEMMA_FINAL_CAP = 5.0, 30.0
-GEMMA_TUNING = {"gemma2": (0.1, 4.0)}
+GEMMA_TUNING = {"gemma2": (0.1, 4.0), "gemma3": (0.1, 4.0)}
 COMMON = dict(
     vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -78,6 +78,16 @@ def models() -> dict[str, tuple[type, type, dict]]:
             num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=48, sliding_window=8,
             attn_logit_softcapping=GEMMA_ATTN_CAP, final_logit_softcapping=GEMMA_FINAL_CAP,
             rope_theta=10000.0, tie_word_embeddings=True)),
+        # Gemma 3 text: Gemma 2's recipe plus per-head (1 + w) q/k norm; the
+        # sliding layers' rope base (1e4) apart from the global layers' (1e6,
+        # linear scaling x8); three sliding layers (window 8) then a global one;
+        # no soft-capping (the class's default)
+        "gemma3": (t.Gemma3TextConfig, t.Gemma3ForCausalLM, dict(
+            num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=48, sliding_window=8,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+            tie_word_embeddings=True)),
     }
 
 

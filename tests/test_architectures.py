@@ -38,7 +38,7 @@ from serverutil import start_server
 pytestmark = pytest.mark.slow
 
 DATA = Path(__file__).parent / "data" / "arch"
-ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "phi3", "gemma2")
+ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
 
 
 def goldens(name: str) -> list[dict[str, Any]]:
@@ -136,12 +136,12 @@ def test_unknown_architecture_lists_choices_and_stray_tensor_is_refused(tmp_path
 
     from fdx.model.loader import load_checkpoint
 
-    folder = copy_with_config(tmp_path, "qwen3", architectures=["Gemma3ForCausalLM"])
+    folder = copy_with_config(tmp_path, "qwen3", architectures=["FalconForCausalLM"])
     with pytest.raises(ModelLoadError) as ei:
         load_checkpoint(str(folder))
     msg = str(ei.value)
-    assert "'Gemma3ForCausalLM'" in msg and all(n in msg for n in ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                                                                   "Phi3ForCausalLM", "Gemma2ForCausalLM"))
+    assert "'FalconForCausalLM'" in msg and all(n in msg for n in ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                                                                   "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"))
 
     # a Qwen3 checkpoint labelled Llama: its q/k norm weights are not silently dropped
     folder = copy_with_config(tmp_path, "qwen3",
@@ -450,7 +450,7 @@ def test_architecture_plugin_on_a_fresh_plugin_manager(tmp_path: Path, plugin_ma
     plugin_manager.register(arch_plugin, name="my_llama")
     try:
         plugins = collect(plugin_manager)
-        assert {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "my-llama"} <= set(plugins.registry("architecture").names())
+        assert {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "my-llama"} <= set(plugins.registry("architecture").names())
         set_plugins(plugins)
         ck = load_checkpoint(str(folder))
         assert ck.args.arch == "my-llama" and ck.args.rope_scaling is not None
@@ -480,4 +480,4 @@ def test_fdx_plugins_lists_the_architectures() -> None:
     out = subprocess.run([sys.executable, "-m", "fdx", "plugins"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = {tuple(ln.split()[:2]) for ln in out.stdout.splitlines()}
-    assert {("architecture", n) for n in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2")} <= rows, out.stdout
+    assert {("architecture", n) for n in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")} <= rows, out.stdout

@@ -70,6 +70,15 @@ class LongRopeScaling:
 
 
 @attrs.frozen
+class LinearRopeScaling:
+    """Position interpolation (``rope_type: linear``): every rotary frequency
+    divided by ``factor`` (Gemma 3's global layers)."""
+
+    rope_type: str
+    factor: float
+
+
+@attrs.frozen
 class ModelArgs:
     """Geometry and recipe of a decoder-only Llama-family transformer.
 
@@ -114,7 +123,7 @@ class ModelArgs:
     tie_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
-    rope_scaling: RopeScaling | LongRopeScaling | None = None
+    rope_scaling: RopeScaling | LongRopeScaling | LinearRopeScaling | None = None
     sliding_window: int | None = None
     mlp: str = "swiglu"
     embed_scale: float | None = None
@@ -165,6 +174,8 @@ def rope_inv_freq(args: ModelArgs, local: bool = False) -> np.ndarray:
     rs = args.rope_scaling
     if rs is None:
         return inv
+    if isinstance(rs, LinearRopeScaling):
+        return inv / rs.factor
     if isinstance(rs, LongRopeScaling):  # the short factors (see LongRopeScaling)
         if len(rs.short_factor) != half:
             raise ValueError(f"longrope short_factor has {len(rs.short_factor)} entries, head_dim / 2 = {half}")
@@ -265,9 +276,14 @@ class LayerRecipe:
     are fields so a new variant is a new value, checked at load.
     ``sandwich_norms``: RMSNorms after attention and after the MLP too
     (Gemma 2/3).  ``embed_scale``: embeddings scaled by ``sqrt(hidden_size)``.
-    ``layer_types``: the config's ``layer_types`` (``sliding_attention`` /
-    ``full_attention``) pick each layer's window (Gemma 2/3); otherwise
+    ``window_pattern`` (non-zero: Gemma 2/3): the config's ``layer_types``
+    (``sliding_attention`` / ``full_attention``) pick each layer's window;
+    without them every ``window_pattern``-th layer is global (the config
+    class's default, overridden by ``sliding_window_pattern``).  Zero:
     ``sliding_window``, where read, covers every layer (Mistral).
+    ``local_rope``: the rope parameters are per layer type (Gemma 3:
+    ``rope_parameters.sliding_attention`` / v4's ``rope_local_base_freq``
+    for the windowed layers, ``full_attention`` for the global ones).
     """
 
     qkv_bias: bool = False
@@ -277,7 +293,8 @@ class LayerRecipe:
     rope: str = "neox"
     sandwich_norms: bool = False
     embed_scale: bool = False
-    layer_types: bool = False
+    window_pattern: int = 0
+    local_rope: bool = False
 
     def unimplemented(self) -> str | None:
         """The first variant field whose value the model code lacks, as ``"field=value"``."""

@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 
 from fdx.core.errors import ModelLoadError, PluginError
-from fdx.model.arch import Architecture, LongRopeScaling, ModelArgs, RopeScaling, WeightNames
+from fdx.model.arch import Architecture, LinearRopeScaling, LongRopeScaling, ModelArgs, RopeScaling, WeightNames
 from fdx.model.source import ModelSource, resolve
 from fdx.model.tokenizer import ModelTokenizer, tokenizer_from_gguf, tokenizer_from_hf
 
@@ -319,10 +319,15 @@ def hf_model_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> Mod
     _check_recipe(cfg_path, arch)
     # transformers >= 5 writes rope_parameters (theta inside); older configs rope_theta + rope_scaling
     rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling: RopeScaling | LongRopeScaling | None = None
+    theta_default, local_theta = 10000.0, None
+    if arch.recipe.local_rope:  # Gemma 3: the global layers' parameters; the sliding layers' base
+        rp, theta_default, local_theta = _gemma3_rope(cfg)
+    theta = float(rp.get("rope_theta", cfg.get("rope_theta", theta_default)))
+    scaling: RopeScaling | LongRopeScaling | LinearRopeScaling | None = None
     rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type == "llama3":
+    if rope_type == "linear":
+        scaling = LinearRopeScaling("linear", float(rp["factor"]))
+    elif rope_type == "llama3":
         scaling = RopeScaling("llama3", float(rp["factor"]), float(rp["low_freq_factor"]),
                               float(rp["high_freq_factor"]), int(rp["original_max_position_embeddings"]))
     elif rope_type in ("longrope", "su"):
@@ -334,8 +339,8 @@ def hf_model_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> Mod
         hidden = int(cfg["hidden_size"])
         n_head = int(cfg["num_attention_heads"])
         layer_windows: tuple[int, ...] = ()
-        if rc.layer_types:  # per-layer windows (Gemma): honoured in the attention, not refused
-            layer_windows = _layer_windows(cfg, window, cfg_path)
+        if rc.window_pattern:  # per-layer windows (Gemma): honoured in the attention, not refused
+            layer_windows = _layer_windows(cfg, window, rc.window_pattern, cfg_path)
             window = None
         gemma = dict(
             mlp=rc.mlp,
@@ -345,6 +350,7 @@ def hf_model_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> Mod
             attn_softcap=_opt_float(cfg.get("attn_logit_softcapping")),
             final_softcap=_opt_float(cfg.get("final_logit_softcapping")),
             layer_windows=layer_windows,
+            rope_local_theta=local_theta,
         )
         return ModelArgs(
             arch=arch.name,
@@ -369,18 +375,30 @@ def hf_model_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> Mod
         raise ModelLoadError(f"{cfg_path}: missing key {exc.args[0]!r}") from None
 
 
+def _gemma3_rope(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, float]:
+    """(the global layers' rope dict, their default base, the sliding layers'
+    base), from v5's per-layer-type ``rope_parameters`` or v4's
+    ``rope_scaling`` + ``rope_theta`` + ``rope_local_base_freq``
+    (``Gemma3TextConfig``'s defaults: 1e6 and 1e4)."""
+    rp = cfg.get("rope_parameters") or {}
+    if "full_attention" in rp or "sliding_attention" in rp:
+        local = rp.get("sliding_attention") or {}
+        return rp.get("full_attention") or {}, 1_000_000.0, float(local.get("rope_theta", 10_000.0))
+    return cfg.get("rope_scaling") or rp, 1_000_000.0, float(cfg.get("rope_local_base_freq", 10_000.0))
+
+
 def _opt_float(v: Any) -> float | None:
     return None if v is None else float(v)
 
 
-def _layer_windows(cfg: dict[str, Any], window: Any, cfg_path: str) -> tuple[int, ...]:
+def _layer_windows(cfg: dict[str, Any], window: Any, pattern: int, cfg_path: str) -> tuple[int, ...]:
     """Each layer's window (0: global) from ``layer_types``, else the config
     class's default pattern: every ``sliding_window_pattern``-th layer global
-    (Gemma 2's configs: 2, so the even layers slide)."""
+    (``pattern`` without it: Gemma 2's 2, so the even layers slide; Gemma 3's 6)."""
     n = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
     if types is None:
-        pattern = int(cfg.get("_sliding_window_pattern") or cfg.get("sliding_window_pattern") or 2)
+        pattern = int(cfg.get("_sliding_window_pattern") or cfg.get("sliding_window_pattern") or pattern)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     if "sliding_attention" in types and window is None:
         raise ModelLoadError(f"{cfg_path}: config field 'layer_types' has sliding layers but 'sliding_window' is not set")

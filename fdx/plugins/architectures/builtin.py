@@ -1,4 +1,4 @@
-"""fdx's built-in architectures: Llama (1, 2, 3.x), Qwen2, Qwen3, Mistral, Phi-3, Gemma 2.
+"""fdx's built-in architectures: Llama (1, 2, 3.x), Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 (text).
 
 All share the Llama skeleton and fdx's one model code; what differs is
 declared here (recipe, weight names, the config fields each understands).
@@ -32,6 +32,7 @@ ROPE_KEYS = {
     "longrope": frozenset({"rope_type", "type", "rope_theta", "short_factor", "long_factor", "factor",
                            "attention_factor", "original_max_position_embeddings"}),
 }
+ROPE_KEYS["linear"] = frozenset({"rope_type", "type", "rope_theta", "factor"})
 ROPE_KEYS["su"] = ROPE_KEYS["longrope"]  # longrope's first name (early Phi-3 configs)
 #: keys a rope type may omit (its default applies)
 ROPE_OPTIONAL = {"longrope": frozenset({"factor", "attention_factor", "original_max_position_embeddings"})}
@@ -163,6 +164,25 @@ GEMMA2_FIELDS: dict[str, FieldRule] = {
     "use_bidirectional_attention": read(equals(None, False)),
 }
 
+_global_rope, _local_rope = rope_check("default", "linear"), rope_check("default")
+
+
+def _gemma3_rope(v: Any, cfg: Mapping[str, Any]) -> str | None:
+    """Gemma 3's ``rope_parameters``: per layer type (transformers >= 5), the
+    global layers' default or linear, the sliding layers' default."""
+    if isinstance(v, dict) and set(v) <= {"sliding_attention", "full_attention"} and v:
+        return next((f"{kind}: {why}" for kind, check in (("full_attention", _global_rope), ("sliding_attention", _local_rope))
+                     if (why := check(v.get(kind), cfg))), None)
+    return _global_rope(v, cfg)  # a flat dict: the global layers' (v4's rope_scaling)
+
+
+GEMMA3_FIELDS: dict[str, FieldRule] = {
+    **{k: v for k, v in GEMMA2_FIELDS.items() if k != "sliding_window_size"},
+    "rope_parameters": read(_gemma3_rope), "rope_scaling": read(_gemma3_rope),
+    "rope_local_base_freq": read(),  # v4: the sliding layers' rope base
+    "sliding_window_pattern": read(), "_sliding_window_pattern": read(),  # layer_types' default: every n-th global
+}
+
 _g = read()
 LLAMA_GGUF_KEYS: dict[str, FieldRule] = {
     "block_count": _g, "context_length": _g, "embedding_length": _g, "feed_forward_length": _g,
@@ -206,13 +226,20 @@ HF_GEMMA_WEIGHTS = attrs.evolve(
     ffn_norm="model.layers.{i}.pre_feedforward_layernorm.weight",
     post_ffn_norm="model.layers.{i}.post_feedforward_layernorm.weight",
 )
-GEMMA_RECIPE = LayerRecipe(norm="rms_1p", mlp="geglu", sandwich_norms=True, embed_scale=True, layer_types=True)
+GEMMA_RECIPE = LayerRecipe(norm="rms_1p", mlp="geglu", sandwich_norms=True, embed_scale=True, window_pattern=2)
 GEMMA2 = Architecture(
     name="gemma2", hf_names=("Gemma2ForCausalLM",), recipe=GEMMA_RECIPE, hf_weights=HF_GEMMA_WEIGHTS,
     hf_fields=GEMMA2_FIELDS,
     description="Gemma 2 (GeGLU, (1 + w) sandwich norms, soft-capping, alternating sliding-window layers)",
 )
-BUILTIN = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2)
+GEMMA3 = Architecture(
+    name="gemma3", hf_names=("Gemma3ForCausalLM",),
+    recipe=attrs.evolve(GEMMA_RECIPE, qk_norm=True, local_rope=True, window_pattern=6),
+    hf_weights=attrs.evolve(HF_GEMMA_WEIGHTS, q_norm=HF_LLAMA_WEIGHTS.q_norm, k_norm=HF_LLAMA_WEIGHTS.k_norm),
+    hf_fields=GEMMA3_FIELDS,
+    description="Gemma 3 text (Gemma 2's recipe with per-head (1 + w) q/k norm and a local rope base)",
+)
+BUILTIN = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3)
 
 
 @hookimpl
