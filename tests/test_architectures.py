@@ -6,7 +6,8 @@ transformers' own config classes (Llama 3 with llama3 rope scaling, Qwen2
 with q/k/v biases and tied embeddings, Qwen3 with per-head q/k norm and an
 explicit head_dim, Mistral with a sliding window as long as its context,
 Phi-3 with fused qkv/gate_up weights and longrope scaling, Gemma 2 with
-soft-capping on and a sliding window shorter than two of the prompts),
+soft-capping on and a sliding window shorter than two of the prompts,
+Gemma 3 with per-head q/k norm, a local rope base and linear global scaling),
 and transformers' fp32 greedy tokens and logprobs for 3 token-id prompts x
 32 tokens.  No torch here.
 
@@ -116,6 +117,14 @@ FLIPS = [
     ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention", "False"),
     ("gemma2", {"sliding_window_size": 4096}, "sliding_window_size", "differs from sliding_window"),
     ("gemma2", {"rope_parameters": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e4}}, "rope_parameters", "linear"),
+    ("gemma3", {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+     "rope_parameters", "sliding_attention: rope type 'linear'"),
+    ("gemma3", {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                    "full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e6}}},
+     "rope_parameters", "full_attention: rope type 'yarn'"),
+    ("gemma3", {"hidden_activation": "silu"}, "hidden_activation", "gelu_pytorch_tanh"),
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention", "False"),
 ]
 
 
@@ -273,6 +282,39 @@ def test_gemma2_config_and_weights_as_read(tmp_path: Path) -> None:
         load_checkpoint(str(folder))
 
 
+def test_gemma3_config_and_weights_as_read(tmp_path: Path) -> None:
+    """Gemma 3: the sliding layers' rope base (1e4, unscaled) apart from the
+    global layers' (1e6, linear x8), per-head q/k norm weights as ``1 + w``,
+    no caps; a transformers v4 config (``rope_theta``,
+    ``rope_local_base_freq``, ``rope_scaling``, ``sliding_window_pattern``
+    in place of ``layer_types``) reads the same."""
+    import attrs
+    from safetensors.numpy import load_file
+
+    from fdx.model.arch import LinearRopeScaling, rope_inv_freq
+    from fdx.model.loader import load_checkpoint
+
+    ck = load_checkpoint(str(DATA / "gemma3"))
+    a = ck.args
+    assert (a.arch, a.qk_norm, a.layer_windows, a.attn_softcap, a.final_softcap) == ("gemma3", True, (8, 8, 8, 0), None, None)
+    assert (a.rope_theta, a.rope_local_theta, a.rope_scaling) == (1e6, 1e4, LinearRopeScaling("linear", 8.0))
+    plain = 1.0 / 1e4 ** (np.arange(16) / 16)
+    np.testing.assert_allclose(rope_inv_freq(a, local=True), plain)
+    np.testing.assert_allclose(rope_inv_freq(a), 1.0 / 1e6 ** (np.arange(16) / 16) / 8)
+    w = load_file(str(DATA / "gemma3" / "model.safetensors"))
+    layer = list(ck.layers())[3]
+    np.testing.assert_array_equal(layer.q_norm, w["model.layers.3.self_attn.q_norm.weight"] + np.float32(1))
+    np.testing.assert_array_equal(layer.k_norm, w["model.layers.3.self_attn.k_norm.weight"] + np.float32(1))
+
+    v4 = copy_with_config(tmp_path, "gemma3", layer_types=None, _sliding_window_pattern=None, sliding_window_pattern=4,
+                          rope_parameters=None, rope_theta=1e6, rope_local_base_freq=1e4,
+                          rope_scaling={"rope_type": "linear", "factor": 8.0})
+    assert load_checkpoint(str(v4)).args == a
+    # without a pattern, the class's: every 6th layer global (here: none of the 4)
+    v4 = copy_with_config(tmp_path, "gemma3", layer_types=None, _sliding_window_pattern=None)
+    assert load_checkpoint(str(v4)).args == attrs.evolve(a, layer_windows=(8, 8, 8, 8))
+
+
 def test_llama3_rope_scaling_changes_only_the_low_frequencies() -> None:
     from fdx.model.arch import RopeScaling, rope_inv_freq
     from fdx.model.loader import load_checkpoint
@@ -372,6 +414,24 @@ def test_gemma2_goldens_depend_on_the_window_and_the_caps(tmp_path: Path) -> Non
         lp = log_softmax(teacher_forced(runner, s["prompt"], s["tokens"]))
         drift = np.abs(lp[np.arange(len(s["tokens"])), s["tokens"]] - np.asarray(s["logprobs"])).max()
         assert drift > 0.05, f"{changes}: the goldens do not tell this change apart ({drift:.2e})"
+
+
+def test_gemma3_goldens_depend_on_the_local_rope_base(tmp_path: Path) -> None:
+    """Gemma 3's sliding layers rotate with their own base: served with the
+    global layers' base (and scaling) there too, the model drifts."""
+    from fdx.config import make_config
+    from fdx.model.runner import PaddleModelRunner
+    from fdx.plugins.hardware.cpu import CPUDevice
+
+    s = goldens("gemma3")[1]
+    full = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    for local in ({"rope_type": "default", "rope_theta": 1e6}, {"rope_type": "default", "rope_theta": 1e5}):
+        folder = copy_with_config(tmp_path, "gemma3", rope_parameters={"sliding_attention": local, "full_attention": full})
+        runner = PaddleModelRunner(make_config(model=str(folder), num_kv_blocks=32, block_size=4, max_model_len=512,
+                                               dtype="float32"), CPUDevice())
+        lp = log_softmax(teacher_forced(runner, s["prompt"], s["tokens"]))
+        drift = np.abs(lp[np.arange(len(s["tokens"])), s["tokens"]] - np.asarray(s["logprobs"])).max()
+        assert drift > 0.05, f"{local}: the goldens do not tell the local base apart ({drift:.2e})"
 
 
 #: int8 misses the 97% bar on these random models by one token: every miss is a
