@@ -479,6 +479,20 @@ def test_served_float32_gives_the_greedy_tokens(arch_name: str) -> None:
             np.testing.assert_allclose(lps, s["logprobs"], atol=1e-3)
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_at_tp2_gives_the_greedy_tokens(name: str) -> None:
+    """Gemma's additions are row-wise or element-wise (the embedding scale
+    after the vocab-parallel sum, the sandwich norms after each all-reduce,
+    the final soft-cap per vocab shard), so two ranks give transformers'
+    tokens too."""
+    samples = goldens(name)[1:]
+    with start_server("--model", str(DATA / name), "--dtype", "float32", "--max-model-len", "512", "--served-model-name", "m",
+                      "-tp", "2", default_args=("--num-kv-blocks", "64")) as (base, _):
+        for s, (toks, lps) in zip(samples, served_greedy(base, samples)):
+            assert toks == s["tokens"]
+            np.testing.assert_allclose(lps, s["logprobs"], atol=1e-3)
+
+
 def test_renamed_llama_from_a_plugin_is_served(tmp_path: Path) -> None:
     """A third-party package adds ``MyLlamaForCausalLM`` through the public hook
     (tests/arch_plugin.py, found by its entry point); fdx serves it."""
