@@ -102,7 +102,6 @@ class GPULayer:
     k_norm: Any | None = None
     post_attn_norm: Any | None = None  # Gemma's sandwich norms (ModelArgs.sandwich_norms)
     post_ffn_norm: Any | None = None
-    window: int = 0  # the layer's sliding window (0: global)
 
 
 def rope_tables(args: ModelArgs, max_pos: int, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -187,7 +186,6 @@ class GPULlama:
                 k_norm=self._t(lw.k_norm) if a.qk_norm else None,
                 post_attn_norm=self._t(lw.post_attn_norm) if a.sandwich_norms else None,
                 post_ffn_norm=self._t(lw.post_ffn_norm) if a.sandwich_norms else None,
-                window=a.layer_windows[i] if a.layer_windows else 0,
             ))
         if len(layers) != a.num_layers:
             raise ModelLoadError(f"{ckpt.source.path}: expected {a.num_layers} layers, got {len(layers)}")
@@ -226,7 +224,8 @@ class GPULlama:
             x = x * paddle.to_tensor(a.embed_scale, dtype="float32").astype(x.dtype)
         mlp = k.swiglu if a.mlp == "swiglu" else geglu
         residual = None
-        for layer, cache in zip(self.layers, caches):
+        windows = a.layer_windows or (0,) * len(self.layers)  # each layer's sliding window (0: global)
+        for layer, cache, window in zip(self.layers, caches, windows):
             h, residual = k.rms_norm(x, layer.attn_norm, eps, residual)
             qkv = paddle.matmul(h, layer.w_qkv)
             if layer.b_qkv is not None:
@@ -235,13 +234,13 @@ class GPULlama:
             if layer.q_norm is not None:  # per-head q/k RMSNorm, before RoPE (Qwen3)
                 q = k.rms_norm(q.reshape([T * H, D]), layer.q_norm, eps)[0]
                 kk = k.rms_norm(kk.reshape([T * KV, D]), layer.k_norm, eps)[0]
-            cos, sin = (step.cos_local, step.sin_local) if layer.window and step.cos_local is not None else (step.cos, step.sin)
+            cos, sin = (step.cos_local, step.sin_local) if window and step.cos_local is not None else (step.cos, step.sin)
             q, kk = k.rope(q.reshape([T, H, D]), kk.reshape([T, KV, D]), cos, sin)
             v = v.reshape([T, KV, D])
             half = int(cache.shape[0]) // 2
             paddle.scatter_(cache, step.write_rows, kk.reshape([T * KV, D]), overwrite=True)
             paddle.scatter_(cache, step.write_rows + half, v.reshape([T * KV, D]), overwrite=True)
-            o = self._attention(step, q, cache, half, layer.window)
+            o = self._attention(step, q, cache, half, window)
             x = paddle.matmul(o, layer.w_o)
             if layer.post_attn_norm is not None:
                 x = k.rms_norm(x, layer.post_attn_norm, eps)[0]
