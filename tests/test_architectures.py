@@ -17,7 +17,9 @@ and transformers' fp32 greedy tokens and logprobs for 3 token-id prompts x
   cache): the same top-1 token at every position, logprobs within 1e-3;
 * int8 and bfloat16: top-1 agreement with the goldens >= 97%;
 * a real ``fdx serve --dtype float32`` per architecture gives the greedy
-  tokens over HTTP (token-id prompts, ``return_token_ids``).
+  tokens over HTTP (token-id prompts, ``return_token_ids``); Gemma at TP=2 too;
+* the ``gpu`` runner's forward, on the CPU place in float32, matches the
+  goldens as the cpu runner does.
 """
 
 from __future__ import annotations
