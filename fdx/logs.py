@@ -84,3 +84,27 @@ class StatsLogger:
         )
         self.last_t, self.last_steps = now, stats.steps
         self.last_tokens, self.last_generated = stats.num_batched_tokens, stats.num_generated_tokens
+
+
+def import_paddle_quietly() -> None:
+    """``import paddle`` with its start-up chatter routed into fdx's log at
+    debug: it prints "WARNING: OMP_NUM_THREADS set to N, not 1 ..." to stderr
+    whenever OMP_NUM_THREADS > 1 (fdx sets it on purpose: MKL's threads) and
+    warns "No ccache found" (its extension builder, loaded on import).  A
+    second call is a no-op (Paddle is imported once)."""
+    if "paddle" in sys.modules:
+        return
+    import contextlib
+    import io
+    import warnings
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import paddle  # noqa: F401
+    log = logging.getLogger("fdx.paddle")
+    for line in out.getvalue().splitlines():
+        if line.strip():
+            log.debug("paddle: %s", line.strip())
+    for w in caught:
+        log.debug("paddle: %s", w.message)

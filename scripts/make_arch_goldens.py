@@ -88,6 +88,17 @@ def models() -> dict[str, tuple[type, type, dict]]:
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
             tie_word_embeddings=True)),
+        # Qwen3-MoE: 8 experts, top-2 with norm_topk_prob (the renormalised
+        # top-k weights of Qwen3-30B-A3B), every layer sparse; q/k norm and
+        # head_dim 64 as Qwen3; the dense intermediate_size is unused
+        "qwen3_moe": (t.Qwen3MoeConfig, t.Qwen3MoeForCausalLM, dict(
+            head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0, tie_word_embeddings=False)),
+        # Mixtral: 4 experts of intermediate_size, top-2 (softmax over the
+        # two selected logits), a sliding window as long as the context
+        "mixtral": (t.MixtralConfig, t.MixtralForCausalLM, dict(
+            num_local_experts=4, num_experts_per_tok=2, intermediate_size=96, sliding_window=512,
+            rope_theta=1000000.0, tie_word_embeddings=False)),
     }
 
 
@@ -111,7 +122,7 @@ def build(name: str, cfg_cls: type, model_cls: type, extra: dict) -> None:
             if p.dim() == 1:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in pname else p.normal_(0, 0.5)
             else:
-                p.normal_(0, 1.0 / p.shape[1] ** 0.5)
+                p.normal_(0, 1.0 / p.shape[-1] ** 0.5)  # [out, in] or experts' [E, out, in]
         if name in GEMMA_TUNING:
             # the tied embedding scaled by sqrt(hidden) would outweigh the layers (every greedy
             # token the last prompt token): small embeddings, and the final (1 + w) norm

@@ -166,7 +166,8 @@ def start_server(
     """Launch ``fdx serve`` on 127.0.0.1 and yield ``(base_url, proc)``."""
     port = port or free_port()
     run_dir = tempfile.mkdtemp(prefix="fdx-test-run-")
-    full_env = {**os.environ, "FDX_IPC_DIR": run_dir, "PYTHONUNBUFFERED": "1"}
+    # FDX_NATIVE_BUILD=1: a test server may JIT-build the C++ ops (a checkout without `make install`'s build)
+    full_env = {"FDX_NATIVE_BUILD": "1", **os.environ, "FDX_IPC_DIR": run_dir, "PYTHONUNBUFFERED": "1"}
     full_env.update(env or {})
     log = tempfile.NamedTemporaryFile(prefix="fdx-serve-", suffix=".log", delete=False)
     cmd = serve_command("--host", "127.0.0.1", "--port", str(port), *default_args, *extra_args)

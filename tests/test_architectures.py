@@ -7,7 +7,8 @@ with q/k/v biases and tied embeddings, Qwen3 with per-head q/k norm and an
 explicit head_dim, Mistral with a sliding window as long as its context,
 Phi-3 with fused qkv/gate_up weights and longrope scaling, Gemma 2 with
 soft-capping on and a sliding window shorter than two of the prompts,
-Gemma 3 with per-head q/k norm, a local rope base and linear global scaling),
+Gemma 3 with per-head q/k norm, a local rope base and linear global scaling,
+Qwen3-MoE with 8 experts top-2 and norm_topk_prob, Mixtral with 4 experts top-2),
 and transformers' fp32 greedy tokens and logprobs for 3 token-id prompts x
 32 tokens.  No torch here.
 
@@ -19,7 +20,10 @@ and transformers' fp32 greedy tokens and logprobs for 3 token-id prompts x
 * a real ``fdx serve --dtype float32`` per architecture gives the greedy
   tokens over HTTP (token-id prompts, ``return_token_ids``); Gemma at TP=2 too;
 * the ``gpu`` runner's forward, on the CPU place in float32, matches the
-  goldens as the cpu runner does.
+  goldens as the cpu runner does;
+* MoE: the experts read from their tensor names, tensor parallelism refused,
+  and in int8/bfloat16 a prompt's tokens and logprobs are bit-identical alone
+  and among 16 others.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ from serverutil import start_server
 pytestmark = pytest.mark.slow
 
 DATA = Path(__file__).parent / "data" / "arch"
-ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
+ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral")
+#: the dense ones (the gpu runner has no MoE layers yet)
+DENSE_ARCHS = tuple(a for a in ARCHS if a not in ("qwen3_moe", "mixtral"))
 
 
 def goldens(name: str) -> list[dict[str, Any]]:
@@ -62,6 +68,18 @@ def copy_with_config(tmp: Path, name: str, **changes: Any) -> Path:
         else:
             cfg[k] = v
     (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def copy_without_tensor(tmp: Path, name: str, tensor: str) -> Path:
+    """A copy of model ``name`` whose safetensors lack ``tensor``."""
+    from safetensors.numpy import load_file, save_file
+
+    w = load_file(str(DATA / name / "model.safetensors"))
+    del w[tensor]
+    dst = copy_with_config(tmp, name)
+    (dst / "model.safetensors").unlink()
+    save_file(w, str(dst / "model.safetensors"))
     return dst
 
 
@@ -127,6 +145,14 @@ FLIPS = [
      "rope_parameters", "full_attention: rope type 'yarn'"),
     ("gemma3", {"hidden_activation": "silu"}, "hidden_activation", "gelu_pytorch_tanh"),
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention", "False"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step", "1"),
+    ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers", "dense layers"),
+    ("qwen3_moe", {"num_experts_per_tok": 0}, "num_experts_per_tok", "positive"),
+    ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok", "between 1 and the number of experts (8)"),
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window", "False"),
+    ("mixtral", {"num_local_experts": 0}, "num_local_experts", "positive"),
+    ("mixtral", {"hidden_act": "gelu"}, "hidden_act", "silu"),
+    ("mixtral", {"sliding_window": 0}, "sliding_window", "positive"),
 ]
 
 
@@ -143,8 +169,6 @@ def test_unimplemented_math_field_is_refused_naming_it(tmp_path: Path, name: str
 
 
 def test_unknown_architecture_lists_choices_and_stray_tensor_is_refused(tmp_path: Path) -> None:
-    from safetensors.numpy import load_file, save_file
-
     from fdx.model.loader import load_checkpoint
 
     folder = copy_with_config(tmp_path, "qwen3", architectures=["FalconForCausalLM"])
@@ -162,11 +186,7 @@ def test_unknown_architecture_lists_choices_and_stray_tensor_is_refused(tmp_path
         load_checkpoint(str(folder))
     assert "unsupported tensor 'model.layers.0.self_attn.k_norm.weight'" in str(ei.value)
     # and a missing one is named
-    w = load_file(str(DATA / "qwen3" / "model.safetensors"))
-    del w["model.layers.1.self_attn.q_norm.weight"]
-    dst = copy_with_config(tmp_path, "qwen3")
-    (dst / "model.safetensors").unlink()
-    save_file(w, str(dst / "model.safetensors"))
+    dst = copy_without_tensor(tmp_path, "qwen3", "model.layers.1.self_attn.q_norm.weight")
     with pytest.raises(ModelLoadError, match="missing tensor 'model.layers.1.self_attn.q_norm.weight'"):
         load_checkpoint(str(dst))
 
@@ -436,7 +456,7 @@ def test_gemma3_goldens_depend_on_the_local_rope_base(tmp_path: Path) -> None:
         assert drift > 0.05, f"{local}: the goldens do not tell the local base apart ({drift:.2e})"
 
 
-@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("name", DENSE_ARCHS)
 def test_gpu_runner_on_the_cpu_place_matches_transformers(name: str) -> None:
     """The ``gpu`` runner's forward (here on the CPU place, float32, its plain
     attention) computes every architecture's recipe too: Gemma's caps,
@@ -457,14 +477,22 @@ def test_gpu_runner_on_the_cpu_place_matches_transformers(name: str) -> None:
 
 #: int8 misses the 97% bar on these random models by one token: every miss is a
 #: genuine fp32 near-tie (top-2 gap 0.004-0.012, phi3 0.04-0.09, against an int8
-#: logit error ~0.15-0.2)
-INT8_SHORT = {"llama3", "mistral", "phi3"}
+#: logit error ~0.15-0.2); the MoE models by 3 and 5 (mixtral 93/96, qwen3_moe
+#: 91/96): near-ties again (gaps 0.009-0.05), and where Q8_0's error flips a
+#: router's top-k choice a logit moves by up to 1.4 (a bf16 router was tried:
+#: qwen3_moe 94/96 but mixtral 91/96, no better overall)
+INT8_SHORT = {"llama3", "mistral", "phi3", "qwen3_moe", "mixtral"}
+#: bfloat16 on the random Qwen3-MoE: 92/96, near-ties (top-2 gaps 0.003-0.11
+#: against a bf16 logit error of 0.12-0.35, the larger where a router's choice flips)
+BF16_SHORT = {"qwen3_moe"}
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
 def test_packed_modes_agree_with_float32(arch_name: str, dtype: str, request: Any) -> None:
     if dtype == "int8" and arch_name in INT8_SHORT:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="93/96 top-1: near-ties of the random model"))
+        request.applymarker(pytest.mark.xfail(strict=True, reason="91-93/96 top-1: near-ties of the random model"))
+    if dtype == "bfloat16" and arch_name in BF16_SHORT:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="92/96 top-1: near-ties of the random model"))
     runner = make_runner(arch_name, dtype)
     hits = total = 0
     for s in goldens(arch_name):
@@ -575,4 +603,87 @@ def test_fdx_plugins_lists_the_architectures() -> None:
     out = subprocess.run([sys.executable, "-m", "fdx", "plugins"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = {tuple(ln.split()[:2]) for ln in out.stdout.splitlines()}
-    assert {("architecture", n) for n in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")} <= rows, out.stdout
+    assert {("architecture", n) for n in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral")} <= rows, out.stdout
+
+
+# --------------------------------------------------------------------------
+# mixture of experts
+# --------------------------------------------------------------------------
+
+
+def test_moe_experts_are_read_and_tensor_parallel_is_refused(tmp_path: Path) -> None:
+    """Qwen3-MoE's and Mixtral's experts come out stacked from their own
+    tensor names, the routing fields as the configs say (Qwen3-MoE's
+    ``num_experts``, as the hub's configs name it, reads as transformers 5's
+    ``num_local_experts``); a missing expert is named; MoE under tensor
+    parallelism is a one-line ConfigError at start-up."""
+    from safetensors.numpy import load_file
+
+    from fdx.config import make_config
+    from fdx.core.errors import ConfigError
+    from fdx.model.loader import load_checkpoint
+    from fdx.model.runner import PaddleModelRunner
+    from fdx.plugins.hardware.cpu import CPUDevice
+
+    q = load_checkpoint(str(DATA / "qwen3_moe"))
+    a = q.args
+    assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.norm_topk_prob) == (8, 2, 64, True)
+    w = load_file(str(DATA / "qwen3_moe" / "model.safetensors"))
+    lw = list(q.layers())[1]
+    np.testing.assert_array_equal(lw.router, w["model.layers.1.mlp.gate.weight"])
+    np.testing.assert_array_equal(lw.e_up[5], w["model.layers.1.mlp.experts.5.up_proj.weight"])
+    np.testing.assert_array_equal(lw.e_down[7], w["model.layers.1.mlp.experts.7.down_proj.weight"])
+    assert lw.w_gate is None and lw.w_down is None
+    cfg = json.loads((DATA / "qwen3_moe" / "config.json").read_text())
+    hub = copy_with_config(tmp_path, "qwen3_moe", num_local_experts=None, num_experts=cfg["num_local_experts"])
+    assert load_checkpoint(str(hub)).args == a
+    m = load_checkpoint(str(DATA / "mixtral")).args
+    assert (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.norm_topk_prob) == (4, 2, 96, True)
+    mw = load_file(str(DATA / "mixtral" / "model.safetensors"))
+    ml = list(load_checkpoint(str(DATA / "mixtral")).layers())[0]
+    np.testing.assert_array_equal(ml.e_gate[3], mw["model.layers.0.block_sparse_moe.experts.3.w1.weight"])
+    np.testing.assert_array_equal(ml.e_up[3], mw["model.layers.0.block_sparse_moe.experts.3.w3.weight"])
+
+    dst = copy_without_tensor(tmp_path, "qwen3_moe", "model.layers.0.mlp.experts.3.gate_proj.weight")
+    with pytest.raises(ModelLoadError, match="missing tensor 'model.layers.0.mlp.experts.3.gate_proj.weight'"):
+        load_checkpoint(str(dst))
+
+    with pytest.raises(ConfigError) as ei:
+        PaddleModelRunner(make_config(model=str(DATA / "qwen3_moe"), num_kv_blocks=8, max_model_len=512,
+                                      tensor_parallel_size=2), CPUDevice())
+    msg = str(ei.value)
+    assert "\n" not in msg and "--tensor-parallel-size 2" in msg and "mixture-of-experts" in msg, msg
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_moe_batch_invariance(dtype: str) -> None:
+    """The packed modes: each golden prompt alone and among 16 others
+    (random lengths, some sampled, other max_tokens: the experts' row groups
+    change size every step) through ``fdx.LLM`` gives bit-identical tokens
+    and logprobs (the chosen token's and the top-2)."""
+    import random
+
+    import fdx
+    from fdx import SamplingParams
+
+    llm = fdx.LLM(model=str(DATA / "qwen3_moe"), dtype=dtype, num_kv_blocks=128, max_model_len=512,
+                  max_num_seqs=32, max_num_batched_tokens=256)
+    assert llm.engine.runner.compute == dtype
+
+    def params(**kw: Any) -> Any:
+        return SamplingParams(**{"temperature": 0.0, "max_tokens": 8, "logprobs": 2, "ignore_eos": True, **kw})
+
+    def key(res: Any) -> Any:
+        return list(res.token_ids), [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in res.outputs[0].logprobs]
+
+    prompts = [s["prompt"] for s in goldens("qwen3_moe")]
+    alone = [key(llm.generate([p], params())[0]) for p in prompts]
+    rng = random.Random(25)
+    others = [([rng.randrange(3, 512) for _ in range(rng.randrange(2, 50))],
+               params(max_tokens=rng.randrange(1, 17), logprobs=None,
+                      **({"temperature": 0.8, "seed": rng.randrange(1 << 30)} if rng.random() < 0.3 else {})))
+              for _ in range(16)]
+    for i, p in enumerate(prompts):
+        batch = others[:i * 5] + [(p, params())] + others[i * 5:]
+        res = llm.generate([b[0] for b in batch], [b[1] for b in batch])
+        assert key(res[i * 5]) == alone[i], f"{dtype}: prompt {i} changed among {len(batch) - 1} others"

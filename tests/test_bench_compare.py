@@ -51,3 +51,30 @@ def test_median_round_and_ratios(cp: Any, tmp_path: Any) -> None:
     assert cells[9] == "0.25"  # ITL 10 / 40
     single = next(line for line in t.splitlines() if line.startswith("| single "))
     assert "| - |" in single and "Peer skipped: test" in t
+
+
+def test_vllm_dtype_is_its_best_for_the_cpu(cp: Any) -> None:
+    """``--vllm-dtype auto``: float32 where AVX512-BF16 is missing (bf16 is
+    emulated there); with it, both are probed and the faster one wins."""
+    avx2_only = {"avx2", "fma", "f16c"}
+    assert cp.vllm_dtype_candidates("auto", avx2_only) == ["float32"]
+    assert cp.vllm_dtype_candidates("auto", avx2_only | {"avx512f"}) == ["float32"]
+    both = cp.vllm_dtype_candidates("auto", avx2_only | {"avx512f", "avx512_bf16"})
+    assert sorted(both) == ["bfloat16", "float32"]
+    assert cp.vllm_dtype_candidates("float32", avx2_only | {"avx512_bf16"}) == ["float32"]
+    assert cp.vllm_dtype_candidates("bfloat16", avx2_only) == ["bfloat16"]
+    assert cp.faster_dtype({"bfloat16": 211.7, "float32": 132.3}) == "bfloat16"
+    assert cp.faster_dtype({"bfloat16": 10.0, "float32": 21.2}) == "float32"
+    assert cp.faster_dtype({"bfloat16": None, "float32": 21.2}) == "float32"
+    with pytest.raises(RuntimeError):
+        cp.faster_dtype({"bfloat16": None, "float32": None})
+
+
+def test_summary_names_the_dtype_vllm_ran(cp: Any, tmp_path: Any) -> None:
+    _write(tmp_path, "fdx", "c4", 0, 200.0, 100.0, 10.0)
+    _write(tmp_path, "vllm", "c4", 0, 100.0, 200.0, 20.0)
+    res = cp.collect(str(tmp_path), ["c4"])
+    fp32 = cp.summary_table(res, [], "float32")
+    assert "in float32" in fp32 and "bf16" not in fp32
+    assert "in bfloat16" in cp.summary_table(res, [], "bfloat16")
+    assert "vLLM CPU serves" not in cp.summary_table(res, [])  # vLLM did not run

@@ -80,7 +80,7 @@ def test_cpu_without_simd_falls_back_with_one_line(
     monkeypatch.delenv("FDX_NATIVE_OPS", raising=False)
     monkeypatch.delenv("FDX_NATIVE_ISA", raising=False)
     monkeypatch.setattr(native, "_cpu_flags", lambda: NO_FMA_FLAGS)
-    monkeypatch.setattr(native, "_build", lambda isa: pytest.fail("must not build without a kernel set"))
+    monkeypatch.setattr(native, "_build", lambda isa, **kw: pytest.fail("must not build without a kernel set"))
     with caplog.at_level(logging.INFO, logger="fdx.model"):
         assert fresh_loader.load_ops() is None
     lines = [r for r in caplog.records if r.name == "fdx.model"]
@@ -99,6 +99,7 @@ def test_cache_key_separates_kernel_sets(monkeypatch: pytest.MonkeyPatch, tmp_pa
         return "module"
 
     monkeypatch.setenv("FDX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "PREBUILT", str(tmp_path / "pkg"))  # no install-time build to find
     monkeypatch.setattr(cpp_extension, "load", fake_load)
     native._build("avx512")
     native._build("avx2")
@@ -133,7 +134,7 @@ def test_load_logs_one_line_naming_the_kernels(
     ops: Any, fresh_loader: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # the extension cannot be loaded twice into one process: reuse the built module
-    monkeypatch.setattr(native, "_build", lambda isa: ops)
+    monkeypatch.setattr(native, "_build", lambda isa, **kw: ops)
     with caplog.at_level(logging.INFO, logger="fdx.model"):
         assert fresh_loader.load_ops() is not None
     lines = [r.getMessage() for r in caplog.records if r.name == "fdx.model"]

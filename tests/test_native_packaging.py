@@ -17,7 +17,7 @@ import pytest
 from fdx.model import native
 
 REPO = Path(__file__).resolve().parent.parent
-WANT = sorted(f"fdx/csrc/{n}" for n in native.SOURCES + native.HEADERS)
+WANT = sorted(f"fdx/csrc/{n}" for n in native.SOURCES + native.HEADERS + native.STANDALONE)
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +68,38 @@ def test_wheel_carries_the_csrc_and_an_install_finds_it(source_copy: Path, tmp_p
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, check=True, capture_output=True, text=True)
     csrc, ok = out.stdout.split()
     assert Path(csrc).resolve().is_relative_to(target.resolve()) and ok == "True"
+
+
+def test_an_install_time_build_loads_without_compiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build in the package (``python -m fdx.model.native``, run by ``make
+    install``) is loaded from its .so, with an empty FDX_CACHE_DIR and the
+    compiler never called (in a subprocess: one process loads the ops once);
+    with no build anywhere and compiling refused (what ``fdx serve`` does)
+    the error names the command that builds them."""
+    isa = native.cpu_isa()
+    if isa is None or os.environ.get("FDX_NATIVE_OPS") == "0" or native.load_ops() is None:
+        pytest.skip("no native kernel set on this CPU")
+    src = next(d for d in (Path(native.PREBUILT), Path(native.cache_dir()) / "ops")
+               if d.is_dir() and any(p.name.startswith(f"{isa}-") for p in d.iterdir()))
+    pkg = tmp_path / "pkg_ops"
+    for d in src.iterdir():
+        if d.name.startswith(f"{isa}-") and any(d.glob("*/*.so")):
+            shutil.copytree(d, pkg / d.name)
+    code = (
+        "import sys\n"
+        "from paddle.utils import cpp_extension\n"
+        "from fdx.model import native\n"
+        f"native.PREBUILT = {str(pkg)!r}\n"
+        "def no_compiler(*a, **k): raise AssertionError('compiled although a build was installed')\n"
+        "cpp_extension.load = no_compiler\n"
+        f"ops = native._build({isa!r}, compile_ok=False)\n"
+        "assert hasattr(ops, 'fdx_qgemm') and hasattr(ops, 'fdx_decoder_layers')\n"
+        "print('loaded')\n"
+    )
+    env = dict(os.environ, FDX_CACHE_DIR=str(tmp_path / "empty-cache"))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("loaded"), r.stderr[-2000:]
+    monkeypatch.setenv("FDX_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(native, "PREBUILT", str(tmp_path / "nothing"))
+    with pytest.raises(native.OpsNotBuilt, match=r"-m fdx\.model\.native"):
+        native._build(isa, compile_ok=False)

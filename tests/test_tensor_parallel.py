@@ -328,3 +328,55 @@ def _state(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return None
+
+
+def _ctl(base: str, route: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    r = httpx.post(f"{base}/v1/{route}", json=body or {}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_kv_storage_and_control_calls_act_on_every_rank(random_llama: str, tmp_path: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    other = tmp_path / "perturbed"
+    shutil.copytree(random_llama, other)
+    w = load_file(str(other / "model.safetensors"))
+    w = {k: (v * 1.3 if ".mlp." in k else v) for k, v in w.items()}
+    save_file(w, str(other / "model.safetensors"))
+    kv = json.dumps({"path": str(tmp_path / "kv")})
+    args = ("--model", random_llama, "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "128",
+            "--cache-backend", "file", "--cache-backend-config", kv, "--allowed-weights-dir", str(tmp_path),
+            "--allowed-weights-dir", str(Path(random_llama).parent))
+    prompt = " ".join(f"w{i}" for i in range(120))
+
+    def run(base: str) -> tuple[list[Any], int, int]:
+        r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0,
+                                                       "logprobs": 1}, timeout=300)
+        assert r.status_code == 200, r.text
+        js = r.json()
+        return (js["choices"][0]["logprobs"]["token_logprobs"], js["usage"]["prompt_tokens"],
+                js["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    with start_server(*args, "-tp", "2", default_args=()) as (base, _):
+        first, n_prompt, cached = run(base)
+        assert cached == 0 and n_prompt > 100
+    with start_server(*args, "-tp", "2", default_args=()) as (base, _):
+        again, _, cached = run(base)  # every rank's shard of each block came back from the file store
+        assert cached >= n_prompt - 16 and max(abs(a - b) for a, b in zip(first, again)) < 1e-5
+        # sleep and wake every rank: the same outputs
+        _ctl(base, "sleep")
+        _ctl(base, "wakeup")
+        assert max(abs(a - b) for a, b in zip(first, run(base)[0])) < 1e-5
+        # new weights on every rank, then back
+        _ctl(base, "pause")
+        _ctl(base, "update_weights", {"path": str(other), "version": "perturbed"})
+        _ctl(base, "resume")
+        changed = run(base)[0]
+        assert max(abs(a - b) for a, b in zip(first, changed)) > 1e-2
+        _ctl(base, "pause")
+        _ctl(base, "update_weights", {"path": random_llama, "version": "base"})
+        _ctl(base, "resume")
+        assert max(abs(a - b) for a, b in zip(first, run(base)[0])) < 1e-5
+    with start_server(*args, default_args=()) as (base, _):  # one rank: a TP=2 block is not its layout
+        assert run(base)[2] == 0

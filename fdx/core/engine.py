@@ -59,10 +59,8 @@ def build_runner(config: EngineConfig, plugins: Plugins) -> ModelRunner:
     device.configure_env(config.rank_threads)
     name = config.model_runner or device.default_runner
     runner: ModelRunner = plugins.create("model_runner", name, config=config, device=device)
-    if runner.tensor_parallel_size != config.tensor_parallel_size:
-        runner.close()
-        raise FdxError(f"--tensor-parallel-size {config.tensor_parallel_size}: the {name} model runner does not "
-                       "split a model across ranks (the cpu runner does)")
+    if runner.tensor_parallel_size != config.tensor_parallel_size:  # a runner that cannot split leaves it at 1
+        raise FdxError(f"--tensor-parallel-size {config.tensor_parallel_size}: the {name} model runner cannot split")
     return runner
 
 

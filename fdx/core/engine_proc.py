@@ -114,16 +114,8 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
     progress = Progress()
     beat = HeartbeatThread(paths, config.heartbeat_interval, lambda: stats_cache[0], progress)
     beat.start()
-    side.send(
-        EngineReady(
-            os.getpid(),
-            engine.kv.num_blocks,
-            engine.max_model_len,
-            config.model_name,
-            engine.runner.weights_version,
-            engine.runner.rank_pids,
-        )
-    )
+    ready = (os.getpid(), engine.kv.num_blocks, engine.max_model_len, config.model_name)
+    side.send(EngineReady(*ready, engine.runner.weights_version, engine.runner.rank_pids))
     log.info("engine ready: %d KV blocks of %d tokens", engine.kv.num_blocks, config.block_size)
     logger = StatsLogger(config.log_stats_interval)
     try:

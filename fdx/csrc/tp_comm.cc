@@ -137,6 +137,8 @@ int wait_all(void* base, int rank, int world, uint64_t target, int64_t timeout_m
       if (ab->abort.load(std::memory_order_acquire) > 0) return describe(base, world, err, errlen);
       const int pid = l->pid.load(std::memory_order_relaxed);
       const char st = pid > 0 ? proc_state(pid) : 'R';
+      // a rank publishes before it exits: read its state first, then its seq once more
+      if (l->seq.load(std::memory_order_acquire) >= target) break;
       if (st == 0 || st == 'Z' || st == 'X') {
         set_abort(base, world, r, kExited, pid, 0);
         return describe(base, world, err, errlen);

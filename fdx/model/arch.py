@@ -91,7 +91,8 @@ class ModelArgs:
 
     Gemma's quirks (all off by default: the Llama maths, the fused C++ paths):
 
-    * ``mlp``: ``"swiglu"`` (SiLU gate) or ``"geglu"`` (tanh-approximated GELU gate);
+    * ``mlp_act``: the gate's activation, ``"silu"`` (SwiGLU) or ``"gelu_tanh"``
+      (GeGLU: tanh-approximated GELU);
     * ``embed_scale``: the embedding rows are multiplied by it (``sqrt(hidden_size)``);
     * ``sandwich_norms``: an RMSNorm on the attention output and on the MLP
       output before each joins the residual (the layer's ``post_attn_norm``
@@ -125,7 +126,7 @@ class ModelArgs:
     qk_norm: bool = False
     rope_scaling: RopeScaling | LongRopeScaling | LinearRopeScaling | None = None
     sliding_window: int | None = None
-    mlp: str = "swiglu"
+    mlp_act: str = "silu"
     embed_scale: float | None = None
     sandwich_norms: bool = False
     attn_scale: float | None = None
@@ -139,9 +140,19 @@ class ModelArgs:
         """The Gemma fields set away from their Llama defaults (the fused C++
         layer op and the GPU runner compute none of them)."""
         d = {f.name: f.default for f in attrs.fields(ModelArgs)}
-        names = ("mlp", "embed_scale", "sandwich_norms", "attn_scale", "attn_softcap", "final_softcap",
+        names = ("mlp_act", "embed_scale", "sandwich_norms", "attn_scale", "attn_softcap", "final_softcap",
                  "layer_windows", "rope_local_theta")
         return tuple(n for n in names if getattr(self, n) != d[n])
+    #: mixture of experts (:mod:`fdx.model.moe`); ``num_experts == 0``: every
+    #: layer has a dense MLP of ``intermediate_size``.  Otherwise every layer's
+    #: MLP is ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``,
+    #: each token routed to ``num_experts_per_tok`` of them by a softmax over
+    #: the router's logits, their top-k weights renormalised to sum to 1 when
+    #: ``norm_topk_prob`` (Mixtral always; Qwen3-MoE by its config)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @property
     def q_size(self) -> int:
@@ -153,9 +164,11 @@ class ModelArgs:
 
     def describe(self) -> str:
         extra = "".join((" qk-norm" if self.qk_norm else "", f" rope={self.rope_scaling.rope_type}" if self.rope_scaling else "",
-                         f" {self.mlp}" if self.mlp != "swiglu" else "",
+                         f" mlp={self.mlp_act}" if self.mlp_act != "silu" else "",
                          f" softcap={self.attn_softcap}/{self.final_softcap}" if self.attn_softcap or self.final_softcap else "",
-                         f" windows={'/'.join(map(str, self.layer_windows))}" if any(self.layer_windows) else ""))
+                         f" windows={'/'.join(map(str, self.layer_windows))}" if any(self.layer_windows) else "",
+                         f" moe={self.num_experts}x{self.moe_intermediate_size}/top{self.num_experts_per_tok}"
+                         if self.num_experts else ""))
         return (
             f"{self.arch} L{self.num_layers} d{self.hidden_size} ff{self.intermediate_size} "
             f"h{self.num_heads}/kv{self.num_kv_heads}x{self.head_dim} V{self.vocab_size}{extra}"
@@ -204,8 +217,9 @@ def rope_angles(args: ModelArgs, max_pos: int, local: bool = False) -> np.ndarra
 
 @attrs.frozen
 class WeightNames:
-    """Tensor names of one checkpoint format; per-layer names hold ``{i}``.
-    An empty name: the architecture has no such tensor."""
+    """Tensor names of one checkpoint format; per-layer names hold ``{i}``,
+    per-expert names ``{i}`` and ``{e}``.  An empty name: the architecture
+    has no such tensor."""
 
     embed: str
     final_norm: str
@@ -232,6 +246,17 @@ class WeightNames:
     #: ``wq``/``wk``/``wv`` (``w_gate``/``w_up``) are then empty
     wqkv: str = ""
     w_gate_up: str = ""
+    #: mixture of experts: the router (``[num_experts, hidden]``) and each
+    #: expert's SwiGLU (``{e}``: the expert's index); a MoE layer has these
+    #: instead of ``w_gate``/``w_up``/``w_down``
+    router: str = ""
+    expert_gate: str = ""
+    expert_up: str = ""
+    expert_down: str = ""
+
+    def layer(self, i: int) -> dict[str, str]:
+        """Every field's name in layer ``i`` (per-expert names keep ``{e}``)."""
+        return {f.name: getattr(self, f.name).format(i=i, e="{e}") for f in attrs.fields(WeightNames)}
 
 
 HF_LLAMA_WEIGHTS = WeightNames(
@@ -258,7 +283,7 @@ GGUF_LLAMA_WEIGHTS = WeightNames(
 
 
 #: the values of each :class:`LayerRecipe` variant field the model code implements
-IMPLEMENTED_RECIPE = {"norm": ("rms", "rms_1p"), "mlp": ("swiglu", "geglu"), "rope": ("neox",)}
+IMPLEMENTED_RECIPE = {"norm": ("rms", "rms_1p"), "mlp": ("swiglu", "geglu", "moe"), "rope": ("neox",)}
 
 
 @attrs.frozen
@@ -272,8 +297,11 @@ class LayerRecipe:
     ``norm``/``mlp``/``rope`` name the variants fdx implements
     (:data:`IMPLEMENTED_RECIPE`: ``rms``, or Gemma's ``rms_1p`` whose weights
     are stored as ``w`` and applied as ``1 + w`` (folded at load);
-    ``swiglu`` or ``geglu``; ``neox``: rotate_half over the whole head); they
+    ``swiglu``, ``geglu`` (Gemma's tanh-GELU gate), or ``moe``: routed SwiGLU
+    experts in every layer; ``neox``: rotate_half over the whole head); they
     are fields so a new variant is a new value, checked at load.
+    ``moe_renormalize``: the top-k router weights always sum to 1 (Mixtral;
+    other MoE architectures take it from the config's ``norm_topk_prob``).
     ``sandwich_norms``: RMSNorms after attention and after the MLP too
     (Gemma 2/3).  ``embed_scale``: embeddings scaled by ``sqrt(hidden_size)``.
     ``window_pattern`` (non-zero: Gemma 2/3): the config's ``layer_types``
@@ -291,6 +319,7 @@ class LayerRecipe:
     norm: str = "rms"
     mlp: str = "swiglu"
     rope: str = "neox"
+    moe_renormalize: bool = False
     sandwich_norms: bool = False
     embed_scale: bool = False
     window_pattern: int = 0

@@ -159,6 +159,9 @@ class GPULlama:
         The new weights replace the old ones only once all are built, so a
         failed load leaves the model as it was."""
         a = self.args
+        if a.num_experts:
+            raise ModelLoadError(f"{ckpt.source.path}: the gpu runner has no mixture-of-experts layers yet "
+                                 f"({a.describe()}); use the cpu runner")
         if ckpt.args != a:
             raise ModelLoadError(f"{ckpt.source.path}: architecture mismatch ({ckpt.args.describe()} != {a.describe()})")
         layers: list[GPULayer] = []
@@ -222,7 +225,7 @@ class GPULlama:
         x = F.embedding(step.ids, self.embed)
         if a.embed_scale is not None:  # Gemma: sqrt(hidden_size) in the weights' dtype, as transformers
             x = x * paddle.to_tensor(a.embed_scale, dtype="float32").astype(x.dtype)
-        mlp = k.swiglu if a.mlp == "swiglu" else geglu
+        mlp = k.swiglu if a.mlp_act == "silu" else geglu
         residual = None
         windows = a.layer_windows or (0,) * len(self.layers)  # each layer's sliding window (0: global)
         for layer, cache, window in zip(self.layers, caches, windows):

@@ -16,6 +16,10 @@ layer); :attr:`LlamaModel.fused_layers` ``= False`` keeps the per-layer ops.
 A model with per-head q/k RMSNorm (``ModelArgs.qk_norm``, Qwen3) always
 takes the per-layer path: the norm runs between the q/k/v matmul and the
 attention op (which applies RoPE), with the same row-wise RMSNorm op.
+So does a mixture of experts (``ModelArgs.num_experts``, Qwen3-MoE,
+Mixtral): the layer's MLP is a :class:`fdx.model.moe.MoeBlock` (router,
+tokens grouped by expert, one matmul pair per expert), the rest of the
+layer unchanged.
 
 Gemma (``ModelArgs.gemma_fields``) takes the per-layer path too, with a few
 local additions: the embedding scale, a norm on the attention and on the MLP
@@ -69,6 +73,7 @@ from paddle.incubate.nn.functional import fused_rms_norm
 from fdx.core.errors import FdxError, ModelLoadError
 from fdx.model.arch import ModelArgs, rope_angles
 from fdx.model.loader import Checkpoint, LayerWeights
+from fdx.model.moe import MoeBlock, build_moe
 from fdx.model.packed_weights import PackedWeight, pack_bf16, pack_float, pack_gguf
 
 
@@ -145,6 +150,8 @@ class Layer:
     post_attn_norm: paddle.Tensor | None = None
     post_ffn_norm: paddle.Tensor | None = None
     window: int = 0
+    # mixture of experts: the layer's MLP (the w/q/p gate_up and down are then None)
+    moe: MoeBlock | None = None
 
 
 def check_shape(x: np.ndarray | None, shape: tuple[int, ...], what: str, path: str) -> None:
@@ -157,9 +164,11 @@ def check_shape(x: np.ndarray | None, shape: tuple[int, ...], what: str, path: s
 def check_layer(lw: LayerWeights, a: ModelArgs, i: int, path: str) -> None:
     """Layer ``i``'s weights have the shapes ``a`` says (both runners' models check this at load)."""
     h, q, kv, ff = a.hidden_size, a.q_size, a.kv_size, a.intermediate_size
+    E, f = a.num_experts, a.moe_intermediate_size
+    mlp = ((("router", (E, h)), ("e_gate", (E, f, h)), ("e_up", (E, f, h)), ("e_down", (E, h, f))) if E else
+           (("w_gate", (ff, h)), ("w_up", (ff, h)), ("w_down", (h, ff))))
     for name, shape in (
-        ("wq", (q, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q)),
-        ("w_gate", (ff, h)), ("w_up", (ff, h)), ("w_down", (h, ff)),
+        ("wq", (q, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q)), *mlp,
         ("attn_norm", (h,)), ("ffn_norm", (h,)),
         *((("q_norm", (a.head_dim,)), ("k_norm", (a.head_dim,))) if a.qk_norm else ()),
         *((("post_attn_norm", (h,)), ("post_ffn_norm", (h,))) if a.sandwich_norms else ()),
@@ -251,6 +260,7 @@ class LlamaModel:
         self.fused_layers = (native_ops is not None and hasattr(native_ops, "fdx_decoder_layers")
                              and not args.qk_norm  # the op has no q/k norm
                              and not args.gemma_fields  # nor any of Gemma's additions
+                             and not args.num_experts  # nor experts
                              and comm is None)  # nor the all-reduces of tensor parallelism
         self._stack: tuple[Any, ...] | None = None
 
@@ -328,7 +338,7 @@ class LlamaModel:
             return self._pack_layer(lw, i)
         w_qkv = np.concatenate([lw.wq, lw.wk, lw.wv], axis=0).T
         b_qkv = qkv_bias(lw, a)
-        w_gu = np.concatenate([lw.w_gate, lw.w_up], axis=0).T
+        moe = build_moe(lw, a, self.mode) if a.num_experts else None
         t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
 
         def fuse(*names: str) -> tuple[paddle.Tensor, int] | None:
@@ -344,8 +354,9 @@ class LlamaModel:
             b_qkv=t(b_qkv) if b_qkv is not None else None,
             w_o=t(lw.wo.T),
             ffn_norm=t(lw.ffn_norm),
-            w_gate_up=t(w_gu),
-            w_down=t(lw.w_down.T),
+            w_gate_up=None if moe else t(np.concatenate([lw.w_gate, lw.w_up], axis=0).T),
+            w_down=None if moe else t(lw.w_down.T),
+            moe=moe,
             q_qkv=fuse("wq", "wk", "wv"),
             q_o=fuse("wo"),
             q_gate_up=fuse("w_gate", "w_up"),
@@ -381,10 +392,12 @@ class LlamaModel:
             return _to_paddle(pack_float(np.concatenate([getattr(lw, n) for n in names], axis=0)))
 
         t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
+        moe = build_moe(lw, a, self.mode) if a.num_experts else None
         return Layer(
             attn_norm=t(lw.attn_norm), w_qkv=None, b_qkv=t(b_qkv) if b_qkv is not None else None, w_o=None,
-            ffn_norm=t(lw.ffn_norm), w_gate_up=None, w_down=None,
-            p_qkv=pack("wq", "wk", "wv"), p_o=pack("wo"), p_gate_up=pack("w_gate", "w_up"), p_down=pack("w_down"),
+            ffn_norm=t(lw.ffn_norm), w_gate_up=None, w_down=None, moe=moe,
+            p_qkv=pack("wq", "wk", "wv"), p_o=pack("wo"),
+            p_gate_up=None if moe else pack("w_gate", "w_up"), p_down=None if moe else pack("w_down"),
             **self._layer_extras(lw, i),
         )
 
@@ -442,7 +455,7 @@ class LlamaModel:
                     x = x + res
                 return x * paddle.rsqrt(paddle.mean(x * x, axis=-1, keepdim=True) + eps) * w, x
 
-        if a.mlp == "geglu":  # Gemma: in place of SwiGLU
+        if a.mlp_act == "gelu_tanh":  # Gemma: in place of SwiGLU
             swiglu = geglu
 
         H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
@@ -484,8 +497,11 @@ class LlamaModel:
                 if layer.post_attn_norm is not None:  # Gemma's sandwich norm, before the residual
                     x = add_norm(x, None, layer.post_attn_norm)[0]
                 h, residual = add_norm(x, residual, layer.ffn_norm)
-                x = linear(swiglu(linear(h, layer.w_gate_up, layer.q_gate_up, layer.p_gate_up)), layer.w_down,
-                           layer.q_down, layer.p_down)
+                if layer.moe is not None:
+                    x = layer.moe(h, swiglu, qgemm)
+                else:
+                    x = linear(swiglu(linear(h, layer.w_gate_up, layer.q_gate_up, layer.p_gate_up)), layer.w_down,
+                               layer.q_down, layer.p_down)
                 if comm is not None:  # row-parallel down
                     x = comm.all_reduce(x)
                 if layer.post_ffn_norm is not None:

@@ -32,7 +32,9 @@ from fdx.model.tokenizer import ModelTokenizer, tokenizer_from_gguf, tokenizer_f
 
 @attrs.define
 class LayerWeights:
-    """One decoder block, HF layout (linear weights ``[out, in]``)."""
+    """One decoder block, HF layout (linear weights ``[out, in]``).  A
+    mixture-of-experts layer (``ModelArgs.num_experts``) has ``router``
+    and the stacked experts instead of ``w_gate``/``w_up``/``w_down``."""
 
     attn_norm: np.ndarray
     wq: np.ndarray
@@ -40,9 +42,9 @@ class LayerWeights:
     wv: np.ndarray
     wo: np.ndarray
     ffn_norm: np.ndarray
-    w_gate: np.ndarray
-    w_up: np.ndarray
-    w_down: np.ndarray
+    w_gate: np.ndarray | None
+    w_up: np.ndarray | None
+    w_down: np.ndarray | None
     bq: np.ndarray | None = None
     bk: np.ndarray | None = None
     bv: np.ndarray | None = None
@@ -52,6 +54,12 @@ class LayerWeights:
     #: Gemma's sandwich norms ``[hidden]`` (``ModelArgs.sandwich_norms``)
     post_attn_norm: np.ndarray | None = None
     post_ffn_norm: np.ndarray | None = None
+    #: mixture of experts: router ``[E, hidden]``; experts' gate and up
+    #: ``[E, moe_intermediate, hidden]``, down ``[E, hidden, moe_intermediate]``
+    router: np.ndarray | None = None
+    e_gate: np.ndarray | None = None
+    e_up: np.ndarray | None = None
+    e_down: np.ndarray | None = None
     #: GGUF block-quantized rows of the linear weights (same row order as the
     #: fp32 arrays): name -> (uint8 [out, row_bytes], ggml type id)
     raw: dict[str, tuple[np.ndarray, int]] = attrs.field(factory=dict)
@@ -156,10 +164,11 @@ def _refuse(where: str, what: str, key: str, value: Any, reason: str) -> ModelLo
 
 
 def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm: bool,
-                  sandwich: bool = False) -> tuple[set[str], set[str]]:
+                  sandwich: bool = False, num_experts: int = 0) -> tuple[set[str], set[str]]:
     """(required, optional) tensor names of a checkpoint of ``n_layers``."""
-    per = ["attn_norm", *(["wqkv"] if names.wqkv else ["wq", "wk", "wv"]), "wo", "ffn_norm",
-           *(["w_gate_up"] if names.w_gate_up else ["w_gate", "w_up"]), "w_down"]
+    mlp = (["router"] if num_experts else
+           [*(["w_gate_up"] if names.w_gate_up else ["w_gate", "w_up"]), "w_down"])
+    per = ["attn_norm", *(["wqkv"] if names.wqkv else ["wq", "wk", "wv"]), "wo", "ffn_norm", *mlp]
     opt = ["bq", "bk", "bv"]
     if qkv_bias:
         per, opt = per + opt, []
@@ -170,14 +179,16 @@ def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm:
     req = {names.embed, names.final_norm}
     optional = {names.lm_head}
     for i in range(n_layers):
-        req |= {getattr(names, f).format(i=i) for f in per}
-        optional |= {getattr(names, f).format(i=i) for f in opt if getattr(names, f)}
+        n = names.layer(i)
+        req |= {n[f] for f in per}
+        optional |= {n[f] for f in opt if n[f]}
+        req |= {n[f].format(e=e) for e in range(num_experts) for f in ("expert_gate", "expert_up", "expert_down")}
     return req, optional
 
 
 def _check_tensors(where: str, present: Any, names: WeightNames, args: ModelArgs, ignore: tuple[str, ...] = ()) -> None:
     req, optional = _tensor_names(names, args.num_layers, qkv_bias=args.attention_bias, qk_norm=args.qk_norm,
-                                  sandwich=args.sandwich_norms)
+                                  sandwich=args.sandwich_norms, num_experts=args.num_experts)
     for t in sorted(present):
         if t not in req and t not in optional and not t.endswith(ignore):
             raise ModelLoadError(f"{where}: unsupported tensor {t!r}: not part of fdx's {args.arch} architecture")
@@ -255,7 +266,7 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
 
     def layers() -> Iterator[LayerWeights]:
         for i in range(n_layers):
-            n = {f.name: getattr(names, f.name).format(i=i) for f in attrs.fields(WeightNames)}
+            n = names.layer(i)
             raw = {
                 "wq": quant(n["wq"], n_head), "wk": quant(n["wk"], n_kv), "wv": quant(n["wv"]),
                 "wo": quant(n["wo"]), "w_gate": quant(n["w_gate"]), "w_up": quant(n["w_up"]),
@@ -343,7 +354,7 @@ def hf_model_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> Mod
             layer_windows = _layer_windows(cfg, window, rc.window_pattern, cfg_path)
             window = None
         gemma = dict(
-            mlp=rc.mlp,
+            mlp_act="gelu_tanh" if rc.mlp == "geglu" else "silu",
             embed_scale=math.sqrt(hidden) if rc.embed_scale else None,
             sandwich_norms=rc.sandwich_norms,
             attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if cfg.get("query_pre_attn_scalar") else None,
@@ -352,11 +363,13 @@ def hf_model_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> Mod
             layer_windows=layer_windows,
             rope_local_theta=local_theta,
         )
+        moe = _moe_args(cfg, arch, cfg_path) if arch.recipe.mlp == "moe" else {}
         return ModelArgs(
             arch=arch.name,
             num_layers=int(cfg["num_hidden_layers"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            # a MoE model has no dense MLP: its width is the experts'
+            intermediate_size=moe["moe_intermediate_size"] if moe else int(cfg["intermediate_size"]),
             num_heads=n_head,
             num_kv_heads=int(cfg.get("num_key_value_heads") or n_head),
             head_dim=int(cfg.get("head_dim") or hidden // n_head),
@@ -370,6 +383,7 @@ def hf_model_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> Mod
             rope_scaling=scaling,
             sliding_window=int(window) if window is not None else None,
             **gemma,
+            **moe,
         )
     except KeyError as exc:
         raise ModelLoadError(f"{cfg_path}: missing key {exc.args[0]!r}") from None
@@ -405,6 +419,23 @@ def _layer_windows(cfg: dict[str, Any], window: Any, pattern: int, cfg_path: str
     return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
 
 
+def _moe_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of :class:`ModelArgs`: the expert count
+    (``num_experts``, or ``num_local_experts`` as Mixtral and transformers 5
+    write it), top-k, the expert width (``moe_intermediate_size``, else the
+    dense ``intermediate_size`` as Mixtral) and the top-k renormalisation."""
+    n = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if n is None:
+        raise ModelLoadError(f"{cfg_path}: missing key 'num_experts' (or 'num_local_experts')")
+    n, k = int(n), int(cfg["num_experts_per_tok"])
+    if not 1 <= k <= n:
+        raise ModelLoadError(f"{cfg_path}: unsupported config field 'num_experts_per_tok' = {k}: "
+                             f"must be between 1 and the number of experts ({n})")
+    width = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    return dict(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=width,
+                norm_topk_prob=arch.recipe.moe_renormalize or bool(cfg.get("norm_topk_prob", False)))
+
+
 def _longrope(rp: dict[str, Any], cfg: dict[str, Any], cfg_path: str) -> LongRopeScaling:
     """transformers' ``_compute_longrope_parameters``: the original context
     from the rope dict, else the config; the attention factor given, else
@@ -429,6 +460,14 @@ def _split_rows(where: str, name: str, w: np.ndarray, sizes: tuple[int, ...]) ->
         raise ModelLoadError(f"{where}: tensor {name!r} has shape {list(w.shape)}, expected {sum(sizes)} rows "
                              f"({' + '.join(map(str, sizes))})")
     return np.split(w, np.cumsum(sizes)[:-1], axis=0)
+
+
+def _stack(where: str, parts: list[np.ndarray], name: str) -> np.ndarray:
+    """The experts' matrices ``name`` (``*``: the expert) stacked ``[E, out, in]``."""
+    shapes = {tuple(p.shape) for p in parts}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise ModelLoadError(f"{where}: tensors {name!r} differ in shape or are not matrices ({sorted(shapes)})")
+    return np.stack(parts)
 
 
 #: HF tensors that carry no weights fdx needs (recomputed buffers saved by old transformers)
@@ -486,18 +525,28 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
 
     def layers() -> Iterator[LayerWeights]:
         for i in range(args.num_layers):
-            n = {f.name: getattr(names, f.name).format(i=i) for f in attrs.fields(WeightNames)}
+            n = names.layer(i)
             if names.wqkv:
                 wq, wk, wv = _split_rows(src.path, n["wqkv"], get(n["wqkv"]), (args.q_size, args.kv_size, args.kv_size))
             else:
                 wq, wk, wv = get(n["wq"]), get(n["wk"]), get(n["wv"])
             if qk_scale != 1.0:  # cos/sin x attention factor == q and k x it (RoPE is linear)
                 wq, wk = wq * np.float32(qk_scale), wk * np.float32(qk_scale)
-            if names.w_gate_up:
+            moe: dict[str, np.ndarray] = {}
+            w_down = None
+            if args.num_experts:
+                w_gate = w_up = None
+                moe["router"] = get(n["router"])
+                for f in ("expert_gate", "expert_up", "expert_down"):
+                    moe["e_" + f[7:]] = _stack(src.path, [get(n[f].format(e=e)) for e in range(args.num_experts)],
+                                               n[f].format(e="*"))
+            elif names.w_gate_up:
                 ff = args.intermediate_size
                 w_gate, w_up = _split_rows(src.path, n["w_gate_up"], get(n["w_gate_up"]), (ff, ff))
             else:
                 w_gate, w_up = get(n["w_gate"]), get(n["w_up"])
+            if not args.num_experts:
+                w_down = get(n["w_down"])
             yield LayerWeights(
                 attn_norm=norm(n["attn_norm"]),
                 wq=wq,
@@ -507,7 +556,8 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
                 ffn_norm=norm(n["ffn_norm"]),
                 w_gate=w_gate,
                 w_up=w_up,
-                w_down=get(n["w_down"]),
+                w_down=w_down,
+                **moe,
                 bq=get(n["bq"], optional=True) if n["bq"] else None,
                 bk=get(n["bk"], optional=True) if n["bk"] else None,
                 bv=get(n["bv"], optional=True) if n["bv"] else None,

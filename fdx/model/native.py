@@ -12,13 +12,23 @@ or AVX-VNNI (the same exact integer sums).  :func:`load_ops` logs one line
 naming the kernels it loaded (:func:`describe`), and a CPU with neither
 set falls back with one log line.
 
-The build is cached under ``$FDX_CACHE_DIR`` (default ``~/.cache/fdx``) in
-``ops/<isa>-<hash>``, the hash covering the sources, Paddle's version, the
-flags, the ISA and the CPU's flags, so a build for one kernel set is never
-loaded on a CPU that needs the other; a file lock makes concurrent processes
-build it once.  When the compiler is missing or the build fails,
-:func:`load_ops` returns ``None`` and the model falls back to pure Paddle ops
-(slower, same results); ``FDX_NATIVE_OPS=0`` asks for that fallback.
+**Built at install time.**  ``python -m fdx.model.native`` (``make install``
+runs it after ``pip install``) builds the ops for this machine's kernel set
+into the installed package, ``fdx/_ops/<isa>-<hash>``; :func:`load_ops`
+loads such a build straight from its ``.so`` (about a second, no compiler
+run), so ``fdx serve`` starts without compiling, whatever
+``$FDX_CACHE_DIR`` holds.  Other builds (``FDX_NATIVE_ISA=avx2`` on an
+AVX-512 CPU, a changed source) are JIT-built and cached under
+``$FDX_CACHE_DIR`` (default ``~/.cache/fdx``) in ``ops/<isa>-<hash>``.
+The hash covers the sources, Paddle's version, the flags, the ISA and the
+CPU's flags, so a build for one kernel set is never loaded on a CPU that
+needs the other; a file lock makes concurrent processes build it once.
+``fdx serve`` never compiles (it sets ``FDX_NATIVE_BUILD=0`` unless the
+environment says otherwise): with no build for this machine it logs a
+warning naming the command above and falls back.  When the compiler is
+missing or the build fails, :func:`load_ops` returns ``None`` and the model
+falls back to pure Paddle ops (slower, float32 compute, same results);
+``FDX_NATIVE_OPS=0`` asks for that fallback.
 
 Ops: ``fdx_paged_attention`` (csrc/paged_attention.cc: RoPE + KV write +
 paged causal attention), ``fdx_qgemv`` (csrc/qgemv.cc: fp32 few-row matmul
@@ -48,8 +58,13 @@ log = logging.getLogger("fdx.model")
 
 #: the C++ sources, inside the installed package (package data)
 CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+#: builds made at install time (``python -m fdx.model.native``), inside the installed package
+PREBUILT = os.path.join(os.path.dirname(CSRC), "_ops")
+BUILD_COMMAND = f"{os.path.basename(sys.executable) or 'python'} -m fdx.model.native"
 SOURCES = ("paged_attention.cc", "qgemv.cc", "qgemm.cc", "small_ops.cc", "decoder_layers.cc")
 HEADERS = ("simd_math.h", "kernels.h")
+#: plain C libraries beside the op module (ctypes, not Paddle ops): tensor parallelism's collectives
+STANDALONE = ("tp_comm.cc",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fno-associative-math", "-ffp-contract=off")
 
 #: extra compiler flags per kernel set (-march=native targets the CPU; the
@@ -84,7 +99,11 @@ def load_ops() -> Any:
         log.warning("fdx native CPU ops need AVX-512F or AVX2+FMA+F16C, which this CPU lacks; using pure Paddle ops")
         return None
     try:
-        _ops = _build(isa)
+        _ops = _build(isa, compile_ok=os.environ.get("FDX_NATIVE_BUILD", "1") != "0")
+    except OpsNotBuilt as exc:
+        log.warning("%s; using pure Paddle ops (slower; --dtype auto runs float32)", exc)
+        _ops = None
+        return None
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the fallback"
         log.warning("fdx native CPU ops unavailable (%s: %s); using pure Paddle ops", type(exc).__name__, exc)
         _ops = None
@@ -177,15 +196,24 @@ def has_avx512() -> bool:
     return "avx512f" in _cpu_flags().split()
 
 
-def _build(isa: str, sources: tuple[str, ...] | None = None, name: str = "fdx_ops") -> Any:
-    """Build (or load the cached build of) the ops for kernel set ``isa``:
-    fdx/csrc's sources, or ``sources`` (paths; e.g. the scalar reference of
-    tests/csrc, built with the very same flags), as module ``name``."""
-    import paddle
+class OpsNotBuilt(RuntimeError):
+    """No build of the ops for this machine, and compiling is not allowed here."""
 
-    with warnings.catch_warnings():  # "No ccache found" on import
-        warnings.simplefilter("ignore")
-        from paddle.utils import cpp_extension
+
+def _build(isa: str, sources: tuple[str, ...] | None = None, name: str = "fdx_ops", compile_ok: bool = True,
+           into_package: bool = False) -> Any:
+    """Build (or load an existing build of) the ops for kernel set ``isa``:
+    fdx/csrc's sources, or ``sources`` (paths; e.g. the scalar reference of
+    tests/csrc, built with the very same flags), as module ``name``.  An
+    install-time build (:data:`PREBUILT`) or a cached one is loaded from its
+    ``.so``; otherwise the ops are compiled (into the package with
+    ``into_package``, else the cache) or, without ``compile_ok``,
+    :class:`OpsNotBuilt` is raised."""
+    from fdx.logs import import_paddle_quietly
+
+    import_paddle_quietly()  # "No ccache found" and the OMP_NUM_THREADS notice go to the log
+    import paddle
+    from paddle.utils import cpp_extension
 
     paths = [os.path.join(CSRC, s) for s in SOURCES] if sources is None else list(sources)
     h = hashlib.sha256()
@@ -200,7 +228,24 @@ def _build(isa: str, sources: tuple[str, ...] | None = None, name: str = "fdx_op
     h.update(_cpu_flags().encode())  # -march=native builds are CPU specific
     h.update(CSRC.encode())  # Paddle's loader rebuilds when the include path differs: one dir per checkout
     key = h.hexdigest()[:16]
-    build_dir = os.path.join(cache_dir(), "ops", f"{isa}-{key}" if sources is None else f"{name}-{isa}-{key}")
+    sub = f"{isa}-{key}" if sources is None else f"{name}-{isa}-{key}"
+    module = f"{name}_{isa}_{key}"
+    cached = os.path.join(cache_dir(), "ops", sub)
+    packaged = os.path.join(PREBUILT, sub)
+    if into_package and not _is_built(packaged, module) and _is_built(cached, module):
+        import shutil
+
+        shutil.copytree(cached, packaged, dirs_exist_ok=True)  # the same build: no need to compile it again
+    for d in ([packaged] if sources is None else []) + ([] if into_package else [cached]):
+        if _is_built(d, module):
+            try:
+                return _load_built(d, module)
+            except Exception as exc:  # noqa: BLE001 - a broken build: rebuild it below (or report)
+                log.debug("fdx native ops in %s did not load (%s: %s)", d, type(exc).__name__, exc)
+    if not compile_ok:
+        raise OpsNotBuilt(f"fdx native CPU ops are not built for this machine ({isa} kernel set; looked in "
+                          f"{packaged} and {cached}); build them once with `{BUILD_COMMAND}` (make install does)")
+    build_dir = packaged if into_package else cached
     os.makedirs(build_dir, exist_ok=True)
     with open(os.path.join(build_dir, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -208,7 +253,7 @@ def _build(isa: str, sources: tuple[str, ...] | None = None, name: str = "fdx_op
         with contextlib.redirect_stdout(sink), warnings.catch_warnings(), _muted_paddle_logs():
             warnings.simplefilter("ignore")
             return cpp_extension.load(
-                name=f"{name}_{isa}_{key}",
+                name=module,
                 sources=paths,
                 extra_cxx_cflags=list(cflags),
                 extra_ldflags=_ldflags(),
@@ -216,6 +261,81 @@ def _build(isa: str, sources: tuple[str, ...] | None = None, name: str = "fdx_op
                 build_directory=build_dir,
                 verbose=False,
             )
+
+
+def _is_built(build_dir: str, module: str) -> bool:
+    return os.path.isfile(os.path.join(build_dir, module, module + ".so"))
+
+
+def _load_built(build_dir: str, module: str) -> Any:
+    """Import a finished build's ``.so`` as the op module (no compiler run;
+    writes only Paddle's small generated Python API file next to it)."""
+    from paddle.utils.cpp_extension import extension_utils
+
+    with open(os.path.join(build_dir, ".lock"), "a") as lock:  # a concurrent build of the same key finishes first
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), _muted_paddle_logs():
+            warnings.simplefilter("ignore")
+            return extension_utils._import_module_from_library(module, os.path.join(build_dir, module), False)
+
+
+def build_library(source: str, into_package: bool = False) -> str:
+    """The path of ``fdx/csrc/<source>`` built as a plain shared library
+    (:data:`STANDALONE`, loaded with ctypes): the install-time build in the
+    package, else one built once (a second of g++) into the cache dir;
+    ``into_package`` builds it into the package."""
+    import shutil
+    import subprocess
+
+    path = os.path.join(CSRC, source)
+    with open(path, "rb") as f:
+        key = hashlib.sha256(f.read()).hexdigest()[:16]
+    stem = os.path.splitext(source)[0]
+    lib = f"libfdx_{stem}.so"
+    packaged = os.path.join(PREBUILT, f"{stem}-{key}")
+    d = packaged if into_package or os.path.exists(os.path.join(packaged, lib)) else os.path.join(cache_dir(), stem, key)
+    os.makedirs(d, exist_ok=True)
+    so = os.path.join(d, lib)
+    with open(os.path.join(d, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(so):
+            cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+            if cxx is None:
+                raise RuntimeError(f"building fdx/csrc/{source} needs a C++ compiler (g++)")
+            tmp = so + f".{os.getpid()}.tmp"
+            r = subprocess.run([cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-o", tmp, path],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"building fdx/csrc/{source} failed: {r.stderr.strip().splitlines()[-1:]}")
+            os.replace(tmp, so)
+    return so
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fdx.model.native``: build the ops for this machine's kernel
+    set into the installed package (``make install`` runs it), so that
+    ``fdx serve`` never compiles them."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m fdx.model.native", description=main.__doc__.split("\n\n")[0])
+    ap.parse_args(argv)
+    isa = cpu_isa()
+    if isa is None:
+        print("fdx: this CPU has neither AVX-512F nor AVX2+FMA+F16C; fdx runs pure Paddle ops (nothing to build)")
+        return 0
+    try:
+        ops = _build(isa, into_package=True)
+    except Exception as exc:  # noqa: BLE001 - one line, the fallback still works
+        print(f"fdx: building the native CPU ops failed ({type(exc).__name__}: {exc}); fdx serve will use pure Paddle ops",
+              file=sys.stderr)
+        return 1
+    for src in STANDALONE:
+        build_library(src, into_package=True)
+    global _ops, _isa, _dot, _bf16_dot, _tried
+    _ops, _isa, _tried = ops, isa, True
+    _dot, _bf16_dot = _dot_products(ops)
+    print(f"fdx native CPU ops built into {PREBUILT}: {describe()}")
+    return 0
 
 
 @contextlib.contextmanager
@@ -232,3 +352,7 @@ def _muted_paddle_logs() -> Any:
     finally:
         if logger is not None and old is not None:
             logger.setLevel(old)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

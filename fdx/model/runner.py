@@ -152,6 +152,13 @@ class PaddleModelRunner(PagedRunnerBase):
             self.comm = ShmComm.attach(link.shm_name, link.rank, link.world, link.slot_elems, link.timeout)
         return shard_checkpoint(ckpt, self.shard, on_layer)
 
+    def _my_part(self, ckpt: Any) -> Any:
+        if self.shard is None:
+            return ckpt
+        from fdx.parallel.sharding import shard_checkpoint
+
+        return shard_checkpoint(ckpt, self.shard)
+
     def kv_fingerprint(self) -> str:
         """int8 compute writes other K/V values than float32 compute: its
         blocks get their own fingerprint (float32 keeps the shared one)."""

@@ -469,6 +469,11 @@ class PagedRunnerBase(ModelRunner):
 
     # ------------------------------------------------------------------ sleep / weights
 
+    def _my_part(self, ckpt: Checkpoint) -> Checkpoint:
+        """The part of a (re)loaded checkpoint this process's model holds: all of it,
+        or a tensor-parallel rank's shard."""
+        return ckpt
+
     def release(self, tags: Sequence[str]) -> None:
         tags = set(tags)
         if "weight" in tags:
@@ -486,7 +491,7 @@ class PagedRunnerBase(ModelRunner):
         if "weight" in tags and not self.model.loaded:
             ckpt = load_checkpoint(self._weights_path)
             with paddle.no_grad():
-                self.model.load(ckpt, progress=False)
+                self.model.load(self._my_part(ckpt), progress=False)
         if "kv_cache" in tags and self.caches is None:
             self.caches = self._allocate()
 
@@ -500,7 +505,7 @@ class PagedRunnerBase(ModelRunner):
             diff = _arg_diff(ckpt.args, self.args)
             raise ModelLoadError(f"{ckpt.source.path}: shapes differ from the running model: {', '.join(diff)}")
         with paddle.no_grad():
-            self.model.load(ckpt, progress=False)
+            self.model.load(self._my_part(ckpt), progress=False)
         self._weights_path = path
         self.source = ckpt.source
         self.weights_version = version

@@ -54,6 +54,9 @@ class TensorShard:
 
 def check_divisible(args: ModelArgs, world: int) -> None:
     """A one-line :class:`ConfigError` unless the model splits into ``world`` ranks."""
+    if args.num_experts and world > 1:
+        raise ConfigError(f"--tensor-parallel-size {world}: mixture-of-experts models ({args.describe()}) are not "
+                          f"split across ranks yet; use --tensor-parallel-size 1")
     bad = [f"{what} {n}" for what, n in (("attention heads", args.num_heads), ("KV heads", args.num_kv_heads),
                                          ("MLP width", args.intermediate_size)) if n % world]
     if bad:

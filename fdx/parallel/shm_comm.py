@@ -22,21 +22,15 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import mmap
 import os
-import shutil
-import subprocess
 import uuid
 from typing import Any
 
 import numpy as np
 
 from fdx.core.errors import FdxError
-from fdx.model.native import CSRC, cache_dir
-
-SOURCE = os.path.join(CSRC, "tp_comm.cc")
+from fdx.model.native import build_library
 #: floats per slot: a larger tensor takes several rounds
 DEFAULT_SLOT_ELEMS = 1 << 20
 
@@ -48,27 +42,15 @@ class GroupBroken(FdxError):
 
 
 def load_library() -> Any:
-    """The compiled fdx/csrc/tp_comm.cc (built once into the fdx cache dir)."""
+    """fdx/csrc/tp_comm.cc, built at install time or once into the cache
+    (:func:`fdx.model.native.build_library`)."""
     global _lib
     if _lib is not None:
         return _lib
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read()).hexdigest()[:16]
-    d = os.path.join(cache_dir(), "comm", key)
-    os.makedirs(d, exist_ok=True)
-    so = os.path.join(d, "libfdx_tp_comm.so")
-    with open(os.path.join(d, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(so):
-            cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-            if cxx is None:
-                raise FdxError("tensor parallelism's shm backend needs a C++ compiler (g++) to build fdx/csrc/tp_comm.cc")
-            tmp = so + f".{os.getpid()}.tmp"
-            r = subprocess.run([cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-o", tmp, SOURCE],
-                               capture_output=True, text=True)
-            if r.returncode != 0:
-                raise FdxError(f"building fdx/csrc/tp_comm.cc failed: {r.stderr.strip().splitlines()[-1:]}")
-            os.replace(tmp, so)
+    try:
+        so = build_library("tp_comm.cc")
+    except RuntimeError as exc:
+        raise FdxError(f"tensor parallelism's shm backend: {exc}") from None
     lib = ctypes.CDLL(so)
     vp, i32, i64, fp, cp = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_char_p
     lib.fdx_tp_data_offset.argtypes, lib.fdx_tp_data_offset.restype = [i32], i64

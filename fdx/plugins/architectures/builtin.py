@@ -1,4 +1,5 @@
-"""fdx's built-in architectures: Llama (1, 2, 3.x), Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 (text).
+"""fdx's built-in architectures: Llama (1, 2, 3.x), Qwen2, Qwen3, Mistral, Phi-3,
+Gemma 2, Gemma 3 (text), and the mixtures of experts Qwen3-MoE and Mixtral.
 
 All share the Llama skeleton and fdx's one model code; what differs is
 declared here (recipe, weight names, the config fields each understands).
@@ -183,6 +184,35 @@ GEMMA3_FIELDS: dict[str, FieldRule] = {
     "sliding_window_pattern": read(), "_sliding_window_pattern": read(),  # layer_types' default: every n-th global
 }
 
+
+def _every_layer_sparse(v: Any, cfg: Mapping[str, Any]) -> str | None:
+    return None if v in (None, []) else "dense layers among the MoE layers are not implemented (fdx implements [])"
+
+
+def _positive_int(v: Any, cfg: Mapping[str, Any]) -> str | None:
+    return None if isinstance(v, int) and not isinstance(v, bool) and v > 0 else f"{v!r} is not a positive integer"
+
+
+#: the config fields of a mixture of experts (both Qwen3-MoE's and Mixtral's names)
+MOE_FIELDS: dict[str, FieldRule] = {
+    "num_experts": read(_positive_int), "num_local_experts": read(_positive_int),
+    "num_experts_per_tok": read(_positive_int),
+    "output_router_logits": harmless(), "router_aux_loss_coef": harmless(),  # the training loss
+}
+QWEN3_MOE_FIELDS: dict[str, FieldRule] = {
+    **QWEN_FIELDS, **MOE_FIELDS,
+    "moe_intermediate_size": read(_positive_int), "norm_topk_prob": read(),
+    # every layer sparse: transformers' rule (layer i sparse unless listed, and (i+1) % step == 0)
+    "decoder_sparse_step": read(equals(1)), "mlp_only_layers": read(_every_layer_sparse),
+    "intermediate_size": harmless(),  # the dense MLP's width: no layer has one when every layer is sparse
+}
+MIXTRAL_FIELDS: dict[str, FieldRule] = {
+    **MISTRAL_FIELDS, **MOE_FIELDS,
+    # multiplies the hidden states by noise in training mode only (transformers'
+    # MixtralSparseMoeBlock checks self.training): no effect at inference
+    "router_jitter_noise": harmless(),
+}
+
 _g = read()
 LLAMA_GGUF_KEYS: dict[str, FieldRule] = {
     "block_count": _g, "context_length": _g, "embedding_length": _g, "feed_forward_length": _g,
@@ -239,7 +269,30 @@ GEMMA3 = Architecture(
     hf_fields=GEMMA3_FIELDS,
     description="Gemma 3 text (Gemma 2's recipe with per-head (1 + w) q/k norm and a local rope base)",
 )
-BUILTIN = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3)
+HF_QWEN3_MOE_WEIGHTS = attrs.evolve(
+    HF_LLAMA_WEIGHTS, w_gate="", w_up="", w_down="", router="model.layers.{i}.mlp.gate.weight",
+    expert_gate="model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+    expert_up="model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+    expert_down="model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+)
+QWEN3_MOE = Architecture(
+    name="qwen3_moe", hf_names=("Qwen3MoeForCausalLM",), recipe=LayerRecipe(qk_norm=True, mlp="moe"),
+    hf_weights=HF_QWEN3_MOE_WEIGHTS, hf_fields=QWEN3_MOE_FIELDS,
+    description="Qwen3-MoE (q/k norm; softmax top-k routing, norm_topk_prob)",
+)
+HF_MIXTRAL_WEIGHTS = attrs.evolve(
+    HF_LLAMA_WEIGHTS, w_gate="", w_up="", w_down="", bq="", bk="", bv="", q_norm="", k_norm="",
+    router="model.layers.{i}.block_sparse_moe.gate.weight",
+    expert_gate="model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+    expert_up="model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
+    expert_down="model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",
+)
+MIXTRAL = Architecture(
+    name="mixtral", hf_names=("MixtralForCausalLM",), recipe=LayerRecipe(mlp="moe", moe_renormalize=True),
+    hf_weights=HF_MIXTRAL_WEIGHTS, hf_fields=MIXTRAL_FIELDS,
+    description="Mixtral (softmax over the top-k experts' logits; a sliding window no shorter than the context)",
+)
+BUILTIN = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, QWEN3_MOE, MIXTRAL)
 
 
 @hookimpl

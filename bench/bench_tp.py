@@ -1,0 +1,218 @@
+"""Tensor parallelism against one rank and against dp, side by side.
+
+    .venv/bin/python bench/bench_tp.py [--dtype float32] [--concurrency 1,16] [--num-prompts 32] \
+        [--num-prompts-c1 8] [--input-len 128] [--output-len 64] [--repeat 1] [--allreduce-only]
+
+1. **All-reduce latency per backend**, 2 ranks, 2,304 floats (one decode
+   row of a 576-wide model, 4 rows) and 576 x 64 floats (a prefill chunk):
+   fdx's ``shm`` (fdx/csrc/tp_comm.cc) and Paddle's gloo
+   (``paddle.distributed.all_reduce`` after ``init_parallel_env`` with
+   ``PADDLE_DISTRI_BACKEND=gloo``), each rank a process.
+2. **Serving**: a random-weight llama of SmolLM2-135M's shape (30 layers,
+   hidden 576, MLP 1,536, vocabulary 49,152) but with 8 query and 4 KV heads
+   so that it divides by 2, written once under ``~/.cache/fdx/bench-models``.
+   Servers, started one after another and then measured in turn
+   (alternating order over ``--repeat``):
+
+   * ``TP=1 x1``: one rank, ``--num-threads 1``;
+   * ``TP=1 x2``: one rank, 2 threads;
+   * ``TP=2 x1``: two ranks, 1 thread each (``--num-threads 2``);
+   * ``dp=2 x1``: two replicas, 1 thread each.
+
+   Per concurrency: output tok/s and TTFT p50 of each, and the ratios
+   against ``TP=1 x2`` (and ``TP=2 x1 / TP=1 x1`` at c=1: the scaling).
+
+Timings on a shared machine are noisy: read the ratios, on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_dp import run_point, server  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENIZER = ROOT / "tests" / "data" / "arch" / "llama3"
+
+CONFIGS = {
+    "TP=1 x1": ("--num-threads", "1"),
+    "TP=1 x2": ("--num-threads", "2"),
+    "TP=2 x1": ("--tensor-parallel-size", "2", "--num-threads", "2"),
+    "dp=2 x1": ("--scheduler", "dp", "--data-parallel-size", "2", "--num-threads", "1"),
+}
+BASELINE = "TP=1 x2"
+
+
+def bench_model() -> str:
+    """The random 8-head SmolLM2-shaped llama (HF folder), written once."""
+    from fdx.model.native import cache_dir
+
+    d = Path(cache_dir()) / "bench-models" / "llama-576-h8kv4-L30"
+    if (d / "model.safetensors").exists():
+        return str(d)
+    from safetensors.numpy import save_file
+
+    tmp = Path(tempfile.mkdtemp(dir=d.parent if d.parent.exists() else None))
+    cfg = json.loads((TOKENIZER / "config.json").read_text())
+    cfg.update(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
+               num_key_value_heads=4, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+               max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    cfg.pop("rope_scaling", None)
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / f, tmp / f)
+    rng = np.random.default_rng(0)
+    w: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((49152, 576), np.float32),
+                                "model.norm.weight": np.ones(576, np.float32)}
+    shapes = {"self_attn.q_proj": (512, 576), "self_attn.k_proj": (256, 576), "self_attn.v_proj": (256, 576),
+              "self_attn.o_proj": (576, 512), "mlp.gate_proj": (1536, 576), "mlp.up_proj": (1536, 576),
+              "mlp.down_proj": (576, 1536)}
+    for i in range(30):
+        for name, shape in shapes.items():
+            w[f"model.layers.{i}.{name}.weight"] = rng.standard_normal(shape, np.float32) / np.sqrt(shape[1])
+        w[f"model.layers.{i}.input_layernorm.weight"] = np.ones(576, np.float32)
+        w[f"model.layers.{i}.post_attention_layernorm.weight"] = np.ones(576, np.float32)
+    save_file(w, str(tmp / "model.safetensors"))
+    d.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, d)
+    return str(d)
+
+
+# ---------------------------------------------------------------- all-reduce latency
+
+_WORKER = r"""
+import os, sys, time, numpy as np
+backend, rank, n, iters = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+x = np.ones(n, np.float32)
+if backend == "shm":
+    from fdx.parallel.shm_comm import ShmComm
+    comm = ShmComm.attach(sys.argv[5], rank, 2, 1 << 20, 30.0)
+    op = comm.all_reduce_numpy
+else:
+    import paddle, paddle.distributed as dist
+    dist.init_parallel_env()
+    t = paddle.to_tensor(x)
+    def op(_):
+        dist.all_reduce(t)
+for _ in range(20):
+    op(x)
+t0 = time.perf_counter()
+for _ in range(iters):
+    op(x)
+dt = (time.perf_counter() - t0) / iters
+if rank == 0:
+    print(dt * 1e6)
+"""
+
+
+def allreduce_us(backend: str, n: int, iters: int) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    extra: list[str] = []
+    keep: Any = None
+    if backend == "shm":
+        from fdx.parallel.shm_comm import ShmComm
+
+        keep = ShmComm.create(2, 30.0)
+        extra = [keep.name]
+    else:
+        import socket
+
+        ports = []
+        for _ in range(2):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(s.getsockname()[1])
+        eps = ",".join(f"127.0.0.1:{p}" for p in ports)
+        env.update(PADDLE_DISTRI_BACKEND="gloo", PADDLE_TRAINERS_NUM="2", PADDLE_TRAINER_ENDPOINTS=eps,
+                   PADDLE_MASTER=f"127.0.0.1:{ports[0]}")
+    procs = []
+    for r in range(2):
+        e = dict(env)
+        if backend != "shm":
+            e.update(PADDLE_TRAINER_ID=str(r), PADDLE_CURRENT_ENDPOINT=env["PADDLE_TRAINER_ENDPOINTS"].split(",")[r])
+        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, backend, str(r), str(n), str(iters), *extra],
+                                      env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=600) for p in procs]
+    if keep is not None:
+        keep.unlink()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{backend} all-reduce bench failed: {outs[0][1][-800:]} {outs[1][1][-800:]}")
+    return float(outs[0][0].strip().splitlines()[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--concurrency", default="1,16")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--num-prompts-c1", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allreduce-only", action="store_true")
+    opts = p.parse_args()
+
+    print("all-reduce, 2 ranks (one process each, 1 thread), microseconds per call:")
+    for n, iters in ((2304, 2000), (576 * 64, 500)):
+        shm = allreduce_us("shm", n, iters)
+        try:
+            gloo = allreduce_us("gloo", n, max(50, iters // 10))
+            print(f"  {n:>6} floats: shm {shm:8.1f}   gloo {gloo:8.1f}   gloo / shm {gloo / shm:6.1f}x")
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            print(f"  {n:>6} floats: shm {shm:8.1f}   gloo failed ({str(exc)[:200]})")
+    if opts.allreduce_only:
+        return 0
+
+    model = bench_model()
+    common = ("--model", model, "--dtype", opts.dtype)
+    concs = [int(c) for c in opts.concurrency.split(",")]
+    results: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    with contextlib.ExitStack() as stack:
+        servers = {name: stack.enter_context(server((*common, *args))) for name, args in CONFIGS.items()}
+        names = list(CONFIGS)
+        for conc in concs:
+            n = opts.num_prompts_c1 if conc == 1 else opts.num_prompts
+            for rep in range(opts.repeat):
+                for name in names if rep % 2 == 0 else names[::-1]:
+                    base, pid = servers[name]
+                    run = run_point(base, pid, conc, n, opts, name)
+                    run["loadavg"] = os.getloadavg()[0]
+                    results.setdefault((name, conc), []).append(run)
+
+    def med(name: str, conc: int, key: str) -> float:
+        return statistics.median(r[key] for r in results[(name, conc)])
+
+    print(f"\n{opts.dtype}, {opts.input_len}-token random prompts, {opts.output_len} output tokens; "
+          f"ratio = row / {BASELINE}")
+    for conc in concs:
+        print(f"c={conc}:")
+        for name in names:
+            tps, ttft = med(name, conc, "output_throughput"), med(name, conc, "p50_ttft_ms")
+            r1 = tps / med(BASELINE, conc, "output_throughput")
+            r2 = ttft / med(BASELINE, conc, "p50_ttft_ms")
+            print(f"  {name:8} {tps:8.1f} tok/s ({r1:5.2f}x)   TTFT p50 {ttft:8.1f} ms ({r2:5.2f}x)")
+        if conc == 1:
+            s = med("TP=2 x1", 1, "output_throughput") / med("TP=1 x1", 1, "output_throughput")
+            print(f"  scaling at 1 thread a rank: TP=2 x1 / TP=1 x1 = {s:.2f}x (target >= 1.5)")
+    loads = [r["loadavg"] for rs in results.values() for r in rs]
+    print(f"load average after the runs: {min(loads):.1f}-{max(loads):.1f} ({os.cpu_count()} CPUs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""A mixture-of-experts MLP block (Qwen3-MoE, Mixtral) for :class:`fdx.model.llama.LlamaModel`.
+
+Per layer: router logits ``h @ W_router^T`` ``[T, E]`` -> softmax over the
+``E`` experts -> the top ``k`` (highest first) -> when
+``ModelArgs.norm_topk_prob``, those ``k`` weights divided by their sum
+(Mixtral's "softmax over the selected logits" is exactly this) -> each
+token's output is ``sum_j w_j * SwiGLU_{e_j}(h)``, the experts' SwiGLU the
+dense MLP's (one gate|up matmul, ``swiglu``, one down matmul).
+
+No per-token Python: the step's ``T * k`` (token, slot) pairs are sorted by
+expert (one stable ``argsort``), each expert with rows runs one gate|up and
+one down matmul over all of them, the outputs are weighted, put back in
+(token, slot) order with one ``index_select`` and the ``k`` slots added in
+slot order.  The Python loop is over the experts (at most ``E`` iterations
+a layer), never over tokens.
+
+Batch invariance.  In the packed modes (int8, bfloat16) every matmul, the
+router's included, is ``fdx_qgemm``, whose result for a row does not depend
+on the other rows of the call (fdx/csrc/qgemm.cc); softmax, top-k, SwiGLU,
+the weighting and the slot sums are row-wise.  So a token's output is the
+same bits whichever tokens share its step or its experts.  In float32 the
+matmuls are Paddle's (MKL), whose result for a row changes with the row
+count (measured: a row alone differs from the same row among 2..80), as
+the dense float32 path's does; float32 is the parity mode, not a
+batch-invariant one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from fdx.model.arch import ModelArgs
+from fdx.model.loader import LayerWeights
+from fdx.model.packed_weights import PackedWeight, pack_bf16, pack_float
+
+
+@attrs.define
+class MoeBlock:
+    """One layer's router and experts.  float32: ``router`` ``[hidden, E]``
+    and per expert ``w_gate_up`` ``[hidden, 2 * width]`` / ``w_down``
+    ``[width, hidden]``; packed modes: the ``p_*`` for ``fdx_qgemm`` instead
+    (the float lists are empty).  Immutable after load; not thread-safe to
+    call concurrently (like the model)."""
+
+    top_k: int
+    renormalize: bool
+    router: paddle.Tensor | None = None
+    w_gate_up: list[paddle.Tensor] = attrs.field(factory=list)
+    w_down: list[paddle.Tensor] = attrs.field(factory=list)
+    p_router: PackedWeight | None = None
+    p_gate_up: list[PackedWeight] = attrs.field(factory=list)
+    p_down: list[PackedWeight] = attrs.field(factory=list)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.w_gate_up) or len(self.p_gate_up)
+
+    def __call__(self, h: paddle.Tensor, swiglu: Callable[[paddle.Tensor], paddle.Tensor],
+                 qgemm: Any | None) -> paddle.Tensor:
+        """The block's output ``[T, hidden]`` for the normed hidden states ``h``
+        (``qgemm``: the packed modes' op, ``None`` in float32)."""
+
+        def linear(x: paddle.Tensor, w: paddle.Tensor | None, p: PackedWeight | None) -> paddle.Tensor:
+            if qgemm is not None:
+                assert p is not None
+                return qgemm(x, p.data, p.kind, p.n_out)
+            return paddle.matmul(x, w)
+
+        T, k = int(h.shape[0]), self.top_k
+        probs = F.softmax(linear(h, self.router, self.p_router), axis=-1)
+        weights, experts = paddle.topk(probs, k, axis=-1)  # [T, k], highest first
+        if self.renormalize:
+            total = weights[:, 0:1]
+            for j in range(1, k):  # a fixed order per row
+                total = total + weights[:, j : j + 1]
+            weights = weights / total
+        flat = experts.numpy().reshape(-1)  # slot j of token t at t * k + j
+        order = np.argsort(flat, kind="stable")
+        counts = np.bincount(flat, minlength=self.num_experts)
+        x = paddle.index_select(h, paddle.to_tensor(order // k))  # the pairs' rows, grouped by expert
+        w_sorted = paddle.index_select(weights.reshape([-1]), paddle.to_tensor(order)).unsqueeze(1)
+        outs, start = [], 0
+        for e in np.flatnonzero(counts):
+            n = int(counts[e])
+            xe = x[start : start + n]
+            pg = self.p_gate_up[e] if qgemm is not None else None
+            pd = self.p_down[e] if qgemm is not None else None
+            wg = self.w_gate_up[e] if qgemm is None else None
+            wd = self.w_down[e] if qgemm is None else None
+            outs.append(linear(swiglu(linear(xe, wg, pg)), wd, pd))
+            start += n
+        y = (paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]) * w_sorted
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(order.size)
+        y = paddle.index_select(y, paddle.to_tensor(inverse)).reshape([T, k, -1])  # (token, slot) order
+        out = y[:, 0]
+        for j in range(1, k):  # slot order, whatever the batch
+            out = out + y[:, j]
+        return out
+
+
+def build_moe(lw: LayerWeights, args: ModelArgs, mode: str) -> MoeBlock:
+    """A layer's :class:`MoeBlock` in compute mode ``mode`` (``float32``,
+    ``int8``: the float weights quantized to Q8_0, ``bfloat16``: rounded)."""
+    assert lw.router is not None and lw.e_gate is not None and lw.e_up is not None and lw.e_down is not None
+    blk = MoeBlock(top_k=args.num_experts_per_tok, renormalize=args.norm_topk_prob)
+    gate_up = [np.concatenate([g, u], axis=0) for g, u in zip(lw.e_gate, lw.e_up)]  # [2 * width, hidden]
+    if mode == "float32":
+        t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
+        blk.router = t(lw.router.T)
+        blk.w_gate_up = [t(w.T) for w in gate_up]
+        blk.w_down = [t(w.T) for w in lw.e_down]
+        return blk
+    pack = pack_bf16 if mode == "bfloat16" else pack_float
+
+    def p(w: np.ndarray) -> PackedWeight:
+        q = pack(w)
+        return PackedWeight(paddle.to_tensor(q.data), q.kind, q.n_out)
+
+    blk.p_router = p(lw.router)
+    blk.p_gate_up = [p(w) for w in gate_up]
+    blk.p_down = [p(w) for w in lw.e_down]
+    return blk
