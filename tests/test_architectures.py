@@ -286,7 +286,7 @@ def test_gemma2_config_and_weights_as_read(tmp_path: Path) -> None:
 
     ck = load_checkpoint(str(DATA / "gemma2"))
     a = ck.args
-    assert (a.arch, a.mlp, a.sandwich_norms, a.layer_windows, a.sliding_window) == ("gemma2", "geglu", True, (8, 0, 8, 0), None)
+    assert (a.arch, a.mlp_act, a.sandwich_norms, a.layer_windows, a.sliding_window) == ("gemma2", "gelu_tanh", True, (8, 0, 8, 0), None)
     assert (a.attn_softcap, a.final_softcap, a.tie_embeddings) == (5.0, 30.0, True)
     assert math.isclose(a.attn_scale, 48 ** -0.5) and math.isclose(a.embed_scale, math.sqrt(128))
     w = load_file(str(DATA / "gemma2" / "model.safetensors"))
