@@ -533,13 +533,20 @@ def test_gemma_at_tp2_gives_the_greedy_tokens(name: str) -> None:
     """Gemma's additions are row-wise or element-wise (the embedding scale
     after the vocab-parallel sum, the sandwich norms after each all-reduce,
     the final soft-cap per vocab shard), so two ranks give transformers'
-    tokens too."""
+    tokens too; a prompt served again from the prefix cache as well."""
     samples = goldens(name)[1:]
     with start_server("--model", str(DATA / name), "--dtype", "float32", "--max-model-len", "512", "--served-model-name", "m",
                       "-tp", "2", default_args=("--num-kv-blocks", "64")) as (base, _):
         for s, (toks, lps) in zip(samples, served_greedy(base, samples)):
             assert toks == s["tokens"]
             np.testing.assert_allclose(lps, s["logprobs"], atol=1e-3)
+        # again, its prompt's blocks from the prefix cache: the window applies to cached keys alike
+        s = samples[-1]
+        (toks, lps), = served_greedy(base, [s])
+        assert toks == s["tokens"]
+        np.testing.assert_allclose(lps, s["logprobs"], atol=1e-3)
+        hits = [ln for ln in httpx.get(base + "/metrics").text.splitlines() if ln.startswith("fdx:prefix_cache_hits")]
+        assert hits and float(hits[0].split()[-1]) >= 16, hits  # at least a block of the 37-token prompt, > the window
 
 
 def test_renamed_llama_from_a_plugin_is_served(tmp_path: Path) -> None:
