@@ -5,7 +5,7 @@ Run with the golden venv (torch CPU + transformers + safetensors):
     /work/golden-venv/bin/python scripts/make_arch_goldens.py
 
 For each architecture, a model is built with transformers' own config class
-(2 layers, hidden 128, vocab 512, every quirk of the architecture switched
+(2 layers -- Gemma 4 --, hidden 128, vocab 512, every quirk of the architecture switched
 on), its weights randomised with a fixed seed and saved with
 ``save_pretrained`` as an fp32 safetensors folder.  ``config.json`` is the
 config class's *full* dict (``use_diff=False``), so the field-walking test
@@ -32,6 +32,10 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "d
 VOCAB = 512
 N_TOKENS = 32
 PROMPT_LENS = (6, 19, 37)
+#: Gemma's soft-caps (both bend the scores/logits of the model below) and,
+#: per Gemma model, (embedding std, final norm w of 1 + w)
+GEMMA_ATTN_CAP, GEMMA_FINAL_CAP = 5.0, 30.0
+GEMMA_TUNING = {"gemma2": (0.1, 4.0), "gemma3": (0.1, 4.0)}
 COMMON = dict(
     vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -66,6 +70,24 @@ def models() -> dict[str, tuple[type, type, dict]]:
                           "long_factor": [2.0 + 0.5 * i for i in range(16)]},
             max_position_embeddings=2048, original_max_position_embeddings=512, sliding_window=512,
             pad_token_id=None, rope_theta=10000.0, tie_word_embeddings=False)),
+        # Gemma 2: 4 layers alternating sliding (window 8, shorter than two of
+        # the prompts) and global; both soft-caps small enough to bend the
+        # scores and logits; query_pre_attn_scalar != head_dim; GeGLU, the
+        # (1 + w) sandwich norms and the embedding scale are the class's own
+        "gemma2": (t.Gemma2Config, t.Gemma2ForCausalLM, dict(
+            num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=48, sliding_window=8,
+            attn_logit_softcapping=GEMMA_ATTN_CAP, final_logit_softcapping=GEMMA_FINAL_CAP,
+            rope_theta=10000.0, tie_word_embeddings=True)),
+        # Gemma 3 text: Gemma 2's recipe plus per-head (1 + w) q/k norm; the
+        # sliding layers' rope base (1e4) apart from the global layers' (1e6,
+        # linear scaling x8); three sliding layers (window 8) then a global one;
+        # no soft-capping (the class's default)
+        "gemma3": (t.Gemma3TextConfig, t.Gemma3ForCausalLM, dict(
+            num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=48, sliding_window=8,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+            tie_word_embeddings=True)),
         # Qwen3-MoE: 8 experts, top-2 with norm_topk_prob (the renormalised
         # top-k weights of Qwen3-30B-A3B), every layer sparse; q/k norm and
         # head_dim 64 as Qwen3; the dense intermediate_size is unused
@@ -101,8 +123,16 @@ def build(name: str, cfg_cls: type, model_cls: type, extra: dict) -> None:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p)) if "norm" in pname else p.normal_(0, 0.5)
             else:
                 p.normal_(0, 1.0 / p.shape[-1] ** 0.5)  # [out, in] or experts' [E, out, in]
-        model.model.embed_tokens.weight.normal_(0, 1.0)
-        model.model.norm.weight.mul_(3.0)  # sharper logits: few near-ties for the int8/bf16 checks
+        if name in GEMMA_TUNING:
+            # the tied embedding scaled by sqrt(hidden) would outweigh the layers (every greedy
+            # token the last prompt token): small embeddings, and the final (1 + w) norm
+            # sized so the raw logits reach the soft-cap's bend
+            std, w = GEMMA_TUNING[name]
+            model.model.embed_tokens.weight.normal_(0, std)
+            model.model.norm.weight.copy_(w + 0.1 * torch.randn_like(model.model.norm.weight))
+        else:
+            model.model.embed_tokens.weight.normal_(0, 1.0)
+            model.model.norm.weight.mul_(3.0)  # sharper logits: few near-ties for the int8/bf16 checks
     model.save_pretrained(folder, safe_serialization=True)
     cfg.to_json_file(os.path.join(folder, "config.json"), use_diff=False)
     for extra_file in ("generation_config.json",):

@@ -5,8 +5,10 @@ scripts/make_arch_goldens.py: small random-weight models built with
 transformers' own config classes (Llama 3 with llama3 rope scaling, Qwen2
 with q/k/v biases and tied embeddings, Qwen3 with per-head q/k norm and an
 explicit head_dim, Mistral with a sliding window as long as its context,
-Phi-3 with fused qkv/gate_up weights and longrope scaling, Qwen3-MoE with
-8 experts top-2 and norm_topk_prob, Mixtral with 4 experts top-2),
+Phi-3 with fused qkv/gate_up weights and longrope scaling, Gemma 2 with
+soft-capping on and a sliding window shorter than two of the prompts,
+Gemma 3 with per-head q/k norm, a local rope base and linear global scaling,
+Qwen3-MoE with 8 experts top-2 and norm_topk_prob, Mixtral with 4 experts top-2),
 and transformers' fp32 greedy tokens and logprobs for 3 token-id prompts x
 32 tokens.  No torch here.
 
@@ -16,7 +18,9 @@ and transformers' fp32 greedy tokens and logprobs for 3 token-id prompts x
   cache): the same top-1 token at every position, logprobs within 1e-3;
 * int8 and bfloat16: top-1 agreement with the goldens >= 97%;
 * a real ``fdx serve --dtype float32`` per architecture gives the greedy
-  tokens over HTTP (token-id prompts, ``return_token_ids``);
+  tokens over HTTP (token-id prompts, ``return_token_ids``); Gemma at TP=2 too;
+* the ``gpu`` runner's forward, on the CPU place in float32, matches the
+  goldens as the cpu runner does;
 * MoE: the experts read from their tensor names, tensor parallelism refused,
   and in int8/bfloat16 a prompt's tokens and logprobs are bit-identical alone
   and among 16 others.
@@ -41,7 +45,9 @@ from serverutil import start_server
 pytestmark = pytest.mark.slow
 
 DATA = Path(__file__).parent / "data" / "arch"
-ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral")
+ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral")
+#: the dense ones (the gpu runner has no MoE layers yet)
+DENSE_ARCHS = tuple(a for a in ARCHS if a not in ("qwen3_moe", "mixtral"))
 
 
 def goldens(name: str) -> list[dict[str, Any]]:
@@ -121,6 +127,24 @@ FLIPS = [
     ("phi3", {"rope_parameters": {**PHI3_ROPE, "mscale": 1.0}}, "rope_parameters", "mscale"),
     ("phi3", {"attention_bias": True}, "attention_bias", "False"),
     ("phi3", {"sliding_window": 0}, "sliding_window", "positive"),
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation", "gelu_pytorch_tanh"),
+    ("gemma2", {"attention_bias": True}, "attention_bias", "False"),
+    ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping", "positive"),
+    ("gemma2", {"final_logit_softcapping": "30"}, "final_logit_softcapping", "positive"),
+    ("gemma2", {"layer_types": ["sliding_attention", "chunked_attention", "sliding_attention", "full_attention"]},
+     "layer_types", "chunked_attention"),
+    ("gemma2", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types", "one layer type per layer"),
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention", "False"),
+    ("gemma2", {"sliding_window_size": 4096}, "sliding_window_size", "differs from sliding_window"),
+    ("gemma2", {"rope_parameters": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e4}}, "rope_parameters", "linear"),
+    ("gemma3", {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+     "rope_parameters", "sliding_attention: rope type 'linear'"),
+    ("gemma3", {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                    "full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e6}}},
+     "rope_parameters", "full_attention: rope type 'yarn'"),
+    ("gemma3", {"hidden_activation": "silu"}, "hidden_activation", "gelu_pytorch_tanh"),
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention", "False"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step", "1"),
     ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers", "dense layers"),
     ("qwen3_moe", {"num_experts_per_tok": 0}, "num_experts_per_tok", "positive"),
@@ -147,12 +171,12 @@ def test_unimplemented_math_field_is_refused_naming_it(tmp_path: Path, name: str
 def test_unknown_architecture_lists_choices_and_stray_tensor_is_refused(tmp_path: Path) -> None:
     from fdx.model.loader import load_checkpoint
 
-    folder = copy_with_config(tmp_path, "qwen3", architectures=["Gemma3ForCausalLM"])
+    folder = copy_with_config(tmp_path, "qwen3", architectures=["FalconForCausalLM"])
     with pytest.raises(ModelLoadError) as ei:
         load_checkpoint(str(folder))
     msg = str(ei.value)
-    assert "'Gemma3ForCausalLM'" in msg and all(n in msg for n in ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                                                                   "Phi3ForCausalLM"))
+    assert "'FalconForCausalLM'" in msg and all(n in msg for n in ("LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                                                                   "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"))
 
     # a Qwen3 checkpoint labelled Llama: its q/k norm weights are not silently dropped
     folder = copy_with_config(tmp_path, "qwen3",
@@ -246,6 +270,73 @@ def test_phi3_fused_weight_of_the_wrong_size_is_refused(tmp_path: Path) -> None:
     assert "tensor 'model.layers.0.mlp.gate_up_proj.weight' has shape [512, 128], expected 400 rows (200 + 200)" in str(ei.value)
 
 
+def test_gemma2_config_and_weights_as_read(tmp_path: Path) -> None:
+    """Gemma 2's fields land in ModelArgs (per-layer windows from
+    ``layer_types``, the attention scale from ``query_pre_attn_scalar``, both
+    caps, the embedding scale); its ``(1 + w)`` norm weights come out as
+    ``1 + w``; a transformers v4 config (no ``layer_types``: the class's
+    even-layers-slide pattern; ``rope_theta``, ``hidden_act`` beside
+    ``hidden_activation``, ``sliding_window_size``, ``cache_implementation``)
+    reads the same; sliding layers without a window are refused."""
+    import math
+
+    from safetensors.numpy import load_file
+
+    from fdx.model.loader import load_checkpoint
+
+    ck = load_checkpoint(str(DATA / "gemma2"))
+    a = ck.args
+    assert (a.arch, a.mlp_act, a.sandwich_norms, a.layer_windows, a.sliding_window) == ("gemma2", "gelu_tanh", True, (8, 0, 8, 0), None)
+    assert (a.attn_softcap, a.final_softcap, a.tie_embeddings) == (5.0, 30.0, True)
+    assert math.isclose(a.attn_scale, 48 ** -0.5) and math.isclose(a.embed_scale, math.sqrt(128))
+    w = load_file(str(DATA / "gemma2" / "model.safetensors"))
+    layer = list(ck.layers())[2]
+    for ours, theirs in (("attn_norm", "input_layernorm"), ("post_attn_norm", "post_attention_layernorm"),
+                         ("ffn_norm", "pre_feedforward_layernorm"), ("post_ffn_norm", "post_feedforward_layernorm")):
+        np.testing.assert_array_equal(getattr(layer, ours), w[f"model.layers.2.{theirs}.weight"] + np.float32(1))
+    np.testing.assert_array_equal(ck.final_norm, w["model.norm.weight"] + np.float32(1))
+
+    v4 = copy_with_config(tmp_path, "gemma2", layer_types=None, rope_parameters=None, rope_scaling=None, rope_theta=10000.0,
+                          hidden_act="gelu_pytorch_tanh", sliding_window_size=8, cache_implementation="hybrid")
+    assert load_checkpoint(str(v4)).args == a
+    folder = copy_with_config(tmp_path, "gemma2", sliding_window=None)
+    with pytest.raises(ModelLoadError, match="'layer_types' has sliding layers but 'sliding_window' is not set"):
+        load_checkpoint(str(folder))
+
+
+def test_gemma3_config_and_weights_as_read(tmp_path: Path) -> None:
+    """Gemma 3: the sliding layers' rope base (1e4, unscaled) apart from the
+    global layers' (1e6, linear x8), per-head q/k norm weights as ``1 + w``,
+    no caps; a transformers v4 config (``rope_theta``,
+    ``rope_local_base_freq``, ``rope_scaling``, ``sliding_window_pattern``
+    in place of ``layer_types``) reads the same."""
+    import attrs
+    from safetensors.numpy import load_file
+
+    from fdx.model.arch import LinearRopeScaling, rope_inv_freq
+    from fdx.model.loader import load_checkpoint
+
+    ck = load_checkpoint(str(DATA / "gemma3"))
+    a = ck.args
+    assert (a.arch, a.qk_norm, a.layer_windows, a.attn_softcap, a.final_softcap) == ("gemma3", True, (8, 8, 8, 0), None, None)
+    assert (a.rope_theta, a.rope_local_theta, a.rope_scaling) == (1e6, 1e4, LinearRopeScaling("linear", 8.0))
+    plain = 1.0 / 1e4 ** (np.arange(16) / 16)
+    np.testing.assert_allclose(rope_inv_freq(a, local=True), plain)
+    np.testing.assert_allclose(rope_inv_freq(a), 1.0 / 1e6 ** (np.arange(16) / 16) / 8)
+    w = load_file(str(DATA / "gemma3" / "model.safetensors"))
+    layer = list(ck.layers())[3]
+    np.testing.assert_array_equal(layer.q_norm, w["model.layers.3.self_attn.q_norm.weight"] + np.float32(1))
+    np.testing.assert_array_equal(layer.k_norm, w["model.layers.3.self_attn.k_norm.weight"] + np.float32(1))
+
+    v4 = copy_with_config(tmp_path, "gemma3", layer_types=None, _sliding_window_pattern=None, sliding_window_pattern=4,
+                          rope_parameters=None, rope_theta=1e6, rope_local_base_freq=1e4,
+                          rope_scaling={"rope_type": "linear", "factor": 8.0})
+    assert load_checkpoint(str(v4)).args == a
+    # without a pattern, the class's: every 6th layer global (here: none of the 4)
+    v4 = copy_with_config(tmp_path, "gemma3", layer_types=None, _sliding_window_pattern=None)
+    assert load_checkpoint(str(v4)).args == attrs.evolve(a, layer_windows=(8, 8, 8, 8))
+
+
 def test_llama3_rope_scaling_changes_only_the_low_frequencies() -> None:
     from fdx.model.arch import RopeScaling, rope_inv_freq
     from fdx.model.loader import load_checkpoint
@@ -328,6 +419,63 @@ def test_float32_matches_transformers(arch_name: str) -> None:
     assert worst < 1e-3, f"{arch_name}: logprobs differ by {worst:.2e}"
 
 
+def test_gemma2_goldens_depend_on_the_window_and_the_caps(tmp_path: Path) -> None:
+    """The parity test can fail on each Gemma quirk: served without its
+    sliding window (every layer global) or without either soft-cap, the
+    random Gemma 2 drifts far from transformers' logprobs."""
+    from fdx.config import make_config
+    from fdx.model.runner import PaddleModelRunner
+    from fdx.plugins.hardware.cpu import CPUDevice
+
+    s = goldens("gemma2")[2]  # the 37-token prompt: longer than the window
+    for changes in ({"layer_types": ["full_attention"] * 4}, {"attn_logit_softcapping": None},
+                    {"final_logit_softcapping": None}):
+        folder = copy_with_config(tmp_path, "gemma2", **changes)
+        runner = PaddleModelRunner(make_config(model=str(folder), num_kv_blocks=32, block_size=4, max_model_len=512,
+                                               dtype="float32"), CPUDevice())
+        assert runner.attention_impl == "paddle"  # a cap or a window: the C++ attention op computes neither
+        lp = log_softmax(teacher_forced(runner, s["prompt"], s["tokens"]))
+        drift = np.abs(lp[np.arange(len(s["tokens"])), s["tokens"]] - np.asarray(s["logprobs"])).max()
+        assert drift > 0.05, f"{changes}: the goldens do not tell this change apart ({drift:.2e})"
+
+
+def test_gemma3_goldens_depend_on_the_local_rope_base(tmp_path: Path) -> None:
+    """Gemma 3's sliding layers rotate with their own base: served with the
+    global layers' base (and scaling) there too, the model drifts."""
+    from fdx.config import make_config
+    from fdx.model.runner import PaddleModelRunner
+    from fdx.plugins.hardware.cpu import CPUDevice
+
+    s = goldens("gemma3")[1]
+    full = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    for local in ({"rope_type": "default", "rope_theta": 1e6}, {"rope_type": "default", "rope_theta": 1e5}):
+        folder = copy_with_config(tmp_path, "gemma3", rope_parameters={"sliding_attention": local, "full_attention": full})
+        runner = PaddleModelRunner(make_config(model=str(folder), num_kv_blocks=32, block_size=4, max_model_len=512,
+                                               dtype="float32"), CPUDevice())
+        lp = log_softmax(teacher_forced(runner, s["prompt"], s["tokens"]))
+        drift = np.abs(lp[np.arange(len(s["tokens"])), s["tokens"]] - np.asarray(s["logprobs"])).max()
+        assert drift > 0.05, f"{local}: the goldens do not tell the local base apart ({drift:.2e})"
+
+
+@pytest.mark.parametrize("name", DENSE_ARCHS)
+def test_gpu_runner_on_the_cpu_place_matches_transformers(name: str) -> None:
+    """The ``gpu`` runner's forward (here on the CPU place, float32, its plain
+    attention) computes every architecture's recipe too: Gemma's caps,
+    windows, sandwich norms and local rope included."""
+    from fdx.config import make_config
+    from fdx.model.gpu_runner import GPUModelRunner
+    from fdx.plugins.hardware.cpu import CPUDevice
+
+    runner = GPUModelRunner(make_config(model=str(DATA / name), num_kv_blocks=32, block_size=4, max_model_len=512,
+                                        dtype="float32"), CPUDevice())
+    worst = 0.0
+    for s in goldens(name):
+        lp = log_softmax(teacher_forced(runner, s["prompt"], s["tokens"]))
+        assert [int(i) for i in lp.argmax(-1)] == s["tokens"], name
+        worst = max(worst, float(np.abs(lp[np.arange(len(s["tokens"])), s["tokens"]] - np.asarray(s["logprobs"])).max()))
+    assert worst < 1e-3, f"{name}: logprobs differ by {worst:.2e}"
+
+
 #: int8 misses the 97% bar on these random models by one token: every miss is a
 #: genuine fp32 near-tie (top-2 gap 0.004-0.012, phi3 0.04-0.09, against an int8
 #: logit error ~0.15-0.2); the MoE models by 3 and 5 (mixtral 93/96, qwen3_moe
@@ -381,6 +529,27 @@ def test_served_float32_gives_the_greedy_tokens(arch_name: str) -> None:
             np.testing.assert_allclose(lps, s["logprobs"], atol=1e-3)
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_at_tp2_gives_the_greedy_tokens(name: str) -> None:
+    """Gemma's additions are row-wise or element-wise (the embedding scale
+    after the vocab-parallel sum, the sandwich norms after each all-reduce,
+    the final soft-cap per vocab shard), so two ranks give transformers'
+    tokens too; a prompt served again from the prefix cache as well."""
+    samples = goldens(name)[1:]
+    with start_server("--model", str(DATA / name), "--dtype", "float32", "--max-model-len", "512", "--served-model-name", "m",
+                      "-tp", "2", default_args=("--num-kv-blocks", "64")) as (base, _):
+        for s, (toks, lps) in zip(samples, served_greedy(base, samples)):
+            assert toks == s["tokens"]
+            np.testing.assert_allclose(lps, s["logprobs"], atol=1e-3)
+        # again, its prompt's blocks from the prefix cache: the window applies to cached keys alike
+        s = samples[-1]
+        (toks, lps), = served_greedy(base, [s])
+        assert toks == s["tokens"]
+        np.testing.assert_allclose(lps, s["logprobs"], atol=1e-3)
+        hits = [ln for ln in httpx.get(base + "/metrics").text.splitlines() if ln.startswith("fdx:prefix_cache_hits")]
+        assert hits and float(hits[0].split()[-1]) >= 16, hits  # at least a block of the 37-token prompt, > the window
+
+
 def test_renamed_llama_from_a_plugin_is_served(tmp_path: Path) -> None:
     """A third-party package adds ``MyLlamaForCausalLM`` through the public hook
     (tests/arch_plugin.py, found by its entry point); fdx serves it."""
@@ -412,7 +581,7 @@ def test_architecture_plugin_on_a_fresh_plugin_manager(tmp_path: Path, plugin_ma
     plugin_manager.register(arch_plugin, name="my_llama")
     try:
         plugins = collect(plugin_manager)
-        assert {"llama", "qwen2", "qwen3", "mistral", "phi3", "my-llama"} <= set(plugins.registry("architecture").names())
+        assert {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "my-llama"} <= set(plugins.registry("architecture").names())
         set_plugins(plugins)
         ck = load_checkpoint(str(folder))
         assert ck.args.arch == "my-llama" and ck.args.rope_scaling is not None
@@ -442,7 +611,7 @@ def test_fdx_plugins_lists_the_architectures() -> None:
     out = subprocess.run([sys.executable, "-m", "fdx", "plugins"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = {tuple(ln.split()[:2]) for ln in out.stdout.splitlines()}
-    assert {("architecture", n) for n in ("llama", "qwen2", "qwen3", "mistral", "phi3", "qwen3_moe", "mixtral")} <= rows, out.stdout
+    assert {("architecture", n) for n in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral")} <= rows, out.stdout
 
 
 # --------------------------------------------------------------------------

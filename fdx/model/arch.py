@@ -70,6 +70,15 @@ class LongRopeScaling:
 
 
 @attrs.frozen
+class LinearRopeScaling:
+    """Position interpolation (``rope_type: linear``): every rotary frequency
+    divided by ``factor`` (Gemma 3's global layers)."""
+
+    rope_type: str
+    factor: float
+
+
+@attrs.frozen
 class ModelArgs:
     """Geometry and recipe of a decoder-only Llama-family transformer.
 
@@ -77,8 +86,28 @@ class ModelArgs:
     are ``[out, in]`` and q/k rows are in HF order (NEOX "rotate_half" RoPE).
     ``qk_norm``: a per-head RMSNorm (weights ``[head_dim]``) on q and k,
     before RoPE (Qwen3).  ``sliding_window``: the attention window the
-    checkpoint declares (``None``: full attention); fdx serves it only when
-    no sequence can outgrow it.
+    checkpoint declares for every layer (``None``: full attention); fdx
+    serves it only when no sequence can outgrow it (Mistral, Phi-3).
+
+    Gemma's quirks (all off by default: the Llama maths, the fused C++ paths):
+
+    * ``mlp_act``: the gate's activation, ``"silu"`` (SwiGLU) or ``"gelu_tanh"``
+      (GeGLU: tanh-approximated GELU);
+    * ``embed_scale``: the embedding rows are multiplied by it (``sqrt(hidden_size)``);
+    * ``sandwich_norms``: an RMSNorm on the attention output and on the MLP
+      output before each joins the residual (the layer's ``post_attn_norm``
+      and ``post_ffn_norm``).  Gemma's ``(1 + w)`` norm weights are folded to
+      ``1 + w`` by the loader, so every norm here is the plain ``x * w`` one;
+    * ``attn_scale``: the score scale (``query_pre_attn_scalar ** -0.5``;
+      ``None``: ``head_dim ** -0.5``);
+    * ``attn_softcap`` / ``final_softcap``: ``c * tanh(x / c)`` of the scaled
+      attention scores (before the mask) and of the logits;
+    * ``layer_windows``: per layer, the sliding window (``0``: global
+      attention) a query attends over -- keys at ``pos - window < j <= pos``
+      (transformers' ``sliding_window_causal_mask_function``); empty: every
+      layer global.  Honoured in the attention, so any context length serves;
+    * ``rope_local_theta``: the rope base of the windowed layers (Gemma 3;
+      ``None``: ``rope_theta``).
     """
 
     arch: str
@@ -95,8 +124,25 @@ class ModelArgs:
     tie_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
-    rope_scaling: RopeScaling | LongRopeScaling | None = None
+    rope_scaling: RopeScaling | LongRopeScaling | LinearRopeScaling | None = None
     sliding_window: int | None = None
+    mlp_act: str = "silu"
+    embed_scale: float | None = None
+    sandwich_norms: bool = False
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    layer_windows: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
+
+    @property
+    def gemma_fields(self) -> tuple[str, ...]:
+        """The Gemma fields set away from their Llama defaults (the fused C++
+        layer op and the GPU runner compute none of them)."""
+        d = {f.name: f.default for f in attrs.fields(ModelArgs)}
+        names = ("mlp_act", "embed_scale", "sandwich_norms", "attn_scale", "attn_softcap", "final_softcap",
+                 "layer_windows", "rope_local_theta")
+        return tuple(n for n in names if getattr(self, n) != d[n])
     #: mixture of experts (:mod:`fdx.model.moe`); ``num_experts == 0``: every
     #: layer has a dense MLP of ``intermediate_size``.  Otherwise every layer's
     #: MLP is ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``,
@@ -118,6 +164,9 @@ class ModelArgs:
 
     def describe(self) -> str:
         extra = "".join((" qk-norm" if self.qk_norm else "", f" rope={self.rope_scaling.rope_type}" if self.rope_scaling else "",
+                         f" mlp={self.mlp_act}" if self.mlp_act != "silu" else "",
+                         f" softcap={self.attn_softcap}/{self.final_softcap}" if self.attn_softcap or self.final_softcap else "",
+                         f" windows={'/'.join(map(str, self.layer_windows))}" if any(self.layer_windows) else "",
                          f" moe={self.num_experts}x{self.moe_intermediate_size}/top{self.num_experts_per_tok}"
                          if self.num_experts else ""))
         return (
@@ -126,14 +175,20 @@ class ModelArgs:
         )
 
 
-def rope_inv_freq(args: ModelArgs) -> np.ndarray:
+def rope_inv_freq(args: ModelArgs, local: bool = False) -> np.ndarray:
     """The ``head_dim / 2`` rotary frequencies (float64), rope scaling applied.
-    Both runners build their cos/sin tables from this."""
+    Both runners build their cos/sin tables from this.  ``local``: those of
+    the windowed layers (``rope_local_theta``, unscaled: Gemma 3)."""
     half = args.head_dim // 2
-    inv = 1.0 / (args.rope_theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / args.head_dim))
+    theta = args.rope_local_theta if local and args.rope_local_theta is not None else args.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / args.head_dim))
+    if local:
+        return inv
     rs = args.rope_scaling
     if rs is None:
         return inv
+    if isinstance(rs, LinearRopeScaling):
+        return inv / rs.factor
     if isinstance(rs, LongRopeScaling):  # the short factors (see LongRopeScaling)
         if len(rs.short_factor) != half:
             raise ValueError(f"longrope short_factor has {len(rs.short_factor)} entries, head_dim / 2 = {half}")
@@ -150,9 +205,9 @@ def rope_inv_freq(args: ModelArgs) -> np.ndarray:
     return np.where(medium, mid, scaled)
 
 
-def rope_angles(args: ModelArgs, max_pos: int) -> np.ndarray:
+def rope_angles(args: ModelArgs, max_pos: int, local: bool = False) -> np.ndarray:
     """``[max_pos, head_dim / 2]`` rotary angles (float64) of positions ``0..max_pos-1``."""
-    return np.arange(max_pos, dtype=np.float64)[:, None] * rope_inv_freq(args)[None, :]
+    return np.arange(max_pos, dtype=np.float64)[:, None] * rope_inv_freq(args, local)[None, :]
 
 
 # --------------------------------------------------------------------------
@@ -183,6 +238,9 @@ class WeightNames:
     bv: str = ""
     q_norm: str = ""
     k_norm: str = ""
+    #: Gemma's sandwich norms: on the attention output and on the MLP output
+    post_attn_norm: str = ""
+    post_ffn_norm: str = ""
     #: fused projections (Phi-3): ``wqkv`` rows are q, k, v in that order,
     #: ``w_gate_up`` rows gate then up; the loader splits them, and
     #: ``wq``/``wk``/``wv`` (``w_gate``/``w_up``) are then empty
@@ -225,7 +283,7 @@ GGUF_LLAMA_WEIGHTS = WeightNames(
 
 
 #: the values of each :class:`LayerRecipe` variant field the model code implements
-IMPLEMENTED_RECIPE = {"norm": ("rms",), "mlp": ("swiglu", "moe"), "rope": ("neox",)}
+IMPLEMENTED_RECIPE = {"norm": ("rms", "rms_1p"), "mlp": ("swiglu", "geglu", "moe"), "rope": ("neox",)}
 
 
 @attrs.frozen
@@ -236,12 +294,24 @@ class LayerRecipe:
     ``qkv_bias``: the q/k/v projections always carry biases (Qwen2; other
     architectures take them when the config's ``attention_bias`` says so).
     ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3).
-    ``norm``/``mlp``/``rope`` name the variants fdx implements today
-    (``rms``; ``swiglu``, or ``moe``: routed SwiGLU experts in every layer;
-    ``neox``: rotate_half over the whole head); they are fields so a new
-    variant is a new value, checked at load.  ``moe_renormalize``: the
-    top-k router weights always sum to 1 (Mixtral; other MoE architectures
-    take it from the config's ``norm_topk_prob``).
+    ``norm``/``mlp``/``rope`` name the variants fdx implements
+    (:data:`IMPLEMENTED_RECIPE`: ``rms``, or Gemma's ``rms_1p`` whose weights
+    are stored as ``w`` and applied as ``1 + w`` (folded at load);
+    ``swiglu``, ``geglu`` (Gemma's tanh-GELU gate), or ``moe``: routed SwiGLU
+    experts in every layer; ``neox``: rotate_half over the whole head); they
+    are fields so a new variant is a new value, checked at load.
+    ``moe_renormalize``: the top-k router weights always sum to 1 (Mixtral;
+    other MoE architectures take it from the config's ``norm_topk_prob``).
+    ``sandwich_norms``: RMSNorms after attention and after the MLP too
+    (Gemma 2/3).  ``embed_scale``: embeddings scaled by ``sqrt(hidden_size)``.
+    ``window_pattern`` (non-zero: Gemma 2/3): the config's ``layer_types``
+    (``sliding_attention`` / ``full_attention``) pick each layer's window;
+    without them every ``window_pattern``-th layer is global (the config
+    class's default, overridden by ``sliding_window_pattern``).  Zero:
+    ``sliding_window``, where read, covers every layer (Mistral).
+    ``local_rope``: the rope parameters are per layer type (Gemma 3:
+    ``rope_parameters.sliding_attention`` / v4's ``rope_local_base_freq``
+    for the windowed layers, ``full_attention`` for the global ones).
     """
 
     qkv_bias: bool = False
@@ -250,6 +320,10 @@ class LayerRecipe:
     mlp: str = "swiglu"
     rope: str = "neox"
     moe_renormalize: bool = False
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    window_pattern: int = 0
+    local_rope: bool = False
 
     def unimplemented(self) -> str | None:
         """The first variant field whose value the model code lacks, as ``"field=value"``."""

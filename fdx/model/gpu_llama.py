@@ -25,6 +25,14 @@ per step:
   variable-length flash kernel (**GPU-only**; ``flash_attn_unpadded``);
 * ``plain`` groups run a padded, masked attention in plain Paddle (any
   place; softmax in float32) -- the path the CPU tests exercise.
+
+Gemma (``ModelArgs.gemma_fields``) adds, as the CPU model does: the
+embedding scale (in the weights' dtype, as transformers), the sandwich
+norms, GeGLU, the windowed layers' own rope tables (Gemma 3) and the final
+soft-cap (on the float32 logits).  Soft-capped scores and sliding windows
+are computed only by the ``plain`` groups (the flash kernel has neither), so
+such a model plans every sequence there (:attr:`GPULlama.plain_attention`),
+with one mask per window.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import numpy as np
 from fdx.core.errors import ModelLoadError
 from fdx.model.arch import ModelArgs, rope_angles
 from fdx.model.fused_kernels import Kernels
-from fdx.model.llama import check_layer, check_shape, qkv_bias
+from fdx.model.llama import check_layer, check_shape, geglu, qkv_bias
 
 
 @attrs.define
@@ -60,6 +68,7 @@ class AttnGroup:
     rowmap: Any = None  # [S*qmax] token row per padded query slot
     valid: Any = None  # padded query slots that are real tokens
     mask: Any = None  # [S, 1, qmax*G, lmax] additive
+    window_masks: Any = None  # {window: mask} of the windowed layers (Gemma)
     S: int = 0
     qmax: int = 0
     lmax: int = 0
@@ -76,6 +85,8 @@ class GPUStep:
     groups: list[AttnGroup]
     sample_rows: Any | None
     num_tokens: int
+    cos_local: Any = None  # the windowed layers' tables (ModelArgs.rope_local_theta)
+    sin_local: Any = None
 
 
 @attrs.define
@@ -89,12 +100,15 @@ class GPULayer:
     w_down: Any
     q_norm: Any | None = None  # per-head q/k RMSNorm [head_dim] (ModelArgs.qk_norm)
     k_norm: Any | None = None
+    post_attn_norm: Any | None = None  # Gemma's sandwich norms (ModelArgs.sandwich_norms)
+    post_ffn_norm: Any | None = None
 
 
-def rope_tables(args: ModelArgs, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(args: ModelArgs, max_pos: int, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``([cos, cos], [sin, sin])`` rows ``[max_pos, head_dim]`` (float32), rope
-    scaling applied (:func:`fdx.model.arch.rope_angles`, as the CPU model)."""
-    ang = rope_angles(args, max_pos)
+    scaling applied (:func:`fdx.model.arch.rope_angles`, as the CPU model;
+    ``local``: the windowed layers' base)."""
+    ang = rope_angles(args, max_pos, local)
     cos, sin = np.cos(ang), np.sin(ang)
     return (np.concatenate([cos, cos], axis=1).astype(np.float32),
             np.concatenate([sin, sin], axis=1).astype(np.float32))
@@ -110,10 +124,16 @@ class GPULlama:
         self.dtype = dtype
         self.kernels = kernels
         self.max_pos = max_pos
-        self.scale = 1.0 / math.sqrt(args.head_dim)
+        self.scale = args.attn_scale if args.attn_scale is not None else 1.0 / math.sqrt(args.head_dim)
         cos, sin = rope_tables(args, max_pos)
         self.cos = paddle.to_tensor(cos).astype(dtype)
         self.sin = paddle.to_tensor(sin).astype(dtype)
+        self.cos_local = self.sin_local = None
+        if args.rope_local_theta is not None:
+            cos, sin = rope_tables(args, max_pos, local=True)
+            self.cos_local, self.sin_local = paddle.to_tensor(cos).astype(dtype), paddle.to_tensor(sin).astype(dtype)
+        #: soft-capped scores or sliding windows: every sequence in a ``plain`` group
+        self.plain_attention = bool(args.attn_softcap or any(args.layer_windows))
         self.layers: list[GPULayer] = []
         self.embed: Any | None = None
         self.final_norm: Any | None = None
@@ -167,6 +187,8 @@ class GPULlama:
                 w_down=self._t(lw.w_down.T),
                 q_norm=self._t(lw.q_norm) if a.qk_norm else None,
                 k_norm=self._t(lw.k_norm) if a.qk_norm else None,
+                post_attn_norm=self._t(lw.post_attn_norm) if a.sandwich_norms else None,
+                post_ffn_norm=self._t(lw.post_ffn_norm) if a.sandwich_norms else None,
             ))
         if len(layers) != a.num_layers:
             raise ModelLoadError(f"{ckpt.source.path}: expected {a.num_layers} layers, got {len(layers)}")
@@ -201,8 +223,12 @@ class GPULlama:
         H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
         T = step.num_tokens
         x = F.embedding(step.ids, self.embed)
+        if a.embed_scale is not None:  # Gemma: sqrt(hidden_size) in the weights' dtype, as transformers
+            x = x * paddle.to_tensor(a.embed_scale, dtype="float32").astype(x.dtype)
+        mlp = k.swiglu if a.mlp_act == "silu" else geglu
         residual = None
-        for layer, cache in zip(self.layers, caches):
+        windows = a.layer_windows or (0,) * len(self.layers)  # each layer's sliding window (0: global)
+        for layer, cache, window in zip(self.layers, caches, windows):
             h, residual = k.rms_norm(x, layer.attn_norm, eps, residual)
             qkv = paddle.matmul(h, layer.w_qkv)
             if layer.b_qkv is not None:
@@ -211,15 +237,20 @@ class GPULlama:
             if layer.q_norm is not None:  # per-head q/k RMSNorm, before RoPE (Qwen3)
                 q = k.rms_norm(q.reshape([T * H, D]), layer.q_norm, eps)[0]
                 kk = k.rms_norm(kk.reshape([T * KV, D]), layer.k_norm, eps)[0]
-            q, kk = k.rope(q.reshape([T, H, D]), kk.reshape([T, KV, D]), step.cos, step.sin)
+            cos, sin = (step.cos_local, step.sin_local) if window and step.cos_local is not None else (step.cos, step.sin)
+            q, kk = k.rope(q.reshape([T, H, D]), kk.reshape([T, KV, D]), cos, sin)
             v = v.reshape([T, KV, D])
             half = int(cache.shape[0]) // 2
             paddle.scatter_(cache, step.write_rows, kk.reshape([T * KV, D]), overwrite=True)
             paddle.scatter_(cache, step.write_rows + half, v.reshape([T * KV, D]), overwrite=True)
-            o = self._attention(step, q, cache, half)
+            o = self._attention(step, q, cache, half, window)
             x = paddle.matmul(o, layer.w_o)
+            if layer.post_attn_norm is not None:
+                x = k.rms_norm(x, layer.post_attn_norm, eps)[0]
             h, residual = k.rms_norm(x, layer.ffn_norm, eps, residual)
-            x = paddle.matmul(k.swiglu(paddle.matmul(h, layer.w_gate_up)), layer.w_down)
+            x = paddle.matmul(mlp(paddle.matmul(h, layer.w_gate_up)), layer.w_down)
+            if layer.post_ffn_norm is not None:
+                x = k.rms_norm(x, layer.post_ffn_norm, eps)[0]
         if step.sample_rows is None:
             return None
         if int(step.sample_rows.shape[0]) != T:
@@ -230,9 +261,12 @@ class GPULlama:
             logits = paddle.matmul(h, self.lm_head)
         else:
             logits = paddle.matmul(h, self.embed, transpose_y=True)
-        return logits if logits.dtype == paddle.float32 else logits.astype("float32")
+        logits = logits if logits.dtype == paddle.float32 else logits.astype("float32")
+        if a.final_softcap is not None:
+            logits = paddle.tanh(logits / a.final_softcap) * a.final_softcap
+        return logits
 
-    def _attention(self, step: GPUStep, q: Any, cache: Any, half: int) -> Any:
+    def _attention(self, step: GPUStep, q: Any, cache: Any, half: int, window: int = 0) -> Any:
         """``[T, H*D]`` attention output of every token row."""
         import paddle
 
@@ -248,7 +282,7 @@ class GPULlama:
                 o = self.kernels.varlen_attention(qg, kg, vg, g.cu_q, g.cu_k, g.max_q, g.max_k, self.scale, g.causal)
                 outs.append(o.reshape([-1, H * D]))
             else:
-                outs.append(self._plain_attention(g, qg, cache, half))
+                outs.append(self._plain_attention(g, qg, cache, half, window))
         if len(step.groups) == 1 and step.groups[0].rows is None:
             return outs[0]
         out = paddle.zeros([T, H * D], dtype=q.dtype)
@@ -256,9 +290,10 @@ class GPULlama:
             paddle.scatter_(out, g.rows, o, overwrite=True)
         return out
 
-    def _plain_attention(self, g: AttnGroup, q: Any, cache: Any, half: int) -> Any:
+    def _plain_attention(self, g: AttnGroup, q: Any, cache: Any, half: int, window: int = 0) -> Any:
         """Padded causal attention over the group's block tables (plain
-        Paddle; scores and softmax in float32)."""
+        Paddle; scores and softmax in float32; Gemma: the scores soft-capped,
+        a windowed layer's own mask)."""
         import paddle
         import paddle.nn.functional as F
 
@@ -273,7 +308,12 @@ class GPULlama:
         sc = paddle.matmul(qp, kk, transpose_y=True)
         if sc.dtype != paddle.float32:
             sc = sc.astype("float32")
-        p = F.softmax(sc * self.scale + g.mask, axis=-1)
+        cap = self.args.attn_softcap
+        if cap is None:
+            p = F.softmax(sc * self.scale + (g.window_masks[window] if window else g.mask), axis=-1)
+        else:
+            sc = sc * self.scale
+            p = F.softmax(paddle.tanh(sc / cap) * cap + (g.window_masks[window] if window else g.mask), axis=-1)
         if vv.dtype != paddle.float32:
             p = p.astype(vv.dtype)
         o = paddle.matmul(p, vv)  # [S, KV, qmax*G, D]
@@ -288,18 +328,21 @@ class GPULlama:
 
 def plan_groups(
     kernels: Kernels, q_lens: np.ndarray, starts: np.ndarray, tables: np.ndarray,
-    num_kv_heads: int, block_size: int, group_size: int,
+    num_kv_heads: int, block_size: int, group_size: int, plain_only: bool = False,
+    windows: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
     """Split a step's sequences into attention groups (as numpy dicts; the
     runner uploads them).  With a bottom-right-causal flash kernel: one
     ``varlen`` group.  With a top-left one: decode rows (causal off) and
     chunks from position 0 go to flash, the rest to ``plain``.  Without
-    flash: one ``plain`` group."""
+    flash, or ``plain_only`` (Gemma's caps and windows): one ``plain`` group,
+    with a mask per non-zero entry of ``windows`` too."""
     S = len(q_lens)
     q_starts = np.zeros(S, dtype=np.int64)
     np.cumsum(q_lens[:-1], out=q_starts[1:])
-    if kernels.varlen_attention is None:
-        return [_plain(np.arange(S), None, q_lens, starts, q_starts, tables, num_kv_heads, block_size, group_size)]
+    if kernels.varlen_attention is None or plain_only:
+        return [_plain(np.arange(S), None, q_lens, starts, q_starts, tables, num_kv_heads, block_size, group_size,
+                       windows)]
     if kernels.causal_alignment == "bottom_right":
         return [_varlen(np.arange(S), None, q_lens, starts, q_starts, tables, num_kv_heads, block_size, True)]
     out = []
@@ -343,7 +386,8 @@ def _varlen(seqs: np.ndarray, rows: np.ndarray | None, q_lens: np.ndarray, start
 
 
 def _plain(seqs: np.ndarray, rows: np.ndarray | None, q_lens: np.ndarray, starts: np.ndarray,
-           q_starts: np.ndarray, tables: np.ndarray, KV: int, bs: int, G: int) -> dict[str, Any]:
+           q_starts: np.ndarray, tables: np.ndarray, KV: int, bs: int, G: int,
+           windows: tuple[int, ...] = ()) -> dict[str, Any]:
     S = len(seqs)
     ql, st = q_lens[seqs], starts[seqs]
     ctx = st + ql
@@ -363,8 +407,13 @@ def _plain(seqs: np.ndarray, rows: np.ndarray | None, q_lens: np.ndarray, starts
         qpos[i, :n] = np.arange(st[i], st[i] + n)
     valid = np.flatnonzero((qpos >= 0).reshape(-1))
     allowed = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
-    mask = np.where(allowed, 0.0, -1e30).astype(np.float32)
-    mask = np.repeat(mask[:, :, None, :], G, axis=2).reshape(S, 1, qmax * G, lmax)
+
+    def additive(ok: np.ndarray) -> np.ndarray:
+        mask = np.where(ok, 0.0, -1e30).astype(np.float32)
+        return np.repeat(mask[:, :, None, :], G, axis=2).reshape(S, 1, qmax * G, lmax)
+
+    # a windowed query sees keys pos - window < j <= pos (as the CPU model)
+    wm = {w: additive(allowed & (j[None, None, :] > qpos[:, :, None] - w)) for w in set(windows) - {0}}
     return dict(kind="plain", rows=rows, pad_rows=pad_rows, rowmap=rowmap.reshape(-1), valid=valid,
-                mask=mask, S=S, qmax=qmax, lmax=lmax)
+                mask=additive(allowed), S=S, qmax=qmax, lmax=lmax, window_masks=wm or None)
 

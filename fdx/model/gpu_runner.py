@@ -165,8 +165,12 @@ class GPUModelRunner(PagedRunnerBase):
 
         t = paddle.to_tensor
         groups = []
-        for g in plan_groups(self.kernels, layout.q_lens, layout.starts, tables, KV, bs, a.num_heads // KV):
+        m = self.model
+        for g in plan_groups(self.kernels, layout.q_lens, layout.starts, tables, KV, bs, a.num_heads // KV,
+                             plain_only=m.plain_attention, windows=a.layer_windows):
             up = {k: (t(v) if isinstance(v, np.ndarray) else v) for k, v in g.items()}
+            if up.get("window_masks"):
+                up["window_masks"] = {w: t(v) for w, v in up["window_masks"].items()}
             groups.append(AttnGroup(**up))
         pos_t = t(pos)
         step = GPUStep(
@@ -177,6 +181,8 @@ class GPUModelRunner(PagedRunnerBase):
             groups=groups,
             sample_rows=t(rows) if len(rows) else None,
             num_tokens=len(layout.ids),
+            cos_local=None if m.cos_local is None else paddle.index_select(m.cos_local, pos_t).unsqueeze(1),
+            sin_local=None if m.sin_local is None else paddle.index_select(m.sin_local, pos_t).unsqueeze(1),
         )
         with paddle.no_grad():
             return self.model.forward(step, self.caches)

@@ -21,6 +21,13 @@ Mixtral): the layer's MLP is a :class:`fdx.model.moe.MoeBlock` (router,
 tokens grouped by expert, one matmul pair per expert), the rest of the
 layer unchanged.
 
+Gemma (``ModelArgs.gemma_fields``) takes the per-layer path too, with a few
+local additions: the embedding scale, a norm on the attention and on the MLP
+output (sandwich norms, the same RMSNorm op), GeGLU in place of SwiGLU
+(Paddle's tanh GELU), and a soft-capped logit.  Soft-capped scores, sliding
+windows and a second rope base are computed by the pure-Paddle attention
+(:attr:`LlamaModel.paddle_attention`); the C++ ops run only Llama's maths.
+
 Attention (RoPE, KV-cache write, paged causal attention) is either the C++
 op ``fdx_paged_attention`` (fdx/csrc/) or an equivalent pure-Paddle fallback.
 Both read K/V only through the per-sequence block tables.
@@ -139,6 +146,10 @@ class Layer:
     # per-head q/k RMSNorm weights [head_dim] (ModelArgs.qk_norm)
     q_norm: paddle.Tensor | None = None
     k_norm: paddle.Tensor | None = None
+    # Gemma: sandwich norms [hidden] (ModelArgs.sandwich_norms), the attention window (0: global)
+    post_attn_norm: paddle.Tensor | None = None
+    post_ffn_norm: paddle.Tensor | None = None
+    window: int = 0
     # mixture of experts: the layer's MLP (the w/q/p gate_up and down are then None)
     moe: MoeBlock | None = None
 
@@ -160,6 +171,7 @@ def check_layer(lw: LayerWeights, a: ModelArgs, i: int, path: str) -> None:
         ("wq", (q, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q)), *mlp,
         ("attn_norm", (h,)), ("ffn_norm", (h,)),
         *((("q_norm", (a.head_dim,)), ("k_norm", (a.head_dim,))) if a.qk_norm else ()),
+        *((("post_attn_norm", (h,)), ("post_ffn_norm", (h,))) if a.sandwich_norms else ()),
     ):
         check_shape(getattr(lw, name), shape, f"layer {i} {name}", path)
 
@@ -176,14 +188,22 @@ def qkv_bias(lw: LayerWeights, a: ModelArgs) -> np.ndarray | None:
     ]).astype(np.float32)
 
 
+def geglu(gate_up: paddle.Tensor) -> paddle.Tensor:
+    """``gelu_tanh(gate) * up`` of a ``[T, 2F]`` gate|up product (Gemma's MLP;
+    element-wise, so row by row as SwiGLU)."""
+    gate, up = paddle.split(gate_up, 2, axis=-1)
+    return F.gelu(gate, approximate=True) * up
+
+
 def _to_paddle(p: PackedWeight) -> PackedWeight:
     return PackedWeight(paddle.to_tensor(p.data), p.kind, p.n_out)
 
 
-def rope_table(args: ModelArgs, max_pos: int) -> np.ndarray:
+def rope_table(args: ModelArgs, max_pos: int, local: bool = False) -> np.ndarray:
     """``[max_pos, head_dim]``: cos in the first half, sin in the second
-    (rope scaling applied: :func:`fdx.model.arch.rope_angles`)."""
-    ang = rope_angles(args, max_pos)
+    (rope scaling applied: :func:`fdx.model.arch.rope_angles`; ``local``:
+    the windowed layers' base)."""
+    ang = rope_angles(args, max_pos, local)
     return np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
 
 
@@ -211,7 +231,7 @@ class LlamaModel:
         from fdx.model.native import has_avx512
 
         self.fused_norm = not paddle.get_device().startswith("cpu") or has_avx512()
-        self.scale = 1.0 / math.sqrt(args.head_dim)
+        self.scale = args.attn_scale if args.attn_scale is not None else 1.0 / math.sqrt(args.head_dim)
         rt = rope_table(args, max_pos)
         self.rope = paddle.to_tensor(rt)
         self._no_residual = paddle.zeros([0], dtype="float32")
@@ -219,6 +239,13 @@ class LlamaModel:
         # fallback tables: x*cos_full + roll(x, half)*sin_signed == rotate_half RoPE
         self._cos_full = paddle.to_tensor(np.concatenate([rt[:, :half], rt[:, :half]], axis=1))
         self._sin_signed = paddle.to_tensor(np.concatenate([-rt[:, half:], rt[:, half:]], axis=1))
+        if args.rope_local_theta is not None:  # the windowed layers' rope base (Gemma 3)
+            lt = rope_table(args, max_pos, local=True)
+            self._cos_local = paddle.to_tensor(np.concatenate([lt[:, :half], lt[:, :half]], axis=1))
+            self._sin_local = paddle.to_tensor(np.concatenate([-lt[:, half:], lt[:, half:]], axis=1))
+        #: the attention is the pure-Paddle one: the C++ op has no soft-capping,
+        #: sliding window or second rope base
+        self.paddle_attention = bool(args.attn_softcap or any(args.layer_windows) or args.rope_local_theta)
         self.layers: list[Layer] = []
         self.embed: paddle.Tensor | None = None
         self.final_norm: paddle.Tensor | None = None
@@ -232,6 +259,7 @@ class LlamaModel:
         #: layer); ``False`` keeps the per-layer path (tests compare the two)
         self.fused_layers = (native_ops is not None and hasattr(native_ops, "fdx_decoder_layers")
                              and not args.qk_norm  # the op has no q/k norm
+                             and not args.gemma_fields  # nor any of Gemma's additions
                              and not args.num_experts  # nor experts
                              and comm is None)  # nor the all-reduces of tensor parallelism
         self._stack: tuple[Any, ...] | None = None
@@ -307,7 +335,7 @@ class LlamaModel:
         a = self.args
         check_layer(lw, a, i, path)
         if self.mode in PACKED_MODES:
-            return self._pack_layer(lw)
+            return self._pack_layer(lw, i)
         w_qkv = np.concatenate([lw.wq, lw.wk, lw.wv], axis=0).T
         b_qkv = qkv_bias(lw, a)
         moe = build_moe(lw, a, self.mode) if a.num_experts else None
@@ -333,16 +361,21 @@ class LlamaModel:
             q_o=fuse("wo"),
             q_gate_up=fuse("w_gate", "w_up"),
             q_down=fuse("w_down"),
-            **self._qk_norms(lw),
+            **self._layer_extras(lw, i),
         )
 
-    def _qk_norms(self, lw: LayerWeights) -> dict[str, paddle.Tensor | None]:
-        if not self.args.qk_norm:
-            return {}
+    def _layer_extras(self, lw: LayerWeights, i: int) -> dict[str, Any]:
+        """The optional parts of layer ``i``: q/k norms, sandwich norms, its window."""
+        a = self.args
         t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
-        return {"q_norm": t(lw.q_norm), "k_norm": t(lw.k_norm)}
+        out: dict[str, Any] = {"window": a.layer_windows[i]} if a.layer_windows else {}
+        if a.qk_norm:
+            out.update(q_norm=t(lw.q_norm), k_norm=t(lw.k_norm))
+        if a.sandwich_norms:
+            out.update(post_attn_norm=t(lw.post_attn_norm), post_ffn_norm=t(lw.post_ffn_norm))
+        return out
 
-    def _pack_layer(self, lw: LayerWeights) -> Layer:
+    def _pack_layer(self, lw: LayerWeights, i: int) -> Layer:
         """Packed modes: the layer's matmuls packed for ``fdx_qgemm`` -- bfloat16:
         the float weights rounded to bf16; int8: the GGUF's own blocks where
         q|k|v and gate|up share a kernel type, else the float weights
@@ -365,7 +398,7 @@ class LlamaModel:
             ffn_norm=t(lw.ffn_norm), w_gate_up=None, w_down=None, moe=moe,
             p_qkv=pack("wq", "wk", "wv"), p_o=pack("wo"),
             p_gate_up=None if moe else pack("w_gate", "w_up"), p_down=None if moe else pack("w_down"),
-            **self._qk_norms(lw),
+            **self._layer_extras(lw, i),
         )
 
     # ------------------------------------------------------------------ forward
@@ -374,14 +407,14 @@ class LlamaModel:
         """Run the step; return logits ``[len(sample_rows), V]`` (or None)."""
         a = self.args
         eps = a.rms_eps
-        attend: Callable[[paddle.Tensor, paddle.Tensor], paddle.Tensor]
-        if self.ops is not None:
+        attend: Callable[[paddle.Tensor, paddle.Tensor, Layer], paddle.Tensor]
+        if self.ops is not None and not self.paddle_attention:
             op = self.ops.fdx_paged_attention
             H, KV = a.num_heads, a.num_kv_heads
             bs = int(caches[0].shape[3])
             meta, tables, rope, scale = step.meta, step.tables, self.rope, self.scale
 
-            def attend(qkv: paddle.Tensor, cache: paddle.Tensor) -> paddle.Tensor:
+            def attend(qkv: paddle.Tensor, cache: paddle.Tensor, layer: Layer) -> paddle.Tensor:
                 return op(qkv, cache, rope, meta, tables, H, KV, bs, scale)
         else:
             attend = self._fallback_attention(step, int(caches[0].shape[3]))
@@ -422,6 +455,9 @@ class LlamaModel:
                     x = x + res
                 return x * paddle.rsqrt(paddle.mean(x * x, axis=-1, keepdim=True) + eps) * w, x
 
+        if a.mlp_act == "gelu_tanh":  # Gemma: in place of SwiGLU
+            swiglu = geglu
+
         H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
 
         def qk_norm(qkv: paddle.Tensor, layer: Layer) -> paddle.Tensor:
@@ -439,6 +475,8 @@ class LlamaModel:
             mine = paddle.logical_and(local >= 0, local < self.args.vocab_size)
             x = F.embedding(paddle.where(mine, local, paddle.zeros_like(local)), self.embed)
             x = comm.all_reduce(x * mine.astype("float32").unsqueeze(1))
+        if a.embed_scale is not None:  # Gemma: sqrt(hidden_size), in float32 as transformers
+            x = x * a.embed_scale
         residual = None
         if packed and self.fused_layers:  # every layer in one op call: the same kernels, the same bits
             an, wq, bq, wo, fn, wgu, wd, kinds = self._layer_stack()
@@ -453,9 +491,11 @@ class LlamaModel:
                     qkv = qkv + layer.b_qkv
                 if layer.q_norm is not None:
                     qkv = qk_norm(qkv, layer)
-                x = linear(attend(qkv, cache), layer.w_o, layer.q_o, layer.p_o)
+                x = linear(attend(qkv, cache, layer), layer.w_o, layer.q_o, layer.p_o)
                 if comm is not None:  # row-parallel o: sum the ranks' partial products
                     x = comm.all_reduce(x)
+                if layer.post_attn_norm is not None:  # Gemma's sandwich norm, before the residual
+                    x = add_norm(x, None, layer.post_attn_norm)[0]
                 h, residual = add_norm(x, residual, layer.ffn_norm)
                 if layer.moe is not None:
                     x = layer.moe(h, swiglu, qgemm)
@@ -464,6 +504,8 @@ class LlamaModel:
                                layer.q_down, layer.p_down)
                 if comm is not None:  # row-parallel down
                     x = comm.all_reduce(x)
+                if layer.post_ffn_norm is not None:
+                    x = add_norm(x, None, layer.post_ffn_norm)[0]
         if step.sample_rows is None:
             return None
         R = int(step.sample_rows.shape[0])
@@ -472,6 +514,8 @@ class LlamaModel:
             residual = paddle.index_select(residual, step.sample_rows)
         h, _ = add_norm(x, residual, self.final_norm)
         logits = self._lm_head(h, R, qgemm)
+        if a.final_softcap is not None:  # Gemma: element-wise, so per vocab shard too
+            logits = paddle.tanh(logits / a.final_softcap) * a.final_softcap
         if comm is None:
             return logits
         full = comm.gather(logits)  # vocab-parallel: rank 0 gets every rank's columns
@@ -521,8 +565,17 @@ class LlamaModel:
                 qpos[s, :n] = pos[n0 : n0 + n]
             valid_idx = np.flatnonzero((qpos >= 0).reshape(-1))
             allowed = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < step.ctx_lens[:, None, None])
-            mask = np.where(allowed, 0.0, -1e30).astype(np.float32)  # [S, qmax, lmax]
-            mask = np.repeat(mask[:, :, None, :], G, axis=2).reshape(S, 1, qmax * G, lmax)
+
+            def additive(ok: np.ndarray) -> paddle.Tensor:
+                mask = np.where(ok, 0.0, -1e30).astype(np.float32)  # [S, qmax, lmax]
+                return paddle.to_tensor(np.repeat(mask[:, :, None, :], G, axis=2).reshape(S, 1, qmax * G, lmax))
+
+            # per window (0: global): a windowed query sees keys pos - window < j <= pos
+            masks = {w: additive(allowed & (j[None, None, :] > qpos[:, :, None] - w) if w else allowed)
+                     for w in {0, *a.layer_windows}}
+            if a.rope_local_theta is not None:
+                fb.update(cos_l=paddle.index_select(self._cos_local, paddle.to_tensor(pos)).unsqueeze(1),
+                          sin_l=paddle.index_select(self._sin_local, paddle.to_tensor(pos)).unsqueeze(1))
             fb.update(
                 T=T, S=S, qmax=qmax, lmax=lmax,
                 cos=paddle.index_select(self._cos_full, paddle.to_tensor(pos)).unsqueeze(1),
@@ -531,14 +584,17 @@ class LlamaModel:
                 read_rows=paddle.to_tensor(read_rows),
                 rowmap=paddle.to_tensor(rowmap.reshape(-1)),
                 valid_idx=paddle.to_tensor(valid_idx),
-                mask=paddle.to_tensor(mask),
+                masks=masks,
             )
         half = D // 2
+        cap = a.attn_softcap
+        local = a.rope_local_theta is not None
 
-        def attend(qkv: paddle.Tensor, cache: paddle.Tensor) -> paddle.Tensor:
+        def attend(qkv: paddle.Tensor, cache: paddle.Tensor, layer: Layer) -> paddle.Tensor:
             T, S, qmax, lmax = fb["T"], fb["S"], fb["qmax"], fb["lmax"]
             qk = qkv[:, : (H + KV) * D].reshape([T, H + KV, D])
-            qk = qk * fb["cos"] + paddle.roll(qk, shifts=half, axis=-1) * fb["sin"]
+            cos, sin = (fb["cos_l"], fb["sin_l"]) if local and layer.window else (fb["cos"], fb["sin"])
+            qk = qk * cos + paddle.roll(qk, shifts=half, axis=-1) * sin
             q = qk[:, :H]
             k = qk[:, H:].reshape([T * KV, D])
             v = qkv[:, (H + KV) * D :].reshape([T * KV, D])
@@ -550,7 +606,10 @@ class LlamaModel:
             vv = paddle.index_select(flat, fb["read_rows"] + nkv).reshape([S, KV, lmax, D])
             qp = paddle.index_select(q.reshape([T, H * D]), fb["rowmap"]).reshape([S, qmax, KV, G, D])
             qp = qp.transpose([0, 2, 1, 3, 4]).reshape([S, KV, qmax * G, D])
-            sc = paddle.matmul(qp, kk, transpose_y=True) * self.scale + fb["mask"]
+            sc = paddle.matmul(qp, kk, transpose_y=True) * self.scale
+            if cap is not None:  # Gemma 2: soft-capped scores, before the mask
+                sc = paddle.tanh(sc / cap) * cap
+            sc = sc + fb["masks"][layer.window]
             o = paddle.matmul(F.softmax(sc, axis=-1), vv)  # [S, KV, qmax*G, D]
             o = o.reshape([S, KV, qmax, G, D]).transpose([0, 2, 1, 3, 4]).reshape([S * qmax, H * D])
             return paddle.index_select(o, fb["valid_idx"])

@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 
 from fdx.core.errors import ModelLoadError, PluginError
-from fdx.model.arch import Architecture, LongRopeScaling, ModelArgs, RopeScaling, WeightNames
+from fdx.model.arch import Architecture, LinearRopeScaling, LongRopeScaling, ModelArgs, RopeScaling, WeightNames
 from fdx.model.source import ModelSource, resolve
 from fdx.model.tokenizer import ModelTokenizer, tokenizer_from_gguf, tokenizer_from_hf
 
@@ -51,6 +51,9 @@ class LayerWeights:
     #: per-head q/k RMSNorm weights ``[head_dim]`` (``ModelArgs.qk_norm``)
     q_norm: np.ndarray | None = None
     k_norm: np.ndarray | None = None
+    #: Gemma's sandwich norms ``[hidden]`` (``ModelArgs.sandwich_norms``)
+    post_attn_norm: np.ndarray | None = None
+    post_ffn_norm: np.ndarray | None = None
     #: mixture of experts: router ``[E, hidden]``; experts' gate and up
     #: ``[E, moe_intermediate, hidden]``, down ``[E, hidden, moe_intermediate]``
     router: np.ndarray | None = None
@@ -161,7 +164,7 @@ def _refuse(where: str, what: str, key: str, value: Any, reason: str) -> ModelLo
 
 
 def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm: bool,
-                  num_experts: int = 0) -> tuple[set[str], set[str]]:
+                  sandwich: bool = False, num_experts: int = 0) -> tuple[set[str], set[str]]:
     """(required, optional) tensor names of a checkpoint of ``n_layers``."""
     mlp = (["router"] if num_experts else
            [*(["w_gate_up"] if names.w_gate_up else ["w_gate", "w_up"]), "w_down"])
@@ -171,6 +174,8 @@ def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm:
         per, opt = per + opt, []
     if qk_norm:
         per += ["q_norm", "k_norm"]
+    if sandwich:
+        per += ["post_attn_norm", "post_ffn_norm"]
     req = {names.embed, names.final_norm}
     optional = {names.lm_head}
     for i in range(n_layers):
@@ -183,7 +188,7 @@ def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm:
 
 def _check_tensors(where: str, present: Any, names: WeightNames, args: ModelArgs, ignore: tuple[str, ...] = ()) -> None:
     req, optional = _tensor_names(names, args.num_layers, qkv_bias=args.attention_bias, qk_norm=args.qk_norm,
-                                  num_experts=args.num_experts)
+                                  sandwich=args.sandwich_norms, num_experts=args.num_experts)
     for t in sorted(present):
         if t not in req and t not in optional and not t.endswith(ignore):
             raise ModelLoadError(f"{where}: unsupported tensor {t!r}: not part of fdx's {args.arch} architecture")
@@ -325,19 +330,39 @@ def hf_model_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> Mod
     _check_recipe(cfg_path, arch)
     # transformers >= 5 writes rope_parameters (theta inside); older configs rope_theta + rope_scaling
     rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling: RopeScaling | LongRopeScaling | None = None
+    theta_default, local_theta = 10000.0, None
+    if arch.recipe.local_rope:  # Gemma 3: the global layers' parameters; the sliding layers' base
+        rp, theta_default, local_theta = _gemma3_rope(cfg)
+    theta = float(rp.get("rope_theta", cfg.get("rope_theta", theta_default)))
+    scaling: RopeScaling | LongRopeScaling | LinearRopeScaling | None = None
     rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type == "llama3":
+    if rope_type == "linear":
+        scaling = LinearRopeScaling("linear", float(rp["factor"]))
+    elif rope_type == "llama3":
         scaling = RopeScaling("llama3", float(rp["factor"]), float(rp["low_freq_factor"]),
                               float(rp["high_freq_factor"]), int(rp["original_max_position_embeddings"]))
     elif rope_type in ("longrope", "su"):
         scaling = _longrope(rp, cfg, cfg_path)
     window_rule = arch.hf_fields.get("sliding_window")
     window = cfg.get("sliding_window") if window_rule is not None and window_rule.kind == "read" else None
+    rc = arch.recipe
     try:
         hidden = int(cfg["hidden_size"])
         n_head = int(cfg["num_attention_heads"])
+        layer_windows: tuple[int, ...] = ()
+        if rc.window_pattern:  # per-layer windows (Gemma): honoured in the attention, not refused
+            layer_windows = _layer_windows(cfg, window, rc.window_pattern, cfg_path)
+            window = None
+        gemma = dict(
+            mlp_act="gelu_tanh" if rc.mlp == "geglu" else "silu",
+            embed_scale=math.sqrt(hidden) if rc.embed_scale else None,
+            sandwich_norms=rc.sandwich_norms,
+            attn_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5 if cfg.get("query_pre_attn_scalar") else None,
+            attn_softcap=_opt_float(cfg.get("attn_logit_softcapping")),
+            final_softcap=_opt_float(cfg.get("final_logit_softcapping")),
+            layer_windows=layer_windows,
+            rope_local_theta=local_theta,
+        )
         moe = _moe_args(cfg, arch, cfg_path) if arch.recipe.mlp == "moe" else {}
         return ModelArgs(
             arch=arch.name,
@@ -357,10 +382,41 @@ def hf_model_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> Mod
             qk_norm=arch.recipe.qk_norm,
             rope_scaling=scaling,
             sliding_window=int(window) if window is not None else None,
+            **gemma,
             **moe,
         )
     except KeyError as exc:
         raise ModelLoadError(f"{cfg_path}: missing key {exc.args[0]!r}") from None
+
+
+def _gemma3_rope(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, float]:
+    """(the global layers' rope dict, their default base, the sliding layers'
+    base), from v5's per-layer-type ``rope_parameters`` or v4's
+    ``rope_scaling`` + ``rope_theta`` + ``rope_local_base_freq``
+    (``Gemma3TextConfig``'s defaults: 1e6 and 1e4)."""
+    rp = cfg.get("rope_parameters") or {}
+    if "full_attention" in rp or "sliding_attention" in rp:
+        local = rp.get("sliding_attention") or {}
+        return rp.get("full_attention") or {}, 1_000_000.0, float(local.get("rope_theta", 10_000.0))
+    return cfg.get("rope_scaling") or rp, 1_000_000.0, float(cfg.get("rope_local_base_freq", 10_000.0))
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _layer_windows(cfg: dict[str, Any], window: Any, pattern: int, cfg_path: str) -> tuple[int, ...]:
+    """Each layer's window (0: global) from ``layer_types``, else the config
+    class's default pattern: every ``sliding_window_pattern``-th layer global
+    (``pattern`` without it: Gemma 2's 2, so the even layers slide; Gemma 3's 6)."""
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = int(cfg.get("_sliding_window_pattern") or cfg.get("sliding_window_pattern") or pattern)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if "sliding_attention" in types and window is None:
+        raise ModelLoadError(f"{cfg_path}: config field 'layer_types' has sliding layers but 'sliding_window' is not set")
+    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
 
 
 def _moe_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> dict[str, Any]:
@@ -456,6 +512,13 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
             raise ModelLoadError(f"{f}: cannot read tensor {name!r} ({exc})") from None
         return _to_f32(t)
 
+    # Gemma's (1 + w) RMSNorm: fold the 1 in, so every runner's norm is x * w
+    one = np.float32(1.0) if arch.recipe.norm == "rms_1p" else None
+
+    def norm(name: str) -> np.ndarray:
+        w = get(name)
+        return w if one is None else w + one
+
     qk_scale = args.rope_scaling.attention_factor if isinstance(args.rope_scaling, LongRopeScaling) else 1.0
     if qk_scale != 1.0 and (args.qk_norm or args.attention_bias):  # the fold below would be wrong
         raise ModelLoadError(f"{cfg_path}: longrope's attention factor with q/k norm or biases is not implemented")
@@ -485,12 +548,12 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
             if not args.num_experts:
                 w_down = get(n["w_down"])
             yield LayerWeights(
-                attn_norm=get(n["attn_norm"]),
+                attn_norm=norm(n["attn_norm"]),
                 wq=wq,
                 wk=wk,
                 wv=wv,
                 wo=get(n["wo"]),
-                ffn_norm=get(n["ffn_norm"]),
+                ffn_norm=norm(n["ffn_norm"]),
                 w_gate=w_gate,
                 w_up=w_up,
                 w_down=w_down,
@@ -498,8 +561,10 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
                 bq=get(n["bq"], optional=True) if n["bq"] else None,
                 bk=get(n["bk"], optional=True) if n["bk"] else None,
                 bv=get(n["bv"], optional=True) if n["bv"] else None,
-                q_norm=get(n["q_norm"]) if args.qk_norm else None,
-                k_norm=get(n["k_norm"]) if args.qk_norm else None,
+                q_norm=norm(n["q_norm"]) if args.qk_norm else None,
+                k_norm=norm(n["k_norm"]) if args.qk_norm else None,
+                post_attn_norm=norm(n["post_attn_norm"]) if args.sandwich_norms else None,
+                post_ffn_norm=norm(n["post_ffn_norm"]) if args.sandwich_norms else None,
             )
 
     lm_head = None if args.tie_embeddings else get(names.lm_head, optional=True)
@@ -509,7 +574,7 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
         source=src,
         args=args,
         embed=get(names.embed),
-        final_norm=get(names.final_norm),
+        final_norm=norm(names.final_norm),
         lm_head=lm_head,
         layers=layers,
     )

@@ -1,5 +1,5 @@
 """fdx's built-in architectures: Llama (1, 2, 3.x), Qwen2, Qwen3, Mistral, Phi-3,
-and the mixtures of experts Qwen3-MoE and Mixtral.
+Gemma 2, Gemma 3 (text), and the mixtures of experts Qwen3-MoE and Mixtral.
 
 All share the Llama skeleton and fdx's one model code; what differs is
 declared here (recipe, weight names, the config fields each understands).
@@ -33,6 +33,7 @@ ROPE_KEYS = {
     "longrope": frozenset({"rope_type", "type", "rope_theta", "short_factor", "long_factor", "factor",
                            "attention_factor", "original_max_position_embeddings"}),
 }
+ROPE_KEYS["linear"] = frozenset({"rope_type", "type", "rope_theta", "factor"})
 ROPE_KEYS["su"] = ROPE_KEYS["longrope"]  # longrope's first name (early Phi-3 configs)
 #: keys a rope type may omit (its default applies)
 ROPE_OPTIONAL = {"longrope": frozenset({"factor", "attention_factor", "original_max_position_embeddings"})}
@@ -132,6 +133,58 @@ PHI3_FIELDS: dict[str, FieldRule] = {
     "auto_map": harmless(),
 }
 
+def _layer_types(v: Any, cfg: Mapping[str, Any]) -> str | None:
+    """Gemma's per-layer attention kinds: one per layer, each sliding or full."""
+    if v is None:
+        return None  # the config class's default pattern (the loader derives it)
+    if not isinstance(v, list) or len(v) != cfg.get("num_hidden_layers"):
+        return f"must list one layer type per layer ({cfg.get('num_hidden_layers')})"
+    bad = [t for t in v if t not in ("sliding_attention", "full_attention")]
+    return f"layer type {bad[0]!r} is not implemented (fdx implements 'sliding_attention', 'full_attention')" if bad else None
+
+
+def _positive_or_none(v: Any, cfg: Mapping[str, Any]) -> str | None:
+    return None if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0) else \
+        f"{v!r} is not a positive number"
+
+
+def _same_as_window(v: Any, cfg: Mapping[str, Any]) -> str | None:
+    return None if v == cfg.get("sliding_window") else f"{v!r} differs from sliding_window {cfg.get('sliding_window')!r}"
+
+
+_gelu_tanh = read(equals("gelu_pytorch_tanh"))
+GEMMA2_FIELDS: dict[str, FieldRule] = {
+    **{k: v for k, v in LLAMA_FIELDS.items() if k not in ("mlp_bias", "hidden_act")}, **PLAIN_ROPE,
+    "hidden_activation": _gelu_tanh, "hidden_act": _gelu_tanh,  # v4 configs carry both
+    "attention_bias": read(equals(False)),  # Gemma's o_proj would take a bias too
+    "query_pre_attn_scalar": read(_positive_or_none),
+    "attn_logit_softcapping": read(_positive_or_none), "final_logit_softcapping": read(_positive_or_none),
+    "sliding_window": read(_positive_window), "layer_types": read(_layer_types),
+    "sliding_window_size": harmless(_same_as_window),  # an alias some Gemma 2 checkpoints carry
+    "cache_implementation": harmless(),  # transformers' KV cache class ("hybrid")
+    "use_bidirectional_attention": read(equals(None, False)),
+}
+
+_global_rope, _local_rope = rope_check("default", "linear"), rope_check("default")
+
+
+def _gemma3_rope(v: Any, cfg: Mapping[str, Any]) -> str | None:
+    """Gemma 3's ``rope_parameters``: per layer type (transformers >= 5), the
+    global layers' default or linear, the sliding layers' default."""
+    if isinstance(v, dict) and set(v) <= {"sliding_attention", "full_attention"} and v:
+        return next((f"{kind}: {why}" for kind, check in (("full_attention", _global_rope), ("sliding_attention", _local_rope))
+                     if (why := check(v.get(kind), cfg))), None)
+    return _global_rope(v, cfg)  # a flat dict: the global layers' (v4's rope_scaling)
+
+
+GEMMA3_FIELDS: dict[str, FieldRule] = {
+    **{k: v for k, v in GEMMA2_FIELDS.items() if k != "sliding_window_size"},
+    "rope_parameters": read(_gemma3_rope), "rope_scaling": read(_gemma3_rope),
+    "rope_local_base_freq": read(),  # v4: the sliding layers' rope base
+    "sliding_window_pattern": read(), "_sliding_window_pattern": read(),  # layer_types' default: every n-th global
+}
+
+
 def _every_layer_sparse(v: Any, cfg: Mapping[str, Any]) -> str | None:
     return None if v in (None, []) else "dense layers among the MoE layers are not implemented (fdx implements [])"
 
@@ -197,6 +250,25 @@ PHI3 = Architecture(
     hf_fields=PHI3_FIELDS,
     description="Phi-3 / Phi-3.5 (fused qkv and gate_up; longrope within original_max_position_embeddings)",
 )
+HF_GEMMA_WEIGHTS = attrs.evolve(
+    HF_LLAMA_WEIGHTS, lm_head="lm_head.weight", bq="", bk="", bv="", q_norm="", k_norm="",
+    post_attn_norm="model.layers.{i}.post_attention_layernorm.weight",
+    ffn_norm="model.layers.{i}.pre_feedforward_layernorm.weight",
+    post_ffn_norm="model.layers.{i}.post_feedforward_layernorm.weight",
+)
+GEMMA_RECIPE = LayerRecipe(norm="rms_1p", mlp="geglu", sandwich_norms=True, embed_scale=True, window_pattern=2)
+GEMMA2 = Architecture(
+    name="gemma2", hf_names=("Gemma2ForCausalLM",), recipe=GEMMA_RECIPE, hf_weights=HF_GEMMA_WEIGHTS,
+    hf_fields=GEMMA2_FIELDS,
+    description="Gemma 2 (GeGLU, (1 + w) sandwich norms, soft-capping, alternating sliding-window layers)",
+)
+GEMMA3 = Architecture(
+    name="gemma3", hf_names=("Gemma3ForCausalLM",),
+    recipe=attrs.evolve(GEMMA_RECIPE, qk_norm=True, local_rope=True, window_pattern=6),
+    hf_weights=attrs.evolve(HF_GEMMA_WEIGHTS, q_norm=HF_LLAMA_WEIGHTS.q_norm, k_norm=HF_LLAMA_WEIGHTS.k_norm),
+    hf_fields=GEMMA3_FIELDS,
+    description="Gemma 3 text (Gemma 2's recipe with per-head (1 + w) q/k norm and a local rope base)",
+)
 HF_QWEN3_MOE_WEIGHTS = attrs.evolve(
     HF_LLAMA_WEIGHTS, w_gate="", w_up="", w_down="", router="model.layers.{i}.mlp.gate.weight",
     expert_gate="model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
@@ -220,7 +292,7 @@ MIXTRAL = Architecture(
     hf_weights=HF_MIXTRAL_WEIGHTS, hf_fields=MIXTRAL_FIELDS,
     description="Mixtral (softmax over the top-k experts' logits; a sliding window no shorter than the context)",
 )
-BUILTIN = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, QWEN3_MOE, MIXTRAL)
+BUILTIN = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, QWEN3_MOE, MIXTRAL)
 
 
 @hookimpl
