@@ -380,3 +380,17 @@ def test_kv_storage_and_control_calls_act_on_every_rank(random_llama: str, tmp_p
         assert max(abs(a - b) for a, b in zip(first, run(base)[0])) < 1e-5
     with start_server(*args, default_args=()) as (base, _):  # one rank: a TP=2 block is not its layout
         assert run(base)[2] == 0
+
+
+def test_splitwise_prefill_and_decode_instances_each_split_in_two(random_llama: str) -> None:
+    """P and D (the managed topology), each a TP=2 group: D writes P's two shards of every block."""
+    args = ("--model", random_llama, "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "128")
+    with start_server(*args, default_args=()) as (base, _):
+        one = completions(base, 16)
+    with start_server(*args, "-tp", "2", "--scheduler", "splitwise", "--num-prefill", "1", "--num-decode", "1",
+                      "--splitwise-handoff-timeout", "300", default_args=(), timeout=300) as (router, _):
+        split = completions(router, 16)
+        h = httpx.get(router + "/health", timeout=10).json()
+        infos = [httpx.get(h[role][0]["url"] + "/v1/splitwise/info", timeout=10).json() for role in ("prefill", "decode")]
+    assert_same(one, split)
+    assert all(i["kv_layout"] == {"block_size": 16, "tensor_parallel_size": 2} for i in infos), infos

@@ -201,6 +201,18 @@ class InstancePool:
                 log.error("%s: %s; not routing to it", inst.url, inst.misconfigured)
             self.mark_down(inst, inst.misconfigured)
             return False
+        layout = info.get("kv_layout")
+        others = {repr(sorted(i.info["kv_layout"].items())) for i in self.prefill + self.decode
+                  if i is not inst and i.info and isinstance(i.info.get("kv_layout"), dict)}
+        if isinstance(layout, dict) and others and repr(sorted(layout.items())) not in others:
+            # P's KV blocks are written into D's pool byte for byte: the layouts must match
+            inst.misconfigured = (f"its KV layout {layout} differs from the other instances' "
+                                  f"({', '.join(sorted(others))}): P and D need the same block size and "
+                                  "tensor-parallel size")
+            if inst.up or inst.reason != inst.misconfigured:
+                log.error("%s: %s; not routing to it", inst.url, inst.misconfigured)
+            self.mark_down(inst, inst.misconfigured)
+            return False
         inst.splitwise, inst.info, inst.misconfigured = True, info, None
         return True
 

@@ -579,7 +579,10 @@ def fdx_add_routes(app: FastAPI, client: EngineClient) -> None:
             return JSONResponse({"error": {"message": "the engine is not ready", "type": "service_unavailable",
                                            "param": None, "code": 503}}, status_code=503)
         return JSONResponse({"role": config.splitwise_role, "kv_connector": config.kv_connector,
-                             "kv_addr": sw.address, "model": config.model_name, "block_size": config.block_size})
+                             "kv_addr": sw.address, "model": config.model_name, "block_size": config.block_size,
+                             # what a peer's KV blocks must match, byte for byte
+                             "kv_layout": {"block_size": config.block_size,
+                                           "tensor_parallel_size": config.tensor_parallel_size}})
 
     app.add_api_route("/v1/splitwise/info", info, methods=["GET"],
                       summary="this splitwise instance's role and KV connector address (for the router)")
