@@ -149,7 +149,7 @@ def probe() -> dict[str, np.ndarray]:
             xo, res = ops.fdx_decoder_layers(
                 T(x), rope, T(np.array(meta, np.int32)), tables, norms[:NL], [T(ls[0].data) for ls in layers],
                 [empty] * NL, [T(ls[1].data) for ls in layers], norms[NL:], [T(ls[2].data) for ls in layers],
-                [T(ls[3].data) for ls in layers], caches, kinds, H, 1e-5, float(D) ** -0.5)
+                [T(ls[3].data) for ls in layers], caches, kinds, H, 1e-5, float(D) ** -0.5, 0)
             out[f"decoder_layers_{mode}_step{step}"] = xo.numpy()
             out[f"decoder_layers_{mode}_step{step}_residual"] = res.numpy()
     return out

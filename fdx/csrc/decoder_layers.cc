@@ -21,6 +21,10 @@
 //   b_qkv      L x [(H + 2 KV) D] float32, or [0] for no bias
 //   caches     L x [2, NB, KV, BS, D]  float32, WRITTEN IN PLACE
 //   kinds      4 L ints: the packed kind of w_qkv, w_o, w_gate_up, w_down per layer
+//   tp_comm    0, or (tensor parallelism) the address of an fdx::TPComm
+//              (fdx/parallel/shm_comm.py): the layers hold one rank's shard and
+//              the partial sums after w_o and w_down are all-reduced in place
+//              through it (fdx/csrc/tp_comm.cc), as llama.py's per-layer path does
 // Outputs: x_out [T, E] (the last layer's output) and residual [T, E] (the
 // residual stream before it), which the final norm adds.
 
@@ -30,9 +34,28 @@
 #include "kernels.h"
 #include "paddle/extension.h"
 
+namespace fdx {
+// What fdx/parallel/shm_comm.py's TPCommHandle lays out (ctypes): the
+// tp_comm.cc all-reduce and its arguments.
+struct TPComm {
+  int (*all_reduce)(void*, int, int, int64_t, const float*, float*, int64_t, int64_t, char*, int);
+  void* base;
+  int32_t rank, world;
+  int64_t slot_elems, timeout_ms;
+  char err[256];
+};
+}  // namespace fdx
+
 namespace {
 
 using Tensors = std::vector<paddle::Tensor>;
+
+void all_reduce(fdx::TPComm* c, float* x, int64_t n) {
+  if (c == nullptr) return;
+  const int rc = c->all_reduce(c->base, c->rank, c->world, c->slot_elems, x, x, n, c->timeout_ms, c->err,
+                               static_cast<int>(sizeof c->err));
+  PD_CHECK(rc == 0, c->err);
+}
 
 void check_packed(const paddle::Tensor& w, int kind, int64_t K, int64_t N, const char* what) {
   PD_CHECK(w.dtype() == paddle::DataType::UINT8 && w.shape().size() == 3, what, " must be a packed uint8 weight");
@@ -47,7 +70,8 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& x, const paddle:
                                           const paddle::Tensor& tables, const Tensors& attn_norm, const Tensors& w_qkv,
                                           const Tensors& b_qkv, const Tensors& w_o, const Tensors& ffn_norm,
                                           const Tensors& w_gate_up, const Tensors& w_down, const Tensors& caches,
-                                          const std::vector<int>& kinds, int num_heads, float eps, float scale) {
+                                          const std::vector<int>& kinds, int num_heads, float eps, float scale,
+                                          int64_t tp_comm) {
   PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2, "x must be float32 [T, E]");
   PD_CHECK(meta.dtype() == paddle::DataType::INT32 && tables.dtype() == paddle::DataType::INT32,
            "meta/tables must be int32");
@@ -84,6 +108,7 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& x, const paddle:
   float* rb = res.data<float>();
   std::vector<float> h(T * E), qkv(T * W), att(T * Q), gu(T * F2), act(T * F);
   const float* cur = x.data<float>();  // the layer input: x, then x_out
+  auto* comm = reinterpret_cast<fdx::TPComm*>(tp_comm);
   for (size_t l = 0; l < L; ++l) {
     fdx::add_rms_norm(cur, l == 0 ? nullptr : rb, attn_norm[l].data<float>(), T, E, eps, h.data(), rb);
     fdx::qgemm(h.data(), w_qkv[l].data<uint8_t>(), kinds[4 * l], qkv.data(), T, E, W);
@@ -95,10 +120,12 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& x, const paddle:
     fdx::paged_attention(sh, qkv.data(), const_cast<float*>(caches[l].data<float>()), rope.data<float>(),
                          meta.data<int>(), tables.data<int>(), att.data());
     fdx::qgemm(att.data(), w_o[l].data<uint8_t>(), kinds[4 * l + 1], xb, T, Q, E);
+    all_reduce(comm, xb, T * E);  // row-parallel o: the ranks' partial sums
     fdx::add_rms_norm(xb, rb, ffn_norm[l].data<float>(), T, E, eps, h.data(), rb);
     fdx::qgemm(h.data(), w_gate_up[l].data<uint8_t>(), kinds[4 * l + 2], gu.data(), T, E, F2);
     fdx::swiglu(gu.data(), T, F, act.data());
     fdx::qgemm(act.data(), w_down[l].data<uint8_t>(), kinds[4 * l + 3], xb, T, F, E);
+    all_reduce(comm, xb, T * E);  // row-parallel down
     cur = xb;
   }
   return {x_out, res};
@@ -111,7 +138,7 @@ std::vector<std::vector<int64_t>> DecoderLayersShape(
     const std::vector<std::vector<int64_t>>& w_o, const std::vector<std::vector<int64_t>>& ffn_norm,
     const std::vector<std::vector<int64_t>>& w_gate_up, const std::vector<std::vector<int64_t>>& w_down,
     const std::vector<std::vector<int64_t>>& caches, const std::vector<int>& kinds, int num_heads, float eps,
-    float scale) {
+    float scale, int64_t tp_comm) {
   return {x, x};
 }
 
@@ -130,7 +157,7 @@ PD_BUILD_OP(fdx_decoder_layers)
              paddle::Vec("w_o"), paddle::Vec("ffn_norm"), paddle::Vec("w_gate_up"), paddle::Vec("w_down"),
              paddle::Vec("caches")})
     .Outputs({"x_out", "residual"})
-    .Attrs({"kinds: std::vector<int>", "num_heads: int", "eps: float", "scale: float"})
+    .Attrs({"kinds: std::vector<int>", "num_heads: int", "eps: float", "scale: float", "tp_comm: int64_t"})
     .SetKernelFn(PD_KERNEL(DecoderLayers))
     .SetInferShapeFn(PD_INFER_SHAPE(DecoderLayersShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(DecoderLayersDtype));

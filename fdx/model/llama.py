@@ -80,6 +80,9 @@ from fdx.model.packed_weights import PackedWeight, pack_bf16, pack_float, pack_g
 class Collective(Protocol):
     """The tensor-parallel collectives the forward pass makes (:mod:`fdx.parallel.shm_comm`)."""
 
+    #: the address of the all-reduce handle the fused decoder-layer op calls
+    handle: int
+
     def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
         """The sum over ranks of ``x`` (the same bits on every rank)."""
 
@@ -260,8 +263,8 @@ class LlamaModel:
         self.fused_layers = (native_ops is not None and hasattr(native_ops, "fdx_decoder_layers")
                              and not args.qk_norm  # the op has no q/k norm
                              and not args.gemma_fields  # nor any of Gemma's additions
-                             and not args.num_experts  # nor experts
-                             and comm is None)  # nor the all-reduces of tensor parallelism
+                             and not args.num_experts  # nor experts (it does tensor parallelism's all-reduces)
+                             and os.environ.get("FDX_FUSED_LAYERS", "1") != "0")  # 0: the per-layer path (tests)
         self._stack: tuple[Any, ...] | None = None
 
     # ------------------------------------------------------------------ weights
@@ -482,7 +485,7 @@ class LlamaModel:
             an, wq, bq, wo, fn, wgu, wd, kinds = self._layer_stack()
             x, residual = self.ops.fdx_decoder_layers(
                 x, self.rope, step.meta, step.tables, an, wq, bq, wo, fn, wgu, wd, list(caches), kinds,
-                a.num_heads, eps, self.scale)
+                a.num_heads, eps, self.scale, comm.handle if comm is not None else 0)
         else:
             for layer, cache in zip(self.layers, caches):
                 h, residual = add_norm(x, residual, layer.attn_norm)

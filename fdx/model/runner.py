@@ -21,10 +21,8 @@ from fdx.config import EngineConfig
 from fdx.core.errors import FdxError, ModelLoadError
 from fdx.core.interfaces import Device
 from fdx.model.runner_base import PagedRunnerBase, StepLayout
-from fdx.parallel.shm_comm import GroupBroken
 
 if TYPE_CHECKING:
-    from fdx.core.interfaces import ModelOutput, ScheduledBatch
     from fdx.parallel.group import RankGroup, RankLink
     from fdx.parallel.sharding import TensorShard
     from fdx.parallel.shm_comm import ShmComm
@@ -175,19 +173,15 @@ class PaddleModelRunner(PagedRunnerBase):
 
     # ------------------------------------------------------------------ step
 
-    def execute(self, batch: ScheduledBatch) -> ModelOutput:
-        if self.group is None:
-            return super().execute(batch)
-        try:
-            return super().execute(batch)
-        except GroupBroken as exc:  # a rank died, hung or failed: the supervisor restarts the group
-            self.group.fatal(exc)
-            raise
-
     def _forward(self, layout: StepLayout) -> Any:
-        if self.group is not None:
-            self.group.send(("step", layout))
-        return self.forward_shard(layout)
+        if self.group is None:
+            return self.forward_shard(layout)
+        self.group.send(("step", layout))
+        try:
+            return self.forward_shard(layout)
+        except Exception as exc:  # noqa: BLE001 - a rank died, hung or failed (the other ranks are inside
+            self.group.fatal(exc)  # this step's collectives): the supervisor restarts the whole group
+            raise
 
     def forward_shard(self, layout: StepLayout) -> Any:
         """This rank's forward of the step (every rank runs it; only rank 0's returns logits)."""

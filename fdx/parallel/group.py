@@ -219,7 +219,8 @@ class RankGroup:
 
     def fatal(self, exc: BaseException) -> None:
         """The group is broken: end rank 0's process (the supervisor restarts the group)."""
-        log.critical("%s; ending the engine so the supervisor restarts the whole tensor-parallel group", exc)
+        why = self.comm.last_error() or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        log.critical("%s; ending the engine so the supervisor restarts the whole tensor-parallel group", why)
         self.comm.abort()
         self.kill()
         logging.shutdown()

@@ -69,6 +69,15 @@ def segment_size(world: int, slot_elems: int) -> int:
     return int(load_library().fdx_tp_data_offset(world)) + 2 * world * slot_elems * 4
 
 
+class TPCommHandle(ctypes.Structure):
+    """fdx::TPComm (fdx/csrc/decoder_layers.cc): the all-reduce the fused
+    decoder-layer op calls between its halves, with this rank's arguments."""
+
+    _fields_ = [("all_reduce", ctypes.c_void_p), ("base", ctypes.c_void_p), ("rank", ctypes.c_int32),
+                ("world", ctypes.c_int32), ("slot_elems", ctypes.c_int64), ("timeout_ms", ctypes.c_int64),
+                ("err", ctypes.c_char * 256)]
+
+
 class ShmComm:
     """One rank's handle on the group's segment.
 
@@ -96,6 +105,10 @@ class ShmComm:
         self.base = ctypes.addressof(self._buf)
         self._err = ctypes.create_string_buffer(256)
         self.lib.fdx_tp_set_pid(self.base, rank, os.getpid())
+        self._handle = TPCommHandle(ctypes.cast(self.lib.fdx_tp_all_reduce, ctypes.c_void_p).value, self.base,
+                                    rank, world, slot_elems, self.timeout_ms)
+        #: the address of :class:`TPCommHandle` for ``fdx_decoder_layers`` (``tp_comm``)
+        self.handle = ctypes.addressof(self._handle)
 
     @classmethod
     def create(cls, world: int, timeout: float, slot_elems: int = DEFAULT_SLOT_ELEMS) -> ShmComm:
@@ -148,6 +161,10 @@ class ShmComm:
                                                x.ctypes.data, out.ctypes.data, x.size, self.timeout_ms,
                                                self._err, 256))
         return out
+
+    def last_error(self) -> str:
+        """Why the last collective failed (the fused decoder-layer op's, else this handle's), or ``""``."""
+        return (self._handle.err or self._err.value).decode(errors="replace")
 
     def abort(self) -> None:
         """Break the group: every rank's next (or current) collective fails."""
