@@ -82,6 +82,9 @@ class PaddleModelRunner(PagedRunnerBase):
         reports each loaded layer).  Without it and with
         ``--tensor-parallel-size N > 1``, this is rank 0: it starts the
         group's other ranks (:class:`fdx.parallel.group.RankGroup`)."""
+        from fdx.logs import import_paddle_quietly
+
+        import_paddle_quietly()  # after the device set the threads; its start-up notices go to the log at debug
         import paddle
 
         from fdx.model.llama import LlamaModel

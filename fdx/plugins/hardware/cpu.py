@@ -3,8 +3,8 @@
 ``configure_env`` must run before Paddle is imported: MKL reads
 ``OMP_NUM_THREADS`` once, and ``MKL_DEBUG_CPU_TYPE=5`` selects its AVX2
 code path on AMD CPUs (about 2.7x faster).  Both are ``setdefault`` so a
-user's environment wins.  It then imports Paddle with its start-up warnings
-routed into fdx's log at debug (:func:`fdx.logs.import_paddle_quietly`).
+user's environment wins.  It does not import Paddle (the model runner does,
+quietly: :func:`fdx.logs.import_paddle_quietly`).
 """
 
 from __future__ import annotations
@@ -47,9 +47,6 @@ class CPUDevice(Device):
         else:
             os.environ.setdefault("OMP_NUM_THREADS", n)
         os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
-        from fdx.logs import import_paddle_quietly
-
-        import_paddle_quietly()  # now, with the variables set; its start-up warnings go to the log at debug
 
     def paddle_place(self) -> str:
         return "cpu"
