@@ -166,8 +166,6 @@ void fdx_tp_abort(void* base, int world, int rank) {
   set_abort(base, world, rank, kFailed, line(base, rank)->pid.load(std::memory_order_relaxed), 0);
 }
 
-int fdx_tp_broken(void* base, int world) { return line(base, world)->abort.load(std::memory_order_acquire) != 0; }
-
 // out = sum over ranks (in rank order) of every rank's x; n floats.  out may be x.
 int fdx_tp_all_reduce(void* base, int rank, int world, int64_t slot_elems, const float* x, float* out, int64_t n,
                       int64_t timeout_ms, char* err, int errlen) {

@@ -102,15 +102,9 @@ class PagedRunnerBase(ModelRunner):
     sampler: Any
     caches: list[Any] | None
 
-    @property
-    def kv_args(self) -> Any:
-        """The geometry of this process's KV pool and model: the checkpoint's,
-        or a tensor-parallel rank's shard of it."""
-        return self.__dict__.get("_kv_args", self.args)
-
-    @kv_args.setter
-    def kv_args(self, value: Any) -> None:
-        self.__dict__["_kv_args"] = value
+    #: the geometry of this process's KV pool and model: the checkpoint's
+    #: (set with :attr:`args`), or a tensor-parallel rank's shard of it
+    kv_args: Any
 
     # ------------------------------------------------------------------ start-up
 
@@ -121,7 +115,7 @@ class PagedRunnerBase(ModelRunner):
 
         ckpt = load_checkpoint(config.model)
         self.source = ckpt.source
-        self.args = ckpt.args
+        self.args = self.kv_args = ckpt.args
         tok = load_tokenizer(config.model)
         self.eos_token_ids = frozenset(tok.eos_token_ids)
         self.vocab_size = self.args.vocab_size

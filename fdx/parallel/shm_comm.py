@@ -56,7 +56,6 @@ def load_library() -> Any:
     lib.fdx_tp_data_offset.argtypes, lib.fdx_tp_data_offset.restype = [i32], i64
     lib.fdx_tp_set_pid.argtypes, lib.fdx_tp_set_pid.restype = [vp, i32, i32], None
     lib.fdx_tp_abort.argtypes, lib.fdx_tp_abort.restype = [vp, i32, i32], None
-    lib.fdx_tp_broken.argtypes, lib.fdx_tp_broken.restype = [vp, i32], i32
     lib.fdx_tp_all_reduce.argtypes = [vp, i32, i32, i64, fp, fp, i64, i64, cp, i32]
     lib.fdx_tp_all_reduce.restype = i32
     lib.fdx_tp_gather.argtypes = [vp, i32, i32, i64, fp, fp, i64, i64, i64, cp, i32]
@@ -169,10 +168,6 @@ class ShmComm:
     def abort(self) -> None:
         """Break the group: every rank's next (or current) collective fails."""
         self.lib.fdx_tp_abort(self.base, self.world, self.rank)
-
-    @property
-    def broken(self) -> bool:
-        return bool(self.lib.fdx_tp_broken(self.base, self.world))
 
     def close(self) -> None:
         try:

@@ -53,7 +53,10 @@ POLL_S = 0.2
 
 
 def is_managed(config: EngineConfig) -> bool:
-    return config.scheduler == "splitwise" and bool(config.num_prefill or config.num_decode)
+    """Whether ``config`` asks for this managed topology (the ``splitwise`` deployment)."""
+    from fdx.deploy.deployment import deployment_name
+
+    return deployment_name(config) == "splitwise"
 
 
 def _free_port(host: str) -> int:
