@@ -196,6 +196,25 @@ def end_span(span: Any, error: str | None = None) -> None:
 # ---------------------------------------------------------------------------- API process
 
 
+def refused_span(tracer_: Any, headers: Any, operation: str, model: str, code: int, error_type: str,
+                 message: str) -> None:
+    """Record the SERVER span of a generation request refused before any
+    engine saw it (invalid, too long, overloaded, engine down): named as an
+    accepted request's span, continuing the client's ``traceparent``, with an
+    ERROR status, the HTTP status code and the OpenAI error type, and no
+    phase children."""
+    try:
+        from opentelemetry.trace import SpanKind
+
+        span = tracer_.start_span(f"{operation} {model}", context=extract(headers), kind=SpanKind.SERVER,
+                                  attributes={"gen_ai.operation.name": operation, "gen_ai.request.model": model,
+                                              "http.response.status_code": code, "error.type": error_type})
+        end_span(span, message)
+    except Exception:  # noqa: BLE001 - tracing must never fail a request
+        log.exception("tracing: cannot record a refused request's span")
+
+
+
 def request_attributes(operation: str, model: str, params: SamplingParams) -> dict[str, Any]:
     """The GenAI semantic-convention request attributes."""
     a: dict[str, Any] = {

@@ -202,6 +202,24 @@ def test_a_stream_cut_by_the_client_ends_its_span_with_an_error(server: str, rec
     assert api["attrs"]["gen_ai.usage.output_tokens"] < 400
 
 
+@pytest.mark.parametrize("body,code,kind", [
+    ({"temperature": -1.0}, 400, "validation"),  # refused by the request schema
+    ({"max_tokens": 10**6}, 400, "length"),  # refused by the serving layer: too long for the context
+])
+def test_a_refused_request_has_an_error_span(server: str, receiver: Receiver, body: dict[str, Any], code: int,
+                                              kind: str) -> None:
+    tp, trace_id, client_span = _traceparent()
+    req = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], **body}
+    r = httpx.post(server + "/v1/chat/completions", json=req, headers={"traceparent": tp}, timeout=120)
+    assert r.status_code == code, (kind, r.text)
+    spans = receiver.trace(trace_id, {"chat smollm2"})
+    (api,) = [s for s in spans if s["name"] == "chat smollm2"]  # one span: no phase children, no duplicate
+    assert len(spans) == 1, [s["name"] for s in spans]
+    assert api["parent"] == client_span and api["status"] == 2  # STATUS_CODE_ERROR
+    assert api["attrs"]["http.response.status_code"] == code
+    assert api["attrs"]["error.type"] == r.json()["error"]["type"]
+
+
 def test_tracing_off_imports_no_sdk() -> None:
     code = ("import sys; import fdx.server.api_proc, fdx.server.serving.endpoints, fdx.router.app, "
             "fdx.plugins.schedulers.splitwise, fdx.core.engine_proc; "

@@ -192,15 +192,20 @@ def create_app(
     # -- errors ----------------------------------------------------------
 
     @app.exception_handler(RequestError)
-    async def _request_error(_: Request, exc: RequestError) -> Response:
+    async def _request_error(request: Request, exc: RequestError) -> Response:
         if metrics is not None and exc.code in (429, 503):
             metrics.reject(exc.code)
-        return error_response(str(exc), exc.code, exc.param)
+        return refused(request, str(exc), exc.code, exc.param)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> Response:
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
         e = validation_error(exc.errors())
-        return error_response(str(e), 400, e.param)
+        return refused(request, str(e), 400, e.param)
+
+    def refused(request: Request, message: str, code: int, param: str | None) -> Response:
+        resp = error_response(message, code, param)
+        serving.trace_refused(request, code, error_body(message, code)["error"]["type"], message)
+        return resp
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:

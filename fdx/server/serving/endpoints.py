@@ -24,9 +24,13 @@ from fdx.server.protocol import sampling_params
 from fdx.server.serving.beam_search import beam_params
 from fdx.server.serving.generation import Endpoint, Generation, Prompt, respond
 from fdx.server.serving.prompts import PromptTokenizer
-from fdx.tracing import RequestTrace, config_tracer
+from fdx.tracing import RequestTrace, config_tracer, refused_span
 
 log = logging.getLogger("fdx.server")
+
+
+#: the paths whose requests get a trace span, accepted or refused
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/invocations"})
 
 
 def generation_defaults(config: EngineConfig) -> GenerationDefaults:
@@ -100,6 +104,15 @@ class OpenAIServing:
                 f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
                 f"Please reduce the prompt or {param}.", 400, param=param)
 
+    def trace_refused(self, request: Request, code: int, error_type: str, message: str) -> None:
+        """With tracing on, record a refused generation request's span
+        (:func:`fdx.tracing.refused_span`); other paths record none."""
+        path = request.url.path
+        traced = getattr(request.state, "traced", False)  # refused after its RequestTrace began: that span tells
+        if self.tracer is not None and not traced and request.method == "POST" and path in GENERATION_PATHS:
+            operation = "chat" if path.startswith("/v1/chat/") else "text_completion"
+            refused_span(self.tracer, request.headers, operation, self.model_name, code, error_type, message)
+
     # -- generation -------------------------------------------------------
 
     async def generate(self, request: Request, prefix: str, req: Any, prompts: list[Prompt],
@@ -135,5 +148,6 @@ class OpenAIServing:
         if self.tracer is not None:
             operation = "chat" if endpoint.object_full.startswith("chat") else "text_completion"
             gen.trace = RequestTrace(self.tracer, request.headers, operation, self.model_name, params, gen.id, arrival)
+            request.state.traced = True
         gen.submit(arrival)
         return await respond(request, gen, endpoint, bool(req.stream), bool(req.stream and so and so.include_usage))
