@@ -23,9 +23,18 @@ Invariants:
 
 * each handle gets exactly one terminal item: outputs carry the request's
   key, which names one attempt; outputs of an older attempt are dropped;
-* a request whose instance dies (its heartbeat key expired) or whose
-  replica failed is queued again (a new attempt) when none of its tokens
-  reached the sink, else it ends with a 503 error event;
+* each pick is a lease with a fencing token, renewed by the owner every
+  heartbeat (:data:`RENEW`); an owner silent past ``--heartbeat-timeout``
+  loses it: the origin reclaims the request (:data:`RECLAIM`) and queues
+  it again, once (a new attempt); the stale owner's renewal then reports
+  the loss (it aborts the request) and its pushes are fenced
+  (:data:`PUSH`), so its late outputs never reach the client;
+* a request whose lease was lost or whose replica failed is queued again
+  from the start when none of its tokens reached the sink, else as its
+  continuation (prompt + the tokens streamed) where :func:`continuable`,
+  else it ends with a 503 error event;
+* control calls (pause, ...) act on every node, through the nodes' ``ctl``
+  lists, each answering on the call's reply list within the call's timeout;
 * a request nobody picks up within ``--dp-request-ttl`` seconds ends with
   a 503 saying so (the origin's timer; the pick script also drops expired
   entries), so nothing stays queued forever;
@@ -1241,6 +1250,7 @@ class GlobalQueueClient:
                 return entries
             gone = {k.decode() for k in stale}
             self.stale_dropped += sum(1 for e in entries for o in e[2] if o.request_id in gone)
+            self.leases_lost += sum(1 for k in gone if k in self.work)
             log.warning("dropped the outputs of %d request(s) whose lease this instance lost: %s", len(gone),
                         ", ".join(sorted(gone)))
             self._abort_local(gone, "lease lost")
