@@ -835,7 +835,7 @@ class GlobalQueueClient:
         key = request_key(h.request_id, r.attempt)
         if r.delivered:
             k = r.tokens_seen
-            r.base = k
+            r.base, r.deadline = k, time.monotonic() + self.ttl  # a continuation waits a whole TTL to be picked
             r.add = AddRequest(key, (*h.prompt, *r.output_ids), attrs.evolve(
                 h.params, max_tokens=h.params.max_tokens - k, min_tokens=max(0, h.params.min_tokens - k)),
                 r.add.arrival_time, trace_context=r.add.trace_context)
