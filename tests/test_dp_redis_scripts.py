@@ -19,7 +19,8 @@ redis = pytest.importorskip("redis")
 from fdx.plugins.deployments.dp_global_queue import (  # noqa: E402
     ABORT, ANY, ENQUEUE, EXPIRE, PICK, PUSH, RECLAIM, RELEASE, RENEW)
 
-pytestmark = pytest.mark.skipif(not have_redis(), reason="redis-server not installed (apt-get install redis-server)")
+pytestmark = [pytest.mark.redis,
+              pytest.mark.skipif(not have_redis(), reason="redis-server not installed (apt-get install redis-server)")]
 P = "fdx:t"
 
 

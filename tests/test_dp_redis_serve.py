@@ -50,7 +50,7 @@ from fdx.plugins.deployments.dp_global_queue import OUTAGE_S
 
 redis = pytest.importorskip("redis")
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.redis,
               pytest.mark.skipif(not have_redis(), reason="redis-server not installed (apt-get install redis-server)")]
 
 CLUSTER = f"t{uuid.uuid4().hex[:6]}"

@@ -653,25 +653,40 @@ class GlobalQueueClient:
             return self._abort_requests(args or {})
         peers: list[str] = []
         call_id = uuid.uuid4().hex
-        if self.redis_error is None:
-            peers = await self._peers()
-            blob = CONTROL_TAG + json.dumps({"call_id": call_id, "method": method, "args": args or {},
-                                             "timeout": timeout}).encode()
-            pipe = self.r.pipeline(transaction=False)
-            for p in peers:
-                pipe.rpush(self._k("ctl", p), blob)
-                pipe.pexpire(self._k("ctl", p), 60_000)
-                pipe.rpush(self._k("wake", p), "1")
-            await pipe.execute()
+        unreached = self.redis_error
+        if unreached is None:
+            try:
+                peers = await self._send_control(call_id, method, args or {}, timeout)
+            except Exception as exc:  # noqa: BLE001 - reported below, never hidden
+                self._redis_failed(exc)
+                unreached = str(exc) or type(exc).__name__
         local, remote = await asyncio.gather(self._call_local(method, args, timeout),
                                              self._control_replies(call_id, peers, timeout), return_exceptions=True)
         if isinstance(remote, BaseException):
             remote = {p: {"ok": False, "code": 503, "error": f"its reply was lost: {remote}"} for p in peers}
-        if isinstance(local, BaseException) and not peers:
+        if unreached is not None:  # the call ran here only
+            remote = {"(the other nodes)": {"ok": False, "code": 503, "error": (
+                f"not reached: Redis at {self.config.redis_url} does not answer ({unreached})")}}
+        elif isinstance(local, BaseException) and not peers:
             raise local
         replies = {self.id: ({"ok": True, "result": local} if not isinstance(local, BaseException) else
                              {"ok": False, "code": getattr(local, "code", 500), "error": str(local)}), **remote}
         return merge_node_replies(method, replies)
+
+    async def _send_control(self, call_id: str, method: str, args: dict[str, Any], timeout: float) -> list[str]:
+        """Push control call ``call_id`` on every other node's ``ctl`` list
+        (each gets a little less than ``timeout``, so that its reply is in
+        time); returns those nodes."""
+        peers = await self._peers()
+        blob = CONTROL_TAG + json.dumps({"call_id": call_id, "method": method, "args": args,
+                                         "timeout": max(0.5, 0.9 * timeout)}).encode()
+        pipe = self.r.pipeline(transaction=False)
+        for p in peers:
+            pipe.rpush(self._k("ctl", p), blob)
+            pipe.pexpire(self._k("ctl", p), 60_000)
+            pipe.rpush(self._k("wake", p), "1")
+        await pipe.execute()
+        return peers
 
     async def _peers(self) -> list[str]:
         """The other instances of the cluster whose heartbeat key is live."""
