@@ -61,7 +61,8 @@ class Scripts:
         out = self.enqueue_(args=[P, key, origin, b"blob-" + key.encode(), ttl_ms, slack, *hashes])
         return out.decode() if isinstance(out, bytes) else out
 
-    def pick(self, me: str, n: int = 8, steal_after_ms: int = 0, lease_ms: int = 60_000) -> list[tuple[str, str, bytes]]:
+    def pick(self, me: str, n: int = 8, steal_after_ms: int = 0,
+             lease_ms: int = 60_000) -> list[tuple[str, str, bytes]]:
         rows = self.pick_(args=[P, me, n, 3_600_000, steal_after_ms, lease_ms])
         epoch = rows[0].decode()
         got = [(rows[i].decode(), rows[i + 1].decode(), rows[i + 2]) for i in range(1, len(rows), 4)]

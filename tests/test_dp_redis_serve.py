@@ -399,7 +399,8 @@ def test_killing_an_instance_mid_load_loses_and_duplicates_nothing(cluster: dict
     bodies = [_body(prompts[i % 4], 48) for i in range(32)]
     requeued = metric_value(a, "fdx:dp_global_queue_requeued_total")
     failures = metric_value(a, "fdx:dp_global_queue_instance_failures_total")
-    admitted_a, admitted_b0 = metric_value(a, "fdx:engine_admissions_total"), metric_value(b, "fdx:engine_admissions_total")
+    admitted_a = metric_value(a, "fdx:engine_admissions_total")
+    admitted_b0 = metric_value(b, "fdx:engine_admissions_total")
     outs, threads, started = _start_streams(a, bodies)
     deadline = time.monotonic() + 120
     # kill B while it runs some of A's streams (they have streamed for a
