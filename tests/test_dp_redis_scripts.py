@@ -1,8 +1,10 @@
 """The dp global queue's Lua scripts (fdx/plugins/deployments/dp_global_queue.py) on a real
 ``redis-server``: placement on the least-loaded instance, the atomic pick
 (own queue first, then stealing from the busiest), skipping aborted and
-expired entries, reaping a dead instance, aborts routed to the owner, and
-the TTL expiry at the origin.  No fdx server: the scripts alone."""
+expired entries, reaping a dead instance, aborts routed to the owner, the
+TTL expiry at the origin, and the leases: renewal, reclaim by the origin
+once a lease ran out, the fenced push that drops a stale owner's outputs.
+No fdx server: the scripts alone."""
 
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ from kvservices import RedisServer, have_redis
 
 redis = pytest.importorskip("redis")
 
-from fdx.plugins.deployments.dp_global_queue import ABORT, ANY, ENQUEUE, EXPIRE, PICK, RELEASE  # noqa: E402
+from fdx.plugins.deployments.dp_global_queue import (  # noqa: E402
+    ABORT, ANY, ENQUEUE, EXPIRE, PICK, PUSH, RECLAIM, RELEASE, RENEW)
 
-pytestmark = pytest.mark.skipif(not have_redis(), reason="redis-server not installed (apt-get install redis-server)")
+pytestmark = [pytest.mark.redis,
+              pytest.mark.skipif(not have_redis(), reason="redis-server not installed (apt-get install redis-server)")]
 P = "fdx:t"
 
 
@@ -42,6 +46,10 @@ class Scripts:
         self.release_ = c.register_script(RELEASE)
         self.abort_ = c.register_script(ABORT)
         self.expire_ = c.register_script(EXPIRE)
+        self.renew_ = c.register_script(RENEW)
+        self.push_ = c.register_script(PUSH)
+        self.reclaim_ = c.register_script(RECLAIM)
+        self.leases: dict[str, tuple[str, str, str, str]] = {}  # key -> (key, fence, epoch, origin)
 
     def join(self, inst: str, load: int = 0, capacity: int = 4) -> None:
         self.c.set(f"{P}:instance:{inst}", "{}", px=60_000)
@@ -53,9 +61,27 @@ class Scripts:
         out = self.enqueue_(args=[P, key, origin, b"blob-" + key.encode(), ttl_ms, slack, *hashes])
         return out.decode() if isinstance(out, bytes) else out
 
-    def pick(self, me: str, n: int = 8, steal_after_ms: int = 0) -> list[tuple[str, str, bytes]]:
-        rows = self.pick_(args=[P, me, n, 3_600_000, steal_after_ms])
-        return [(rows[i].decode(), rows[i + 1].decode(), rows[i + 2]) for i in range(0, len(rows), 3)]
+    def pick(self, me: str, n: int = 8, steal_after_ms: int = 0,
+             lease_ms: int = 60_000) -> list[tuple[str, str, bytes]]:
+        rows = self.pick_(args=[P, me, n, 3_600_000, steal_after_ms, lease_ms])
+        epoch = rows[0].decode()
+        got = [(rows[i].decode(), rows[i + 1].decode(), rows[i + 2]) for i in range(1, len(rows), 4)]
+        for i in range(1, len(rows), 4):
+            self.leases[rows[i].decode()] = (rows[i].decode(), str(rows[i + 3]), epoch, rows[i + 1].decode())
+        return got
+
+    def renew(self, me: str, *keys: str, lease_ms: int = 60_000) -> list[str]:
+        lost = self.renew_(args=[P, me, lease_ms, 3_600_000, *(x for k in keys for x in self.leases[k])])
+        return [k.decode() for k in lost]
+
+    def push(self, me: str, origin: str, keys: tuple[str, ...], *entries: bytes) -> list[str]:
+        stale = self.push_(args=[P, me, f"{P}:out:{origin}", 60_000, len(keys),
+                                 *(x for k in keys for x in self.leases[k]), *entries])
+        return [k.decode() for k in stale]
+
+    def reclaim(self, *keys: str) -> list[tuple[str, str]]:
+        rows = self.reclaim_(args=[P, *keys])
+        return [(rows[i].decode(), rows[i + 1].decode()) for i in range(0, len(rows), 2)]
 
     def queue(self, inst: str) -> list[str]:
         return [k.decode() for k in self.c.lrange(f"{P}:queue:{inst}", 0, -1)]
@@ -182,3 +208,45 @@ def test_fresh_entries_are_left_to_their_instance_then_stolen(r: Any) -> None:
     assert s.pick("c", steal_after_ms=300) == [] and s.queue("b") == ["f1"]  # too fresh: b takes it
     time.sleep(0.35)
     assert [k for k, _, _ in s.pick("c", steal_after_ms=300)] == ["f1"]
+
+
+def test_a_lease_is_renewed_then_reclaimed_once_and_its_stale_owner_is_fenced_off(r: Any) -> None:
+    s = Scripts(r)
+    s.join("b")
+    s.enqueue("l1", origin="a")
+    s.enqueue("l2", origin="a")
+    assert [k for k, _, _ in s.pick("b", lease_ms=150)] == ["l1", "l2"]
+    f1, f2 = int(s.leases["l1"][1]), int(s.leases["l2"][1])
+    assert f2 > f1 > 0  # one cluster-wide counter: every new lease's token is greater
+    assert s.reclaim("l1", "l2", "nope") == [("held", "b"), ("held", "b"), ("missing", "")]
+    assert s.renew("b", "l1", "l2", lease_ms=150) == []
+    assert s.push("b", "a", ("l1", "l2"), b"e1", b"e2") == [] and r.lrange(f"{P}:out:a", 0, -1) == [b"e1", b"e2"]
+    assert s.renew("b", "l1", lease_ms=60_000) == []  # b renews l1 only: l2's lease runs out
+    time.sleep(0.2)
+    assert s.reclaim("l1", "l2") == [("held", "b"), ("reclaimed", "b")]
+    assert s.reclaim("l2") == [("missing", "")]  # reclaimed once: the origin queues it again, once
+    # the stale owner wakes up: its renewal reports the lost lease, its push of l2's outputs pushes nothing
+    assert s.renew("b", "l1", "l2") == ["l2"]
+    assert s.push("b", "a", ("l1", "l2"), b"late") == ["l2"] and r.llen(f"{P}:out:a") == 2
+    # another owner's fence: the old one is refused even when the key is the same
+    r.hset(f"{P}:req:l1", mapping={"owner": "c", "fence": "999"})
+    assert s.renew("b", "l1") == ["l1"]
+    s.enqueue("q1", origin="a")
+    assert s.reclaim("q1") == [("queued", "")]
+
+
+def test_a_lease_survives_a_redis_that_lost_its_data(r: Any) -> None:
+    s = Scripts(r)
+    s.join("b")
+    s.enqueue("k1", origin="a")
+    assert [k for k, _, _ in s.pick("b")] == ["k1"]
+    r.delete(f"{P}:req:k1")  # deleted in the same data incarnation (the origin ended it): lost
+    assert s.renew("b", "k1") == ["k1"]
+    s.enqueue("k2", origin="a")
+    assert [k for k, _, _ in s.pick("b")] == ["k2"]
+    r.flushall()  # Redis restarted empty: the owner says it holds k2 again
+    assert s.renew("b", "k2") == []
+    h = r.hgetall(f"{P}:req:k2")
+    assert h[b"owner"] == b"b" and h[b"origin"] == b"a" and h[b"fence"] == s.leases["k2"][1].encode()
+    assert s.reclaim("k2") == [("held", "b")]
+    assert s.push("b", "a", ("k2",), b"out") == [] and r.lrange(f"{P}:out:a", 0, -1) == [b"out"]

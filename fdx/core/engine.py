@@ -274,6 +274,7 @@ class Engine:
             num_batched_tokens=int(s.get("num_scheduled_tokens", 0)),
             num_generated_tokens=int(s.get("num_generated_tokens", 0)),
             storage_puts=int(st.get("puts", 0)),
+            num_admitted=int(s.get("num_admitted", 0)),
             splitwise=getattr(self.scheduler, "splitwise_stats", lambda: None)(),
             speculative=getattr(self.scheduler, "spec_decode_stats", lambda: None)(),
         )

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+from contextlib import suppress
 from typing import Any
 
 import zmq
@@ -141,11 +142,9 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
                 return 1
     except Exception as exc:  # noqa: BLE001
         log.exception("engine crashed")
-        try:
+        with suppress(Exception):  # the front end may be gone already
             side.send(EngineFailed(f"engine crashed: {type(exc).__name__}: {exc}", traceback.format_exc(),
                                      pid=os.getpid()))
-        except Exception:  # noqa: BLE001
-            pass
         return 1
     finally:
         beat.stop.set()
@@ -171,10 +170,8 @@ def handle_input(engine: Any, msg: object, side: Any, stats_cache: list[Any]) ->
             engine.add_request(msg)
         except Exception:  # noqa: BLE001 - one bad request fails alone
             log.exception("the engine could not take request %s", msg.request_id)
-            try:
+            with suppress(Exception):
                 engine.abort((msg.request_id,), "failed to add")
-            except Exception:  # noqa: BLE001
-                pass
             out = RequestOutput(msg.request_id, (), "error", error="the engine failed to take this request",
                                 error_code=500)
             side.send(OutputBatch((out,), None))

@@ -260,6 +260,7 @@ class EngineStats:
     num_batched_tokens: int = 0  # cumulative tokens run (prefill + decode)
     num_generated_tokens: int = 0  # cumulative tokens sampled
     storage_puts: int = 0  # cumulative KV blocks written to the storage backend (put completed)
+    num_admitted: int = 0  # cumulative requests the scheduler took to run (engine-side admissions)
     splitwise: SplitwiseStats | None = None  # only on a --splitwise-role instance
     speculative: SpecDecodeStats | None = None  # only with --speculative
 

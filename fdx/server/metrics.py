@@ -51,6 +51,8 @@ _ENGINE_SERIES: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...]
      lambda s: getattr(s, "storage_puts", 0)),
     ("num_preemptions", "Preemptions.", "counter", lambda s: s.num_preemptions),
     ("engine_steps", "Engine steps.", "counter", lambda s: s.steps),
+    ("engine_admissions", "Requests the engine admitted (its scheduler took them to run).", "counter",
+     lambda s: getattr(s, "num_admitted", 0)),
     ("engine_batched_tokens", "Tokens run by the engine (prefill + decode).", "counter",
      lambda s: getattr(s, "num_batched_tokens", 0)),
     ("engine_generated_tokens", "Tokens sampled by the engine.", "counter",

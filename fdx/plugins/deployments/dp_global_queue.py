@@ -23,9 +23,18 @@ Invariants:
 
 * each handle gets exactly one terminal item: outputs carry the request's
   key, which names one attempt; outputs of an older attempt are dropped;
-* a request whose instance dies (its heartbeat key expired) or whose
-  replica failed is queued again (a new attempt) when none of its tokens
-  reached the sink, else it ends with a 503 error event;
+* each pick is a lease with a fencing token, renewed by the owner every
+  heartbeat (:data:`RENEW`); an owner silent past ``--heartbeat-timeout``
+  loses it: the origin reclaims the request (:data:`RECLAIM`) and queues
+  it again, once (a new attempt); the stale owner's renewal then reports
+  the loss (it aborts the request) and its pushes are fenced
+  (:data:`PUSH`), so its late outputs never reach the client;
+* a request whose lease was lost or whose replica failed is queued again
+  from the start when none of its tokens reached the sink, else as its
+  continuation (prompt + the tokens streamed) where :func:`continuable`,
+  else it ends with a 503 error event;
+* control calls (pause, ...) act on every node, through the nodes' ``ctl``
+  lists, each answering on the call's reply list within the call's timeout;
 * a request nobody picks up within ``--dp-request-ttl`` seconds ends with
   a 503 saying so (the origin's timer; the pick script also drops expired
   entries), so nothing stays queued forever;
@@ -56,9 +65,9 @@ from fdx.config import EngineConfig
 from fdx.core.errors import RequestError
 from fdx.core.messages import AbortRequest, AddRequest, OutputBatch, RequestOutput, SamplingParams, decode, encode
 from fdx.deploy.engine_client import wire_error
-from fdx.deploy.frontend import EngineUnavailable, RequestHandle, Sink
+from fdx.deploy.frontend import ControlCallError, EngineUnavailable, RequestHandle, Sink
 from fdx.deploy.affinity import prefix_hashes
-from fdx.plugins.deployments.dp_replicas import spawn_tracked
+from fdx.plugins.deployments.dp_replicas import merge_replies, spawn_tracked
 
 log = logging.getLogger("fdx.server")
 
@@ -130,17 +139,23 @@ end
 return target
 """
 
-#: ARGV: prefix, me, n, picked_ttl_ms, steal_after_ms.  Takes up to n
+#: ARGV: prefix, me, n, picked_ttl_ms, steal_after_ms, lease_ms.  Takes up to n
 #: requests from my queue; when it is empty, steals from the longest other
 #: queue (``_any`` included; at most half of another instance's queue; only
 #: entries queued at least ``steal_after_ms`` ago, so that an instance about
 #: to take its own fresh work keeps it, and its prefix cache).  Entries whose hash
 #: is gone (aborted, lost) are skipped, expired ones dropped.  Marks each
-#: taken request's hash ``owner = me`` and adds it to my processing set.
-#: Returns a flat list: key, origin, AddRequest bytes, ...
+#: taken request's hash ``owner = me``, ``fence`` = a new fencing token (one
+#: counter for the cluster: every lease's token is greater than every older
+#: one's) and ``lease`` = now + lease_ms, and adds it to my processing set.
+#: Returns a flat list: the epoch of Redis's data (set here when missing),
+#: then key, origin, AddRequest bytes, fence, ...
 PICK = _NOW + """
-local P, me, n, keep, age = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local out = {}
+local P, me, n, keep, age, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]),
+  tonumber(ARGV[6])
+local epoch = redis.call('GET', P .. ':epoch')
+if not epoch then epoch = 'lua-' .. now .. '-' .. me; redis.call('SET', P .. ':epoch', epoch) end
+local out = {epoch}
 local function take(q, limit, min_age)
   local got = 0
   while got < limit do
@@ -156,17 +171,18 @@ local function take(q, limit, min_age)
       if tonumber(f[3]) < now then
         redis.call('DEL', hk)
       else
-        redis.call('HSET', hk, 'owner', me)
+        local fence = redis.call('INCR', P .. ':fence')
+        redis.call('HSET', hk, 'owner', me, 'fence', fence, 'lease', now + lease)
         redis.call('PEXPIRE', hk, keep)
         redis.call('SADD', P .. ':processing:' .. me, key)
-        table.insert(out, key); table.insert(out, f[2]); table.insert(out, f[1])
+        table.insert(out, key); table.insert(out, f[2]); table.insert(out, f[1]); table.insert(out, fence)
         got = got + 1
       end
     end
   end
 end
 take(P .. ':queue:' .. me, n, 0)
-if #out == 0 then
+if #out == 1 then
   local best, bestlen = nil, 0
   local cands = redis.call('ZRANGE', P .. ':instances', 0, -1)
   table.insert(cands, '""" + ANY + """')
@@ -223,6 +239,85 @@ end
 return false
 """
 
+#: The fence check of one held request (key, fence, epoch at the pick):
+#: ``true`` while its hash says this instance (``me``) holds it with this
+#: fence; when the hash is gone and Redis's data is not the one of the pick
+#: (it restarted empty), the hash is written again as held by ``me`` (the
+#: origin waits a lease for that before it queues the request again); else
+#: ``false``: the lease was lost (reclaimed, aborted or ended by the origin).
+_HOLDS = """
+local function holds(P, me, key, fence, ep, origin, epoch, lease_end)
+  local hk = P .. ':req:' .. key
+  local f = redis.call('HMGET', hk, 'owner', 'fence')
+  if f[1] == me and f[2] == fence then return true end
+  if redis.call('EXISTS', hk) == 0 and epoch ~= ep then
+    redis.call('HSET', hk, 'origin', origin, 'owner', me, 'fence', fence, 'lease', lease_end)
+    redis.call('PEXPIRE', hk, 60000)
+    return true
+  end
+  return false
+end
+"""
+
+#: ARGV: prefix, me, lease_ms, picked_ttl_ms, then key, fence, epoch,
+#: origin for each request this instance holds.  Each heartbeat (and
+#: before a picked batch is admitted): extends the lease of each request
+#: still held (see ``_HOLDS``).  Returns the keys whose lease was lost: the
+#: instance aborts them at once, and their outputs are never pushed.
+RENEW = _NOW + _HOLDS + """
+local P, me, lease, keep = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local epoch = redis.call('GET', P .. ':epoch')
+local lost = {}
+for i = 5, #ARGV, 4 do
+  if holds(P, me, ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], epoch, now + lease) then
+    local hk = P .. ':req:' .. ARGV[i]
+    redis.call('HSET', hk, 'lease', now + lease); redis.call('PEXPIRE', hk, keep)
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
+"""
+
+#: ARGV: prefix, me, out list, lease_ms, number of requests k, then k x (key, fence,
+#: epoch, origin), then the output entries.  The fenced push: when every
+#: request of the entries is still held by ``me`` (``_HOLDS``), RPUSHes the
+#: entries and returns an empty list; else pushes nothing and returns the
+#: keys no longer held (the instance drops their outputs and pushes the rest).
+PUSH = _NOW + _HOLDS + """
+local P, me, out, lease, k = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local epoch = redis.call('GET', P .. ':epoch')
+local stale = {}
+for i = 6, 5 + 4 * k, 4 do
+  if not holds(P, me, ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], epoch, now + lease) then
+    table.insert(stale, ARGV[i])
+  end
+end
+if #stale > 0 then return stale end
+redis.call('RPUSH', out, unpack(ARGV, 6 + 4 * k))
+redis.call('PEXPIRE', out, 120000)
+return stale
+"""
+
+#: ARGV: prefix, keys.  The origin's view of its requests, two items per
+#: key: ``held, owner`` while an instance's lease on it runs, ``missing, ''``
+#: when its hash is gone, ``queued, ''`` when nobody took it; when the lease
+#: has run out the hash is deleted (the lease and its fence are void: the old
+#: owner's renewal and pushes fail) and it gives ``reclaimed, owner``: the
+#: origin queues the request again, once.
+RECLAIM = _NOW + """
+local res = {}
+for i = 2, #ARGV do
+  local hk = ARGV[1] .. ':req:' .. ARGV[i]
+  local f = redis.call('HMGET', hk, 'owner', 'lease', 'origin')
+  if not f[3] then table.insert(res, 'missing'); table.insert(res, '')
+  elseif not f[1] then table.insert(res, 'queued'); table.insert(res, '')
+  elseif tonumber(f[2] or '0') >= now then table.insert(res, 'held'); table.insert(res, f[1])
+  else redis.call('DEL', hk); table.insert(res, 'reclaimed'); table.insert(res, f[1]) end
+end
+return res
+"""
+
 #: ARGV: prefix, key.  The TTL ran out at the origin: delete the request if
 #: no instance took it.  Returns the owner (then it runs) or false (deleted).
 EXPIRE = """
@@ -245,11 +340,13 @@ class Remote:
     owner: str | None = None  # the instance that took the current attempt
     enqueued: bool = False  # the current attempt is in Redis
     delivered: bool = False  # a token of it reached the sink
-    owner_missing_since: float | None = None
+    owner_missing_since: float | None = None  # the request's hash was first seen missing then
     sending: bool = False  # an ENQUEUE of the current attempt is under way
     prefix_hashes: tuple[str, ...] = ()  # the prompt's prefix chain hashes (cross-instance affinity)
     done: bool = False
-    tokens_seen: int = 0  # output tokens of the current attempt that reached the sink
+    tokens_seen: int = 0  # output tokens that reached the sink (all attempts)
+    output_ids: list[int] = attrs.field(factory=list)  # those tokens (a continuation's prompt ends with them)
+    base: int = 0  # output tokens of earlier attempts: the current one continues after them
 
     @property
     def key(self) -> str:
@@ -262,7 +359,53 @@ class Work:
 
     key: str
     origin: str
+    fence: str = ""  # the lease's fencing token (PICK)
+    epoch: str = ""  # the Redis data's incarnation at the pick
     handle: RequestHandle | None = None
+
+    @property
+    def lease(self) -> tuple[str, str, str, str]:
+        """The fence check's arguments (``_HOLDS``)."""
+        return (self.key, self.fence, self.epoch, self.origin)
+
+
+#: an output batch an instance keeps for its origin: (time.monotonic(), the
+#: ``Work.lease`` of each request in it, the outputs)
+Entry = tuple[float, tuple[tuple[str, str, str, str], ...], tuple[RequestOutput, ...]]
+
+
+#: the head of a control call sent to another node's ``ctl`` list (JSON follows)
+CONTROL_TAG = b"control\n"
+
+
+def merge_node_replies(method: str, replies: dict[str, dict[str, Any]]) -> Any:
+    """One reply from the nodes' (instance id -> ``ok``, ``result`` |
+    ``error``, ``code``): merged as the replicas' are, each listed under
+    ``nodes``; any failed node fails the call (a :class:`ControlCallError`
+    with its code, naming every failed node and those that succeeded)."""
+    ok = {i: rep["result"] for i, rep in replies.items() if rep.get("ok")}
+    bad = {i: rep for i, rep in replies.items() if not rep.get("ok")}
+    if bad:
+        worst = max(int(rep.get("code") or 500) for rep in bad.values())
+        raise ControlCallError("; ".join(f"dp node {i}: {rep.get('error')}" for i, rep in sorted(bad.items()))
+                               + f" (succeeded on: {', '.join(sorted(ok)) or 'none'})", worst)
+    ids = list(replies)
+    merged = merge_replies(method, {n: ok[i] for n, i in enumerate(ids)})
+    if isinstance(merged, dict):
+        merged = {k: v for k, v in merged.items() if k != "replicas"}
+        merged["nodes"] = [{"instance": i, **(ok[i] if isinstance(ok[i], dict) else {"result": ok[i]})}
+                           for i in ids]
+    return merged
+
+
+def continuable(p: SamplingParams, done: int) -> bool:
+    """Whether a request that streamed ``done`` tokens can go on elsewhere
+    as a new request (its prompt plus those tokens, for the tokens left)
+    sampling as it would have: no seed (a seeded stream would restart), no
+    penalties over the output so far, no beam search, grammar or prompt
+    logprobs (their state is not carried over), and tokens left to make."""
+    return (p.seed is None and not p.presence_penalty and not p.frequency_penalty and p.repetition_penalty == 1.0
+            and not p.beam_width and p.structured is None and p.prompt_logprobs is None and done < p.max_tokens)
 
 
 def _is_connection_error(exc: BaseException) -> bool:
@@ -289,7 +432,7 @@ class QueueCollector:
     ``fdx:dp_global_queue_up``, this API's requests by where they are
     (``queued``, ``here``: run by this node, ``remote``), the requests this
     instance holds for any origin, and counters of re-queued requests,
-    requests ended by an instance failure and TTL expiries."""
+    requests ended by an instance failure, TTL expiries and leases."""
 
     def __init__(self, q: GlobalQueueClient, model: str) -> None:
         self.q = q
@@ -318,7 +461,12 @@ class QueueCollector:
                 ("requeued", "Requests queued again (their instance or replica failed before a token).", q.requeued),
                 ("instance_failures", "Requests ended with an error event because their instance or replica "
                                       "failed after streaming.", q.instance_failures),
-                ("ttl_expired", "Requests no instance picked up within --dp-request-ttl.", q.ttl_expired)):
+                ("ttl_expired", "Requests no instance picked up within --dp-request-ttl.", q.ttl_expired),
+                ("leases_reclaimed", "This API's requests whose instance's lease ran out (silent past "
+                                     "--heartbeat-timeout), queued again.", q.leases_reclaimed),
+                ("leases_lost", "Requests this instance aborted because it lost their lease.", q.leases_lost),
+                ("stale_outputs_dropped", "Outputs this instance dropped, not pushed: their lease was lost.",
+                 q.stale_dropped)):
             c = CounterMetricFamily(f"fdx:dp_global_queue_{name}", doc, labels=lab)
             c.add_metric([self.model], float(value))
             yield c
@@ -351,14 +499,19 @@ class GlobalQueueClient:
         self._release = self.r.register_script(RELEASE)
         self._abort = self.r.register_script(ABORT)
         self._expire = self.r.register_script(EXPIRE)
+        self._renew = self.r.register_script(RENEW)
+        self._push = self.r.register_script(PUSH)
+        self._reclaim = self.r.register_script(RECLAIM)
+        self.lease_ms = int(config.heartbeat_timeout * 1000)
         self.redis_error: str | None = "not connected yet"
         self._down_since: float | None = time.monotonic()
         self.pending: dict[str, Remote] = {}  # by the API's request id
         self.by_key: dict[str, Remote] = {}
         self.work: dict[str, Work] = {}
         self._wsink: Sink = asyncio.Queue()
-        self._unsent: dict[str, list[tuple[float, bytes]]] = {}  # origin -> outputs waiting for Redis
-        self._sent: dict[str, collections.deque[tuple[float, bytes]]] = {}  # origin -> pushed in the last REPLAY_S
+        # origin -> output batches waiting for Redis: (when, the leases of their requests, the outputs)
+        self._unsent: dict[str, list[Entry]] = {}
+        self._sent: dict[str, collections.deque[Entry]] = {}  # origin -> pushed in the last REPLAY_S
         self._epoch: bytes | None = None  # the Redis data's incarnation (a key that a restart without data loses)
         self._epoch_unsure = True  # connections were reset since the epoch was last read
         self._flush_lock = asyncio.Lock()  # one push at a time: outputs stay in order
@@ -368,7 +521,8 @@ class GlobalQueueClient:
         self._closed = False
         self.on_failure = replicas.on_failure
         self.on_ready = replicas.on_ready
-        self.requeued = self.instance_failures = self.ttl_expired = 0
+        self.requeued = self.instance_failures = self.ttl_expired = self.leases_lost = self.stale_dropped = 0
+        self.leases_reclaimed = 0
         registry = getattr(replicas.metrics, "registry", None)
         if registry is not None:
             registry.register(QueueCollector(self, config.model_name))
@@ -483,12 +637,83 @@ class GlobalQueueClient:
         self.replicas.fail_pending(message)
 
     async def call(self, method: str, args: dict[str, Any] | None = None, timeout: float = 30.0) -> Any:
-        """Control methods act on this node's replicas; a paused node takes
-        no work from the queue (it leaves the load ZSET).  ``abort_requests``
-        aborts this API's requests, wherever in the cluster they run."""
+        """Control methods act on every node of the cluster (every instance
+        whose heartbeat key is live), each on all its replicas: this node's
+        at once, the others' through their ``ctl`` lists, each answering on
+        the call's reply list.  The reply merges them (as the replicas'
+        replies are merged) and lists each node under ``nodes``.  A node that
+        fails, or does not answer within ``timeout``, fails the call with its
+        code (504 for the timeout), the message naming it and the nodes that
+        did succeed (they keep their new state: retry the call).  A paused
+        node takes no work from the queue (it leaves the load ZSET).
+        ``abort_requests`` aborts this API's requests, wherever in the
+        cluster they run."""
         if method == "abort_requests":
             self.check_available()
             return self._abort_requests(args or {})
+        peers: list[str] = []
+        call_id = uuid.uuid4().hex
+        unreached = self.redis_error
+        if unreached is None:
+            try:
+                peers = await self._send_control(call_id, method, args or {}, timeout)
+            except Exception as exc:  # noqa: BLE001 - reported below, never hidden
+                self._redis_failed(exc)
+                unreached = str(exc) or type(exc).__name__
+        local, remote = await asyncio.gather(self._call_local(method, args, timeout),
+                                             self._control_replies(call_id, peers, timeout), return_exceptions=True)
+        if isinstance(remote, BaseException):
+            remote = {p: {"ok": False, "code": 503, "error": f"its reply was lost: {remote}"} for p in peers}
+        if unreached is not None:  # the call ran here only
+            remote = {"(the other nodes)": {"ok": False, "code": 503, "error": (
+                f"not reached: Redis at {self.config.redis_url} does not answer ({unreached})")}}
+        elif isinstance(local, BaseException) and not peers:
+            raise local
+        replies = {self.id: ({"ok": True, "result": local} if not isinstance(local, BaseException) else
+                             {"ok": False, "code": getattr(local, "code", 500), "error": str(local)}), **remote}
+        return merge_node_replies(method, replies)
+
+    async def _send_control(self, call_id: str, method: str, args: dict[str, Any], timeout: float) -> list[str]:
+        """Push control call ``call_id`` on every other node's ``ctl`` list
+        (each gets a little less than ``timeout``, so that its reply is in
+        time); returns those nodes."""
+        peers = await self._peers()
+        blob = CONTROL_TAG + json.dumps({"call_id": call_id, "method": method, "args": args,
+                                         "timeout": max(0.5, 0.9 * timeout)}).encode()
+        pipe = self.r.pipeline(transaction=False)
+        for p in peers:
+            pipe.rpush(self._k("ctl", p), blob)
+            pipe.pexpire(self._k("ctl", p), 60_000)
+            pipe.rpush(self._k("wake", p), "1")
+        await pipe.execute()
+        return peers
+
+    async def _peers(self) -> list[str]:
+        """The other instances of the cluster whose heartbeat key is live."""
+        head = len(self._k("instance", ""))
+        ids = {k.decode()[head:] async for k in self.r.scan_iter(match=self._k("instance", "*"), count=1000)}
+        ids.discard(self.id)
+        return sorted(ids)
+
+    async def _control_replies(self, call_id: str, peers: list[str], timeout: float) -> dict[str, dict[str, Any]]:
+        """The peers' replies to control call ``call_id``, waited for at most
+        ``timeout`` seconds (polling the reply list); a peer with none by
+        then is a 504 naming it."""
+        got: dict[str, dict[str, Any]] = {}
+        key = self._k("reply", call_id)
+        deadline = time.monotonic() + timeout
+        while peers and len(got) < len(peers) and time.monotonic() < deadline:
+            for blob in await self.r.lpop(key, len(peers)) or ():
+                rep = json.loads(blob)
+                got[rep.pop("instance")] = rep
+            if len(got) < len(peers):
+                await asyncio.sleep(0.05)
+        for p in peers:
+            got.setdefault(p, {"ok": False, "code": 504,
+                               "error": f"no reply within {timeout:g}s (the node is stopped, hung or gone)"})
+        return got
+
+    async def _call_local(self, method: str, args: dict[str, Any] | None, timeout: float) -> Any:
         result = await self.replicas.call(method, args, timeout)
         if method == "pause":
             try:
@@ -496,6 +721,19 @@ class GlobalQueueClient:
             except Exception as exc:  # noqa: BLE001
                 self._redis_failed(exc)
         return result
+
+    async def _serve_control(self, blob: bytes) -> None:
+        """Run a control call another node sent to this one; reply on its list."""
+        msg = json.loads(blob[len(CONTROL_TAG):])
+        try:
+            rep = {"ok": True, "result": await self._call_local(msg["method"], msg["args"], msg["timeout"])}
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, never dropped
+            rep = {"ok": False, "code": getattr(exc, "code", 500), "error": str(exc) or type(exc).__name__}
+        key = self._k("reply", msg["call_id"])
+        pipe = self.r.pipeline(transaction=False)
+        pipe.rpush(key, json.dumps({"instance": self.id, **rep}, default=str))
+        pipe.pexpire(key, 60_000)
+        await pipe.execute()
 
     def _abort_requests(self, args: dict[str, Any]) -> dict[str, Any]:
         if args.get("abort_all"):
@@ -590,25 +828,38 @@ class GlobalQueueClient:
 
     def _retry_or_fail(self, r: Remote, why: str) -> None:
         """The attempt's instance or replica failed: queue it again when no
-        token reached the sink, else end it with a 503 error event."""
+        token reached the sink; when some did, queue its continuation (the
+        prompt plus the tokens streamed so far, for the tokens left) where
+        that samples as the whole request would (:func:`continuable`), else
+        end it with a 503 error event."""
         if r.done:
             return
         old = r.key
         self._ended.append(old)
-        if r.delivered:
+        h = r.handle
+        if r.delivered and not continuable(h.params, r.tokens_seen):
             self.instance_failures += 1
             self._end(r, EngineUnavailable(f"engine unavailable: {why}"))
             return
-        if time.monotonic() > r.deadline:
+        if time.monotonic() > r.deadline and not r.delivered:
             self._expired(r)
             return
         self.requeued += 1
         self.by_key.pop(old, None)
         r.attempt += 1
-        r.add = attrs.evolve(r.add, request_id=request_key(r.handle.request_id, r.attempt))
+        key = request_key(h.request_id, r.attempt)
+        if r.delivered:
+            k = r.tokens_seen
+            r.base, r.deadline = k, time.monotonic() + self.ttl  # a continuation waits a whole TTL to be picked
+            r.add = AddRequest(key, (*h.prompt, *r.output_ids), attrs.evolve(
+                h.params, max_tokens=h.params.max_tokens - k, min_tokens=max(0, h.params.min_tokens - k)),
+                r.add.arrival_time, trace_context=r.add.trace_context)
+        else:
+            r.add = attrs.evolve(r.add, request_id=key)
         r.owner, r.enqueued, r.owner_missing_since = None, False, None
         self.by_key[r.key] = r
-        log.warning("request %s queued again (attempt %d) before any token: %s", r.handle.request_id, r.attempt, why)
+        log.warning("request %s queued again (attempt %d) after %d token(s): %s", h.request_id, r.attempt,
+                    r.tokens_seen, why)
         self._spawn(self._send(r))
 
     def _expired(self, r: Remote) -> None:
@@ -625,6 +876,10 @@ class GlobalQueueClient:
             r = self.by_key.get(out.request_id)
             if r is None or r.done:
                 continue  # an older attempt, or a request already ended here
+            if r.base:  # a continuation: its counts as the whole request's
+                out = attrs.evolve(out, num_output_tokens=out.num_output_tokens and out.num_output_tokens + r.base,
+                                   num_prompt_tokens=max(0, out.num_prompt_tokens - r.base),
+                                   num_cached_tokens=min(out.num_cached_tokens, r.handle.num_prompt_tokens))
             if owner is not None:
                 r.owner = owner
             h = r.handle
@@ -641,6 +896,7 @@ class GlobalQueueClient:
                                                "between were lost (Redis restarted?)"))
                 continue
             r.tokens_seen += len(out.new_token_ids)
+            r.output_ids.extend(out.new_token_ids)
             if out.new_token_ids:
                 r.delivered = True
                 if h.first_token_time is None:
@@ -710,38 +966,29 @@ class GlobalQueueClient:
                 self._expired(r)
             else:
                 self._spawn(self._send(r))
-        rs = [r for r in self.pending.values() if r.enqueued and not r.done]
+        rs = [r for r in self.pending.values() if r.enqueued and not r.done and r.owner != self.id]
         if not rs:
             return
-        pipe = self.r.pipeline(transaction=False)
-        for r in rs:
-            pipe.hmget(self._k("req", r.key), "origin", "owner")
-        rows = await pipe.execute()
-        for r, (_origin, owner) in zip(rs, rows):
-            if owner is not None:
-                r.owner = owner.decode()
-        owners = sorted({r.owner for r in rs if r.owner is not None})
-        alive: dict[str, bool] = {}
-        if owners:
-            pipe = self.r.pipeline(transaction=False)
-            for o in owners:
-                pipe.exists(self._k("instance", o))
-            alive = dict(zip(owners, (bool(x) for x in await pipe.execute())))
-        grace = self.config.heartbeat_timeout  # a Redis that restarted has lost the keys until the next beats
-        for r, (origin, _owner) in zip(rs, rows):
+        rows = await self._reclaim(args=[self.prefix, *(r.key for r in rs)])
+        grace = self.config.heartbeat_timeout  # a Redis that restarted has lost the hashes until their owners renew
+        for i, r in enumerate(rs):
+            state, owner = rows[2 * i].decode(), rows[2 * i + 1].decode()
             if r.done or not r.enqueued:
                 continue
-            if r.owner is not None:
-                if alive.get(r.owner, True) or r.owner == self.id:
-                    r.owner_missing_since = None
-                elif r.owner_missing_since is None:
+            if state != "missing":
+                r.owner_missing_since = None
+            if state == "held":
+                r.owner = owner
+            elif state == "reclaimed":
+                self.leases_reclaimed += 1
+                self._retry_or_fail(r, f"dp instance {owner} was silent for over --heartbeat-timeout "
+                                       f"{self.config.heartbeat_timeout:g}s and lost the request's lease")
+            elif state == "missing":  # lost with a Redis restart, or dropped as expired: wait for its owner's renewal
+                if r.owner_missing_since is None:
                     r.owner_missing_since = now
                 elif now - r.owner_missing_since > grace:
-                    self._retry_or_fail(r, f"dp instance {r.owner} died")
-                continue
-            if origin is None:  # not taken and gone: lost with a Redis restart, or dropped as expired
-                self._retry_or_fail(r, "the queued request was lost by Redis")
-            elif now > r.deadline:
+                    self._retry_or_fail(r, "the request was lost by Redis")
+            elif now > r.deadline:  # queued, nobody took it
                 owner = await self._expire(args=[self.prefix, r.key])
                 if owner is None:
                     self._expired(r)
@@ -792,6 +1039,24 @@ class GlobalQueueClient:
         if not serving:
             await self._release(args=[self.prefix, self.id, "1"])
         await self._release(args=[self.prefix, "", "0"])  # reap the dead
+        await self._renew_leases(list(self.work.values()))
+
+    async def _renew_leases(self, ws: list[Work]) -> list[Work]:
+        """Extend the leases of ``ws`` (``RENEW``); abort at once those whose
+        lease was lost (reclaimed by their origin after this instance was
+        silent past --heartbeat-timeout, or aborted): their outputs are never
+        pushed.  Returns the ones still held."""
+        if not ws:
+            return []
+        lost = set(await self._renew(args=[self.prefix, self.id, self.lease_ms, PICKED_TTL_MS,
+                                           *(x for w in ws for x in w.lease)]))
+        if lost:
+            keys = [w.key for w in ws if w.key.encode() in lost]
+            log.warning("dp instance %s lost the lease of %d request(s) (their origin queued them again): "
+                        "aborted here", self.id, len(keys))
+            self.leases_lost += len(keys)
+            self._abort_local(keys, "lease lost")
+        return [w for w in ws if w.key.encode() not in lost]
 
     def _redis_ok(self) -> None:
         if self.redis_error is not None:
@@ -830,12 +1095,26 @@ class GlobalQueueClient:
                 free = self.capacity - len(self.work)
                 if free > 0 and self.redis_error is None and self._serving_locally():
                     rows = await self._pick(args=[self.prefix, self.id, min(free, PICK_BATCH), PICKED_TTL_MS,
-                                                  STEAL_AFTER_MS])
-                    for i in range(0, len(rows), 3):
-                        self._run(rows[i].decode(), rows[i + 1].decode(), rows[i + 2])
+                                                  STEAL_AFTER_MS, self.lease_ms])
+                    epoch = rows[0].decode()
+                    ws = [Work(rows[i].decode(), rows[i + 1].decode(), str(rows[i + 3]), epoch)
+                          for i in range(1, len(rows), 4)]
+                    blobs = {rows[i].decode(): rows[i + 2] for i in range(1, len(rows), 4)}
+                    for w in ws:
+                        self.work[w.key] = w
+                    try:  # the fenced admission: only what is still ours right now
+                        held = await self._renew_leases(ws)
+                    except Exception as exc:  # noqa: BLE001 - Redis went away just now: run them
+                        self._redis_failed(exc)
+                        held = ws
+                    for w in held:
+                        self._run(w, blobs[w.key])
                         picked += 1
                 aborts = await self.r.lpop(ctl, 64) if self.redis_error is None else None
                 for blob in aborts or ():
+                    if blob.startswith(CONTROL_TAG):
+                        self._spawn(self._serve_control(blob))
+                        continue
                     msg = decode(blob)
                     if isinstance(msg, AbortRequest):
                         self._abort_local(msg.request_ids, msg.reason)
@@ -850,10 +1129,9 @@ class GlobalQueueClient:
                 self._redis_failed(exc)
                 await asyncio.sleep(WAKE_WAIT_S)
 
-    def _run(self, key: str, origin: str, blob: bytes) -> None:
+    def _run(self, w: Work, blob: bytes) -> None:
         """Run a picked request on this node's replicas."""
-        w = Work(key, origin)
-        self.work[key] = w
+        key = w.key
         try:
             add = decode(blob)
             assert isinstance(add, AddRequest)
@@ -889,7 +1167,7 @@ class GlobalQueueClient:
             items = [await self._wsink.get()]
             while not self._wsink.empty():
                 items.append(self._wsink.get_nowait())
-            per: dict[str, list[RequestOutput]] = {}
+            per: dict[str, tuple[list[RequestOutput], dict[str, Work]]] = {}
             for h, x in items:
                 w = h.tag
                 if not isinstance(w, Work) or self.work.get(w.key) is not w:
@@ -900,11 +1178,13 @@ class GlobalQueueClient:
                     code = x.code if isinstance(x, RequestError) else 500
                     out = RequestOutput(w.key, (), finish_reason="abort", error=str(x) or "engine failed",
                                         error_code=code)
-                per.setdefault(w.origin, []).append(out)
+                outs, ws = per.setdefault(w.origin, ([], {}))
+                outs.append(out)
+                ws[w.key] = w
                 if out.finish_reason is not None:
                     self.work.pop(w.key, None)
-            for origin, outs in per.items():
-                self._forward_to(origin, outs)
+            for origin, (outs, ws) in per.items():
+                self._forward_to(origin, outs, ws)
             try:
                 await self._flush()
             except asyncio.CancelledError:
@@ -915,17 +1195,18 @@ class GlobalQueueClient:
     def _forward(self, w: Work, outs: list[RequestOutput]) -> None:
         if any(o.finish_reason is not None for o in outs):
             self.work.pop(w.key, None)
-        self._forward_to(w.origin, outs)
+        self._forward_to(w.origin, outs, {w.key: w})
         self._spawn(self._flush_safe())
 
-    def _forward_to(self, origin: str, outs: list[RequestOutput]) -> None:
+    def _forward_to(self, origin: str, outs: list[RequestOutput], ws: dict[str, Work]) -> None:
         for o in outs:
             if o.finish_reason is not None:
                 self._finished.append(o.request_id)
         if origin == self.id:
             self._deliver(self.id, outs)
         else:
-            self._unsent.setdefault(origin, []).append((time.monotonic(), encode(OutputBatch(tuple(outs)))))
+            leases = tuple(w.lease for w in ws.values())
+            self._unsent.setdefault(origin, []).append((time.monotonic(), leases, tuple(outs)))
 
     async def _flush_safe(self) -> None:
         try:
@@ -936,9 +1217,11 @@ class GlobalQueueClient:
     async def _flush(self) -> None:
         """Push the outputs waiting for Redis (kept for :data:`OUTAGE_S`),
         and drop finished requests from this instance's processing set.
-        After a reconnect it first reads the epoch key: when Redis came back
-        without its data, the outputs pushed in the last :data:`REPLAY_S`
-        (perhaps never read by their origin) go again, ahead of the rest."""
+        Each push is fenced (``PUSH``): outputs of a request whose lease this
+        instance lost are dropped, never pushed.  After a reconnect it first
+        reads the epoch key: when Redis came back without its data, the
+        outputs pushed in the last :data:`REPLAY_S` (perhaps never read by
+        their origin) go again, ahead of the rest."""
         async with self._flush_lock:
             if self._epoch_unsure:
                 await self._check_epoch()
@@ -947,29 +1230,49 @@ class GlobalQueueClient:
             now = time.monotonic()
             unsent, self._unsent = self._unsent, {}
             finished, self._finished = self._finished, []
-            pipe = self.r.pipeline(transaction=False)
-            prefix = self.id.encode() + b"\n"
-            for origin, entries in unsent.items():
-                entries = unsent[origin] = [e for e in entries if now - e[0] < OUTAGE_S]
-                if entries:
-                    pipe.rpush(self._k("out", origin), *(prefix + blob for _, blob in entries))
-                    pipe.pexpire(self._k("out", origin), 120_000)
-            if finished:
-                pipe.srem(self._k("processing", self.id), *finished)
+            done: dict[str, list[Entry]] = {}
             try:
-                await pipe.execute()
+                for origin in list(unsent):
+                    entries = [e for e in unsent[origin] if now - e[0] < OUTAGE_S]
+                    done[origin] = await self._push_fenced(origin, entries)
+                    del unsent[origin]
+                if finished:
+                    await self.r.srem(self._k("processing", self.id), *finished)
             except BaseException:
                 for origin, entries in unsent.items():  # keep them, in order, ahead of newer ones
                     self._unsent[origin] = entries + self._unsent.get(origin, [])
                 self._finished.extend(finished)
                 raise
-            for origin, entries in unsent.items():
+            for origin, entries in done.items():
                 self._sent.setdefault(origin, collections.deque()).extend(entries)
             for origin, sent in list(self._sent.items()):  # oldest first: drop from the left what is too old
                 while sent and now - sent[0][0] >= REPLAY_S:
                     sent.popleft()
                 if not sent:
                     del self._sent[origin]
+
+    async def _push_fenced(self, origin: str, entries: list[Entry]) -> list[Entry]:
+        """One fenced ``PUSH`` of ``entries`` to ``origin``'s list; the
+        outputs of requests no longer held are dropped and the rest pushed.
+        Returns the entries pushed."""
+        prefix = self.id.encode() + b"\n"
+        while entries:
+            leases = list({lease: None for e in entries for lease in e[1]})
+            stale = await self._push(args=[self.prefix, self.id, self._k("out", origin), self.lease_ms, len(leases),
+                                           *(x for lease in leases for x in lease),
+                                           *(prefix + encode(OutputBatch(e[2])) for e in entries)])
+            if not stale:
+                return entries
+            gone = {k.decode() for k in stale}
+            self.stale_dropped += sum(1 for e in entries for o in e[2] if o.request_id in gone)
+            self.leases_lost += sum(1 for k in gone if k in self.work)
+            log.warning("dropped the outputs of %d request(s) whose lease this instance lost: %s", len(gone),
+                        ", ".join(sorted(gone)))
+            self._abort_local(gone, "lease lost")
+            entries = [(t, tuple(x for x in ls if x[0] not in gone), tuple(o for o in outs if o.request_id not in gone))
+                       for t, ls, outs in entries]
+            entries = [e for e in entries if e[2]]
+        return entries
 
     async def _check_epoch(self) -> None:
         pipe = self.r.pipeline(transaction=False)

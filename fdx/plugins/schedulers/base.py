@@ -63,6 +63,7 @@ class BaseScheduler(Scheduler):
         self.num_preemptions = 0
         self.num_failed = 0
         self.num_finished = 0
+        self.num_admitted = 0  # cumulative requests taken to run (the engine-side admissions)
         self.num_scheduled_tokens = 0  # cumulative
         self.num_generated_tokens = 0  # cumulative sampled tokens
         self.last_step_tokens = 0
@@ -85,6 +86,7 @@ class BaseScheduler(Scheduler):
             self._fail(request, error, 400)
             return
         (self.compiling if getattr(request.grammar, "pending", False) else self.waiting).append(request)
+        self.num_admitted += 1
 
     def admit_compiled(self) -> None:
         """Called first in ``schedule()``: compiling requests whose grammar is
@@ -376,6 +378,7 @@ class BaseScheduler(Scheduler):
             "num_preemptions": self.num_preemptions,
             "num_failed": self.num_failed,
             "num_finished": self.num_finished,
+            "num_admitted": self.num_admitted,
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "num_scheduled_tokens": self.num_scheduled_tokens,
