@@ -6,8 +6,9 @@ Loop: say hello to rank 0's control socket (``--master-addr``:``--master-port``)
 until rank 0's group answers ``spawn`` (the group's id, size, backend and
 store); start this node's ranks ``K*P .. K*P+P-1`` (``P`` = tp / nnodes) as
 worker processes (:mod:`fdx.parallel.worker`), which join rank 0 themselves.
-When any of them exits (a fault, rank 0's death, the group's stop), tell rank
-0 (``exit``), end the others and say hello again: the supervisor's restart of
+When any of them exits (a fault, rank 0's death, the group's stop), or the
+connection to rank 0 drops (it died: a stopped rank here could not notice),
+tell rank 0 (``exit``), end the others and say hello again: the supervisor's restart of
 rank 0 is a restart of the whole group, on every node.  SIGTERM/SIGINT end
 the ranks and the agent.
 """
@@ -49,6 +50,9 @@ def run_node_agent(config: Any) -> int:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IMMEDIATE, 1)  # no hello queues up while rank 0 is away
     sock.setsockopt(zmq.SNDHWM, 4)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # a vanished rank 0 host drops the connection too
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    gone = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     addr = f"tcp://{config.master_addr}:{config.master_port}"
     sock.connect(addr)
     log.info("node %d of %d: ranks %d..%d (%d threads each) wait for rank 0 at %s", config.node_rank,
@@ -74,6 +78,13 @@ def run_node_agent(config: Any) -> int:
                         procs[r] = RankLink(**{**info, "rank": r, "threads": threads}).spawn()
                     log.info("group %s: started ranks %s (pids %s)", group, list(procs),
                              " ".join(str(p.pid) for p in procs.values()))
+            if gone.poll(0):
+                gone.recv_multipart()
+                if procs:  # rank 0 is gone: its group is over, even for a rank that cannot notice (stopped)
+                    log.warning("group %s: rank 0's connection dropped; ending this node's ranks", group)
+                    _end(procs)
+                    procs = {}
+                    continue
             dead = {r: p.poll() for r, p in procs.items() if p.poll() is not None}
             if dead:
                 r, rc = next(iter(dead.items()))
@@ -84,6 +95,7 @@ def run_node_agent(config: Any) -> int:
                 procs = {}
     finally:
         _end(procs)
+        gone.close(0)
         sock.close(0)
     return 0
 
