@@ -9,14 +9,13 @@ import os
 import signal
 import subprocess
 import tempfile
-import threading
-import time
 from typing import Any, Iterator
 
 import httpx
 import pytest
-from serverutil import free_port, metric_value, pid_alive, serve_command, start_server
-from test_tensor_parallel import _state, _stream, assert_same, completions, random_llama  # noqa: F401 - the fixture
+from serverutil import free_port, pid_alive, serve_command, start_server, stop_process
+from test_tensor_parallel import (  # noqa: F401 - random_llama: the fixture
+    _ancestry, assert_same, completions, lose_a_rank_under_16_streams, random_llama)
 
 ARGS = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "256", "--max-num-seqs", "16")
 
@@ -38,12 +37,7 @@ def node1(random_llama: str) -> Iterator[Any]:  # noqa: F811
     try:
         yield proc
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc)
         log.close()
 
 
@@ -58,37 +52,14 @@ def test_two_nodes_on_loopback_match_one_rank_and_recover_from_a_lost_remote_ran
         assert_same(one, completions(base, 32))
         before = httpx.get(base + "/health").json()
         [remote] = before["rank_pids"]
-        assert pid_alive(remote) and str(node1.pid) in _parents(remote)  # rank 1 is node 1's child
+        assert pid_alive(remote) and str(node1.pid) in _ancestry(remote)  # rank 1 is node 1's child
         text = httpx.get(base + "/metrics").text
         assert 'fdx:tensor_parallel_info{backend="gloo"' in text and 'size="2"' in text
         # node 1's rank killed or stopped under 16 streams: the step fails, clean 503s, the group restarts
-        codes: list[Any] = [None] * 16
-        threads = [threading.Thread(target=_stream, args=(base, codes, i)) for i in range(16)]
-        for t in threads:
-            t.start()
-        time.sleep(2.0)
-        t0 = time.monotonic()
-        os.kill(remote, sig)
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads), "a request hung"
-        assert set(codes) <= {200, 503}, codes
-        assert 503 in codes
-        while True:
-            h = httpx.get(base + "/health", timeout=5)
-            if h.status_code == 200 and h.json()["engine_pid"] != before["engine_pid"]:
-                break
-            assert time.monotonic() - t0 < 60, h.text
-            time.sleep(0.25)
-        print(f"recovered in {time.monotonic() - t0:.1f} s")
-        [again] = h.json()["rank_pids"]
-        deadline = time.monotonic() + 10
-        while pid_alive(remote) and _state(remote) not in ("Z", "X", None) and time.monotonic() < deadline:
-            time.sleep(0.2)  # a stopped one: node 1's agent kills it once rank 0's connection drops
-        assert not pid_alive(remote) or _state(remote) in ("Z", "X", None)
-        assert again != remote and str(node1.pid) in _parents(again)  # node 1's agent started the new rank
+        after = lose_a_rank_under_16_streams(base, remote, sig, random_llama, within=60)
+        [again] = after["rank_pids"]
+        assert str(node1.pid) in _ancestry(again)  # node 1's agent started the new rank
         assert_same(one, completions(base, 32))
-        assert metric_value(base, "fdx:engine_restarts_total", model_name=random_llama) >= 1
     assert node1.poll() is None  # the agent outlives rank 0's groups
 
 
@@ -113,14 +84,3 @@ def test_a_bad_node_flag_combination_is_a_one_line_error(flags: tuple[str, ...],
     lines = [line for line in r.stderr.strip().splitlines() if says in line]
     assert len(lines) == 1 and len(r.stderr.strip().splitlines()) <= 2, r.stderr[-2000:]
 
-
-def _parents(pid: int) -> str:
-    out, p = [], pid
-    while p > 1:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                p = int(f.read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            break
-        out.append(str(p))
-    return " ".join(out)

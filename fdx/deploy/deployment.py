@@ -69,6 +69,20 @@ class Deployment(abc.ABC):
         :meth:`engines`, in order); ``hook`` is the plugin manager's hook relay."""
 
 
+class ForegroundDeployment(Deployment):
+    """A deployment whose :meth:`run` owns the whole foreground: the launcher
+    never asks it for engines or a front end."""
+
+    @abc.abstractmethod
+    def run(self) -> int | None: ...
+
+    def engines(self, paths: IpcPaths) -> list[EngineProcess]:
+        raise NotImplementedError
+
+    def frontend(self, sides: Sequence[FrontendSide], hook: Any) -> EngineFrontend:
+        raise NotImplementedError
+
+
 def deployment_name(config: EngineConfig) -> str:
     """``--deployment``, else what the flags imply: ``tp-node`` on a host of
     ``--nnodes`` other than node 0, ``splitwise`` for the managed topology,

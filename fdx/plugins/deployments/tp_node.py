@@ -5,31 +5,23 @@ rank 0's group (node 0's engine) asks, and again after every restart."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING
 
 from fdx.core.errors import ConfigError
 from fdx.core.hookspecs import hookimpl
-from fdx.deploy.deployment import Deployment, EngineProcess
+from fdx.deploy.deployment import ForegroundDeployment
 
 if TYPE_CHECKING:
     from fdx.core.hookspecs import Register
-    from fdx.core.ipc import FrontendSide, IpcPaths
-    from fdx.deploy.frontend import EngineFrontend
 
 
-class TPNodeDeployment(Deployment):
+class TPNodeDeployment(ForegroundDeployment):
     def run(self) -> int | None:
         from fdx.parallel.node import run_node_agent
 
         if self.config.nnodes < 2 or self.config.node_rank < 1:
             raise ConfigError("--deployment tp-node needs --nnodes N --node-rank K (K >= 1); node 0 serves the API")
         return run_node_agent(self.config)
-
-    def engines(self, paths: IpcPaths) -> list[EngineProcess]:  # run() owns the foreground
-        raise NotImplementedError
-
-    def frontend(self, sides: Sequence[FrontendSide], hook: Any) -> EngineFrontend:
-        raise NotImplementedError
 
 
 @hookimpl
