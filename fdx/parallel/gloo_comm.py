@@ -36,6 +36,14 @@ log = logging.getLogger("fdx.parallel")
 
 #: exit status of a rank its watchdog ended
 WATCHDOG_EXIT = 71
+#: seconds a rank waits for every rank to join the gloo group (they join before loading)
+JOIN_TIMEOUT = 120.0
+
+
+def _give_up(why: str) -> None:
+    log.critical("%s", why)
+    logging.shutdown()
+    os._exit(WATCHDOG_EXIT)
 
 
 class GlooComm:
@@ -64,7 +72,14 @@ class GlooComm:
         import paddle.distributed as dist
 
         t0 = time.monotonic()
-        dist.init_parallel_env()
+        late = threading.Timer(JOIN_TIMEOUT, _give_up, (f"tensor-parallel rank {rank}: the gloo group (store {store}) "
+                                                       f"was not complete within {JOIN_TIMEOUT:g} s; ending this rank",))
+        late.daemon = True
+        late.start()
+        try:
+            dist.init_parallel_env()
+        finally:
+            late.cancel()
         log.info("gloo group joined as rank %d of %d in %.1f s (store %s)", rank, world, time.monotonic() - t0, store)
         return cls(rank, world, timeout)
 
@@ -75,10 +90,8 @@ class GlooComm:
             time.sleep(0.1)
             since = self._since
             if since is not None and time.monotonic() - since > self.timeout:
-                log.critical("tensor-parallel rank %d: %s did not complete within %.1f s (a peer is stopped or "
-                             "unreachable); ending this rank", self.rank, self._what, self.timeout)
-                logging.shutdown()
-                os._exit(WATCHDOG_EXIT)
+                _give_up(f"tensor-parallel rank {self.rank}: {self._what} did not complete within {self.timeout:.1f} s "
+                         "(a peer is stopped or unreachable); ending this rank")
 
     def _run(self, what: str, fn: Any, *args: Any) -> Any:
         self._what = what

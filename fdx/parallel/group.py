@@ -131,7 +131,7 @@ class RankGroup:
         self._ctrl.setsockopt(zmq.LINGER, 0)
         self._ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone worker fails instead of vanishing
         if self.nnodes > 1:
-            self._ctrl.bind(f"tcp://*:{config.master_port}")
+            self._ctrl.bind(f"tcp://{config.master_addr}:{config.master_port}")  # node 0's own address
             self.ctrl_addr = f"tcp://{config.master_addr}:{config.master_port}"
             self.store = f"{config.master_addr}:{int(config.master_port) + 1}"
         else:

@@ -78,8 +78,11 @@ def run_node_agent(config: Any) -> int:
                         procs[r] = RankLink(**{**info, "rank": r, "threads": threads}).spawn()
                     log.info("group %s: started ranks %s (pids %s)", group, list(procs),
                              " ".join(str(p.pid) for p in procs.values()))
-            if gone.poll(0):
+            lost = False
+            while gone.poll(0):  # every queued event: an old one must not end the next group's ranks
                 gone.recv_multipart()
+                lost = True
+            if lost:
                 if procs:  # rank 0 is gone: its group is over, even for a rank that cannot notice (stopped)
                     log.warning("group %s: rank 0's connection dropped; ending this node's ranks", group)
                     _end(procs)
@@ -88,8 +91,8 @@ def run_node_agent(config: Any) -> int:
             dead = {r: p.poll() for r, p in procs.items() if p.poll() is not None}
             if dead:
                 r, rc = next(iter(dead.items()))
-                log.warning("group %s: rank %d exited with status %s; ending this node's ranks and waiting for "
-                            "rank 0's next group", group, r, rc)
+                log.log(logging.INFO if rc == 0 else logging.WARNING, "group %s: rank %d exited with status %s; "
+                        "ending this node's ranks and waiting for rank 0's next group", group, r, rc)
                 tell(("exit", r, (group, rc)))
                 _end(procs)
                 procs = {}
