@@ -1,7 +1,7 @@
 """Tensor parallelism against one rank and against dp, side by side.
 
     .venv/bin/python bench/bench_tp.py [--dtype float32] [--concurrency 1,16] [--num-prompts 32] \
-        [--num-prompts-c1 8] [--input-len 128] [--output-len 64] [--repeat 1] [--allreduce-only]
+        [--num-prompts-c1 8] [--input-len 128] [--output-len 64] [--repeat 1] [--allreduce-only] [--gloo]
 
 1. **All-reduce latency per backend**, 2 ranks, 2,304 floats (one decode
    row of a 576-wide model, 4 rows) and 576 x 64 floats (a prefill chunk):
@@ -18,7 +18,9 @@
    * ``TP=1 x1``: one rank, ``--num-threads 1``;
    * ``TP=1 x2``: one rank, 2 threads;
    * ``TP=2 x1``: two ranks, 1 thread each (``--num-threads 2``);
-   * ``dp=2 x1``: two replicas, 1 thread each.
+   * ``dp=2 x1``: two replicas, 1 thread each;
+   * with ``--gloo``, ``TP=2 gloo x1``: TP=2 x1 over the gloo backend (what
+     ranks across hosts use, here on one host).
 
    Per concurrency: output tok/s and TTFT p50 of each, and the ratios
    against ``TP=1 x2`` (and ``TP=2 x1 / TP=1 x1`` at c=1: the scaling).
@@ -162,7 +164,11 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allreduce-only", action="store_true")
+    p.add_argument("--gloo", action="store_true", help="also serve TP=2 over the gloo backend (TP=2 gloo x1)")
     opts = p.parse_args()
+    configs = dict(CONFIGS)
+    if opts.gloo:
+        configs["TP=2 gloo x1"] = (*CONFIGS["TP=2 x1"], "--tp-backend", "gloo")
 
     print("all-reduce, 2 ranks (one process each, 1 thread), microseconds per call:")
     for n, iters in ((2304, 2000), (576 * 64, 500)):
@@ -181,8 +187,8 @@ def main() -> int:
     concs = [int(c) for c in opts.concurrency.split(",")]
     results: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack:
-        servers = {name: stack.enter_context(server((*common, *args))) for name, args in CONFIGS.items()}
-        names = list(CONFIGS)
+        servers = {name: stack.enter_context(server((*common, *args))) for name, args in configs.items()}
+        names = list(configs)
         for conc in concs:
             n = opts.num_prompts_c1 if conc == 1 else opts.num_prompts
             for rep in range(opts.repeat):
@@ -203,7 +209,7 @@ def main() -> int:
             tps, ttft = med(name, conc, "output_throughput"), med(name, conc, "p50_ttft_ms")
             r1 = tps / med(BASELINE, conc, "output_throughput")
             r2 = ttft / med(BASELINE, conc, "p50_ttft_ms")
-            print(f"  {name:8} {tps:8.1f} tok/s ({r1:5.2f}x)   TTFT p50 {ttft:8.1f} ms ({r2:5.2f}x)")
+            print(f"  {name:12} {tps:8.1f} tok/s ({r1:5.2f}x)   TTFT p50 {ttft:8.1f} ms ({r2:5.2f}x)")
         if conc == 1:
             s = med("TP=2 x1", 1, "output_throughput") / med("TP=1 x1", 1, "output_throughput")
             print(f"  scaling at 1 thread a rank: TP=2 x1 / TP=1 x1 = {s:.2f}x (target >= 1.5)")

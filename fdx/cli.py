@@ -80,7 +80,8 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="with --scheduler dp: engine processes (replicas) behind the one API server, each "
                         "with its own batch policy, KV cache and --num-threads threads (default 1)")
     k.add_argument("--tensor-parallel-size", "-tp", type=int,
-                   help="split the model over N ranks (worker processes) on this host, Megatron-style: each "
+                   help="split the model over N ranks (worker processes) on this host (or --nnodes hosts), "
+                        "Megatron-style: each "
                         "holds 1/N of the heads, MLP and vocabulary and of the KV cache; the ranks share "
                         "--num-threads (default 1; see docs/PARALLELISM.md)")
     k.add_argument("--tp-backend", choices=("auto", "shm", "gloo"),

@@ -122,7 +122,7 @@ class RankGroup:
         self.world = world = int(config.tensor_parallel_size)
         self.timeout = 0.8 * float(config.step_timeout)
         self.start_timeout = float(config.tp_start_timeout)
-        self.backend = str(config.tp_backend)
+        self.backend = "gloo" if config.tp_backend == "gloo" or config.nnodes > 1 else "shm"  # auto: resolved here too
         self.nnodes, self.per_node = int(config.nnodes), int(config.ranks_per_node)
         self.group_id = uuid.uuid4().hex[:12]
         self._dir = tempfile.mkdtemp(prefix="fdx-tp-")

@@ -57,12 +57,12 @@ def main(argv: list[str]) -> int:
         """Rank 0's next message; exit if its connection dropped (it died)."""
         while True:
             ready = dict(poller.poll())
+            if cmd in ready:  # what rank 0 sent before it went (a stop) comes first
+                return pickle.loads(cmd.recv())
             if gone in ready:
                 logging.getLogger("fdx.parallel").warning("tp rank %d: rank 0's control connection dropped; "
                                                           "exiting", link.rank)
                 os._exit(1)
-            if cmd in ready:
-                return pickle.loads(cmd.recv())
 
     send("join", (link.group_id, os.getpid()))
     kind, config = recv()
