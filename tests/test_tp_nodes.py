@@ -5,10 +5,12 @@ node 1 runs a node agent that starts rank 1 for each of rank 0's groups."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import tempfile
+import time
 from typing import Any, Iterator
 
 import httpx
@@ -60,6 +62,19 @@ def test_two_nodes_on_loopback_match_one_rank_and_recover_from_a_lost_remote_ran
         [again] = after["rank_pids"]
         assert str(node1.pid) in _ancestry(again)  # node 1's agent started the new rank
         assert_same(one, completions(base, 32))
+        if sig == signal.SIGKILL:  # rank 0 (node 0's engine) killed: node 1's rank sees its connection drop
+            engine = after["engine_pid"]
+            os.kill(engine, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    h = httpx.get(base + "/health", timeout=5)
+                    if h.status_code == 200 and h.json()["engine_pid"] != engine:
+                        break
+                assert time.monotonic() < deadline
+                time.sleep(0.25)
+            assert not pid_alive(again) and h.json()["rank_pids"][0] != again
+            assert completions(base, 8)
     assert node1.poll() is None  # the agent outlives rank 0's groups
 
 
