@@ -85,6 +85,7 @@ def run_node_agent(config: Any) -> int:
             if lost:
                 if procs:  # rank 0 is gone: its group is over, even for a rank that cannot notice (stopped)
                     log.warning("group %s: rank 0's connection dropped; ending this node's ranks", group)
+                    tell(("exit", next(iter(procs)), (group, "ended: rank 0's connection dropped")))
                     _end(procs)
                     procs = {}
                     continue
