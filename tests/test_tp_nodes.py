@@ -41,6 +41,9 @@ def node1(random_llama: str) -> Iterator[Any]:  # noqa: F811
     finally:
         stop_process(proc)
         log.close()
+        if not os.environ.get("FDX_KEEP_SERVER_LOGS"):
+            with contextlib.suppress(OSError):
+                os.unlink(log.name)
 
 
 # SIGKILL: gloo's own error at rank 0 (~1 s); SIGSTOP: rank 0's watchdog (0.8 x --step-timeout)
