@@ -1,13 +1,14 @@
 """Tensor parallelism against one rank and against dp, side by side.
 
     .venv/bin/python bench/bench_tp.py [--dtype float32] [--concurrency 1,16] [--num-prompts 32] \
-        [--num-prompts-c1 8] [--input-len 128] [--output-len 64] [--repeat 1] [--allreduce-only]
+        [--num-prompts-c1 8] [--input-len 128] [--output-len 64] [--repeat 1] [--allreduce-only] [--gloo]
 
 1. **All-reduce latency per backend**, 2 ranks, 2,304 floats (one decode
    row of a 576-wide model, 4 rows) and 576 x 64 floats (a prefill chunk):
-   fdx's ``shm`` (fdx/csrc/tp_comm.cc) and Paddle's gloo
-   (``paddle.distributed.all_reduce`` after ``init_parallel_env`` with
-   ``PADDLE_DISTRI_BACKEND=gloo``), each rank a process.
+   fdx's ``shm`` (fdx/csrc/tp_comm.cc) and ``gloo``
+   (fdx/parallel/gloo_comm.py: ``paddle.distributed.all_reduce`` after
+   ``init_parallel_env`` with ``PADDLE_DISTRI_BACKEND=gloo``, the backend of
+   ranks across hosts), each rank a process; and the gloo group's join time.
 2. **Serving**: a random-weight llama of SmolLM2-135M's shape (30 layers,
    hidden 576, MLP 1,536, vocabulary 49,152) but with 8 query and 4 KV heads
    so that it divides by 2, written once under ``~/.cache/fdx/bench-models``.
@@ -17,7 +18,9 @@
    * ``TP=1 x1``: one rank, ``--num-threads 1``;
    * ``TP=1 x2``: one rank, 2 threads;
    * ``TP=2 x1``: two ranks, 1 thread each (``--num-threads 2``);
-   * ``dp=2 x1``: two replicas, 1 thread each.
+   * ``dp=2 x1``: two replicas, 1 thread each;
+   * with ``--gloo``, ``TP=2 gloo x1``: TP=2 x1 over the gloo backend (what
+     ranks across hosts use, here on one host).
 
    Per concurrency: output tok/s and TTFT p50 of each, and the ratios
    against ``TP=1 x2`` (and ``TP=2 x1 / TP=1 x1`` at c=1: the scaling).
@@ -100,14 +103,18 @@ backend, rank, n, iters = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(s
 x = np.ones(n, np.float32)
 if backend == "shm":
     from fdx.parallel.shm_comm import ShmComm
+    t0 = time.perf_counter()
     comm = ShmComm.attach(sys.argv[5], rank, 2, 1 << 20, 30.0)
     op = comm.all_reduce_numpy
-else:
-    import paddle, paddle.distributed as dist
-    dist.init_parallel_env()
+else:  # fdx's gloo backend, as a rank runs it (paddle.distributed, the watchdog armed)
+    import paddle
+    from fdx.parallel.gloo_comm import GlooComm
+    t0 = time.perf_counter()  # Paddle imported: the join alone
+    comm = GlooComm.join(rank, 2, sys.argv[5], 30.0)
     t = paddle.to_tensor(x)
     def op(_):
-        dist.all_reduce(t)
+        comm.all_reduce(t)
+init = time.perf_counter() - t0
 for _ in range(20):
     op(x)
 t0 = time.perf_counter()
@@ -115,11 +122,12 @@ for _ in range(iters):
     op(x)
 dt = (time.perf_counter() - t0) / iters
 if rank == 0:
-    print(dt * 1e6)
+    print(dt * 1e6, init)
 """
 
 
-def allreduce_us(backend: str, n: int, iters: int) -> float:
+def allreduce_us(backend: str, n: int, iters: int) -> tuple[float, float]:
+    """Microseconds per all-reduce of ``n`` floats between 2 ranks, and rank 0's seconds to join the group."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     extra: list[str] = []
     keep: Any = None
@@ -131,27 +139,18 @@ def allreduce_us(backend: str, n: int, iters: int) -> float:
     else:
         import socket
 
-        ports = []
-        for _ in range(2):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                ports.append(s.getsockname()[1])
-        eps = ",".join(f"127.0.0.1:{p}" for p in ports)
-        env.update(PADDLE_DISTRI_BACKEND="gloo", PADDLE_TRAINERS_NUM="2", PADDLE_TRAINER_ENDPOINTS=eps,
-                   PADDLE_MASTER=f"127.0.0.1:{ports[0]}")
-    procs = []
-    for r in range(2):
-        e = dict(env)
-        if backend != "shm":
-            e.update(PADDLE_TRAINER_ID=str(r), PADDLE_CURRENT_ENDPOINT=env["PADDLE_TRAINER_ENDPOINTS"].split(",")[r])
-        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, backend, str(r), str(n), str(iters), *extra],
-                                      env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            extra = [f"127.0.0.1:{s.getsockname()[1]}"]  # the group's TCP store
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, backend, str(r), str(n), str(iters), *extra],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     if keep is not None:
         keep.unlink()
     if any(p.returncode for p in procs):
         raise RuntimeError(f"{backend} all-reduce bench failed: {outs[0][1][-800:]} {outs[1][1][-800:]}")
-    return float(outs[0][0].strip().splitlines()[-1])
+    us, init = outs[0][0].strip().splitlines()[-1].split()
+    return float(us), float(init)
 
 
 def main() -> int:
@@ -165,14 +164,19 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allreduce-only", action="store_true")
+    p.add_argument("--gloo", action="store_true", help="also serve TP=2 over the gloo backend (TP=2 gloo x1)")
     opts = p.parse_args()
+    configs = dict(CONFIGS)
+    if opts.gloo:
+        configs["TP=2 gloo x1"] = (*CONFIGS["TP=2 x1"], "--tp-backend", "gloo")
 
     print("all-reduce, 2 ranks (one process each, 1 thread), microseconds per call:")
     for n, iters in ((2304, 2000), (576 * 64, 500)):
-        shm = allreduce_us("shm", n, iters)
+        shm, _ = allreduce_us("shm", n, iters)
         try:
-            gloo = allreduce_us("gloo", n, max(50, iters // 10))
-            print(f"  {n:>6} floats: shm {shm:8.1f}   gloo {gloo:8.1f}   gloo / shm {gloo / shm:6.1f}x")
+            gloo, init = allreduce_us("gloo", n, max(50, iters // 10))
+            print(f"  {n:>6} floats: shm {shm:8.1f}   gloo {gloo:8.1f}   gloo / shm {gloo / shm:6.1f}x   "
+                  f"(gloo group joined in {init:.1f} s)")
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             print(f"  {n:>6} floats: shm {shm:8.1f}   gloo failed ({str(exc)[:200]})")
     if opts.allreduce_only:
@@ -183,8 +187,8 @@ def main() -> int:
     concs = [int(c) for c in opts.concurrency.split(",")]
     results: dict[tuple[str, int], list[dict[str, Any]]] = {}
     with contextlib.ExitStack() as stack:
-        servers = {name: stack.enter_context(server((*common, *args))) for name, args in CONFIGS.items()}
-        names = list(CONFIGS)
+        servers = {name: stack.enter_context(server((*common, *args))) for name, args in configs.items()}
+        names = list(configs)
         for conc in concs:
             n = opts.num_prompts_c1 if conc == 1 else opts.num_prompts
             for rep in range(opts.repeat):
@@ -205,7 +209,7 @@ def main() -> int:
             tps, ttft = med(name, conc, "output_throughput"), med(name, conc, "p50_ttft_ms")
             r1 = tps / med(BASELINE, conc, "output_throughput")
             r2 = ttft / med(BASELINE, conc, "p50_ttft_ms")
-            print(f"  {name:8} {tps:8.1f} tok/s ({r1:5.2f}x)   TTFT p50 {ttft:8.1f} ms ({r2:5.2f}x)")
+            print(f"  {name:12} {tps:8.1f} tok/s ({r1:5.2f}x)   TTFT p50 {ttft:8.1f} ms ({r2:5.2f}x)")
         if conc == 1:
             s = med("TP=2 x1", 1, "output_throughput") / med("TP=1 x1", 1, "output_throughput")
             print(f"  scaling at 1 thread a rank: TP=2 x1 / TP=1 x1 = {s:.2f}x (target >= 1.5)")

@@ -80,11 +80,22 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                    help="with --scheduler dp: engine processes (replicas) behind the one API server, each "
                         "with its own batch policy, KV cache and --num-threads threads (default 1)")
     k.add_argument("--tensor-parallel-size", "-tp", type=int,
-                   help="split the model over N ranks (worker processes) on this host, Megatron-style: each "
+                   help="split the model over N ranks (worker processes) on this host (or --nnodes hosts), "
+                        "Megatron-style: each "
                         "holds 1/N of the heads, MLP and vocabulary and of the KV cache; the ranks share "
                         "--num-threads (default 1; see docs/PARALLELISM.md)")
-    k.add_argument("--tp-backend", choices=("shm",),
-                   help="the collectives between the tensor-parallel ranks: shm (shared memory, one host; default)")
+    k.add_argument("--tp-backend", choices=("auto", "shm", "gloo"),
+                   help="the collectives between the tensor-parallel ranks: shm (shared memory, one host), gloo "
+                        "(Paddle's, any hosts), auto (default: shm on one node, gloo across --nnodes)")
+    k.add_argument("--nnodes", type=int,
+                   help="hosts the --tensor-parallel-size ranks span, tp/nnodes each (default 1; Paddle's launcher "
+                        "conventions; every node runs the same fdx serve command with its --node-rank)")
+    k.add_argument("--node-rank", type=int,
+                   help="this host's place among --nnodes: 0 runs the API server and rank 0, the others a node "
+                        "agent that starts their ranks (default 0)")
+    k.add_argument("--master-addr", help="with --nnodes: node 0's address, where rank 0 listens")
+    k.add_argument("--master-port", type=int,
+                   help="with --nnodes: rank 0's control port on --master-addr (the gloo store takes the next one)")
     k.add_argument("--tp-start-timeout", type=float,
                    help="seconds to wait for every tensor-parallel rank to load its shard (default 600)")
     k.add_argument("--dp-local-scheduler",

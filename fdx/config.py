@@ -103,8 +103,16 @@ class EngineConfig:
     data_parallel_size: int = attrs.field(default=1, validator=_positive)
     #: ranks one model is split over (tensor parallelism, fdx/parallel/); 1: in-process
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
-    #: the collectives between a host's ranks (``shm``: fdx/csrc/tp_comm.cc)
-    tp_backend: str = "shm"
+    #: the collectives between the ranks: ``shm`` (one host, fdx/csrc/tp_comm.cc), ``gloo``
+    #: (Paddle's, any hosts); ``auto``: shm on one node, gloo across nodes (resolved by make_config)
+    tp_backend: str = "auto"
+    #: hosts the ranks span (Paddle's launcher conventions: ``--nnodes``, ``--node-rank``,
+    #: ``--master-addr``/``--master-port``); node 0 runs the API and rank 0, the others a
+    #: node agent (fdx/plugins/deployments/tp_node.py)
+    nnodes: int = attrs.field(default=1, validator=_positive)
+    node_rank: int = attrs.field(default=0, validator=_non_negative)
+    master_addr: str | None = None
+    master_port: int | None = None
     #: seconds rank 0 waits for every other rank to load its shard and say ready
     tp_start_timeout: float = attrs.field(default=600.0, validator=_positive)
     #: ``--scheduler dp``: the batch policy each replica runs
@@ -184,7 +192,12 @@ class EngineConfig:
         (default every core), shared by the ``--tensor-parallel-size`` ranks."""
         if self.tensor_parallel_size == 1:
             return self.num_threads
-        return max(1, (self.num_threads or os.cpu_count() or 1) // self.tensor_parallel_size)
+        return max(1, (self.num_threads or os.cpu_count() or 1) // self.ranks_per_node)
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks on each of the ``--nnodes`` hosts."""
+        return max(1, self.tensor_parallel_size // self.nnodes)
 
     @property
     def model_name(self) -> str:
@@ -244,9 +257,7 @@ def make_config(**kwargs: Any) -> EngineConfig:
         raise ConfigError(str(exc)) from None
     if cfg.data_parallel_size > 1 and cfg.scheduler != "dp":
         raise ConfigError(f"--data-parallel-size {cfg.data_parallel_size} needs --scheduler dp")
-    if cfg.tp_backend != "shm":
-        raise ConfigError(f"--tp-backend {cfg.tp_backend!r}: choose shm (the ranks of one host over shared memory); "
-                          "ranks across hosts are not implemented yet")
+    cfg = _check_nodes(cfg)
     if cfg.dp_backend not in ("local", "redis"):
         raise ConfigError(f"--dp-backend must be local or redis, got {cfg.dp_backend!r}")
     if cfg.dp_backend == "redis" and (cfg.scheduler != "dp" or not cfg.redis_url):
@@ -279,6 +290,32 @@ def make_config(**kwargs: Any) -> EngineConfig:
         raise ConfigError(
             f"--max-num-batched-tokens ({cfg.max_num_batched_tokens}) must be >= --block-size ({cfg.block_size})"
         )
+    return cfg
+
+
+def _check_nodes(cfg: EngineConfig) -> EngineConfig:
+    """The tensor-parallel backend and the several-hosts flags: one-line errors; ``auto`` resolved."""
+    if cfg.tp_backend not in ("auto", "shm", "gloo"):
+        raise ConfigError(f"--tp-backend {cfg.tp_backend!r}: choose auto, shm (the ranks of one host over shared "
+                          "memory) or gloo (Paddle's, ranks on any hosts)")
+    tp, n = cfg.tensor_parallel_size, cfg.nnodes
+    if cfg.node_rank >= n:
+        raise ConfigError(f"--node-rank {cfg.node_rank} must be below --nnodes {n}")
+    if n > 1:
+        if tp % n:
+            raise ConfigError(f"--nnodes {n}: --tensor-parallel-size {tp} must be a multiple of it "
+                              "(each node runs the same number of ranks)")
+        if cfg.tp_backend == "shm":
+            raise ConfigError(f"--tp-backend shm: shared memory joins the ranks of one host, not --nnodes {n}; "
+                              "use gloo (or auto)")
+        if not cfg.master_addr or not cfg.master_port:
+            raise ConfigError(f"--nnodes {n} needs --master-addr and --master-port (node 0's address, where "
+                              "rank 0 listens)")
+        if cfg.data_parallel_size > 1 or cfg.scheduler in ("dp", "splitwise"):
+            raise ConfigError(f"--nnodes {n}: several hosts run one tensor-parallel group; --scheduler "
+                              f"{cfg.scheduler} over several nodes is not supported")
+    if cfg.tp_backend == "auto":
+        cfg = attrs.evolve(cfg, tp_backend="gloo" if n > 1 else "shm")
     return cfg
 
 

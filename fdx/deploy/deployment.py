@@ -2,7 +2,7 @@
 
 A deployment (``fdx_register_deployments``, chosen with ``--deployment``;
 by default ``single``, ``dp`` under ``--scheduler dp``, ``splitwise`` with
-``--num-prefill``/``--num-decode``) declares:
+``--num-prefill``/``--num-decode``, ``tp-node`` with ``--node-rank K > 0``) declares:
 
 * :meth:`Deployment.engines` -- the engine processes to run, each with its
   own IPC channel pair and config.  The launcher (:mod:`fdx.deploy.launcher`)
@@ -69,11 +69,28 @@ class Deployment(abc.ABC):
         :meth:`engines`, in order); ``hook`` is the plugin manager's hook relay."""
 
 
+class ForegroundDeployment(Deployment):
+    """A deployment whose :meth:`run` owns the whole foreground: the launcher
+    never asks it for engines or a front end."""
+
+    @abc.abstractmethod
+    def run(self) -> int | None: ...
+
+    def engines(self, paths: IpcPaths) -> list[EngineProcess]:
+        raise NotImplementedError
+
+    def frontend(self, sides: Sequence[FrontendSide], hook: Any) -> EngineFrontend:
+        raise NotImplementedError
+
+
 def deployment_name(config: EngineConfig) -> str:
-    """``--deployment``, else what the flags imply: ``splitwise`` for the
-    managed topology, ``dp`` under ``--scheduler dp``, else ``single``."""
+    """``--deployment``, else what the flags imply: ``tp-node`` on a host of
+    ``--nnodes`` other than node 0, ``splitwise`` for the managed topology,
+    ``dp`` under ``--scheduler dp``, else ``single``."""
     if config.deployment:
         return config.deployment
+    if config.node_rank > 0:
+        return "tp-node"
     if config.scheduler == "splitwise" and (config.num_prefill or config.num_decode) and not config.splitwise_role:
         return "splitwise"
     return "dp" if config.scheduler == "dp" else "single"

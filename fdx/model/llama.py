@@ -78,9 +78,10 @@ from fdx.model.packed_weights import PackedWeight, pack_bf16, pack_float, pack_g
 
 
 class Collective(Protocol):
-    """The tensor-parallel collectives the forward pass makes (:mod:`fdx.parallel.shm_comm`)."""
+    """The tensor-parallel collectives the forward pass makes (:mod:`fdx.parallel.shm_comm`,
+    :mod:`fdx.parallel.gloo_comm`)."""
 
-    #: the address of the all-reduce handle the fused decoder-layer op calls
+    #: the address of the all-reduce handle the fused decoder-layer op calls (0: none, per-layer path)
     handle: int
 
     def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -264,6 +265,7 @@ class LlamaModel:
                              and not args.qk_norm  # the op has no q/k norm
                              and not args.gemma_fields  # nor any of Gemma's additions
                              and not args.num_experts  # nor experts (it does tensor parallelism's all-reduces)
+                             and (comm is None or bool(comm.handle))  # shm's all-reduce only (gloo's handle is 0)
                              and os.environ.get("FDX_FUSED_LAYERS", "1") != "0")  # 0: the per-layer path (tests)
         self._stack: tuple[Any, ...] | None = None
 

@@ -23,6 +23,7 @@ from fdx.core.interfaces import Device
 from fdx.model.runner_base import PagedRunnerBase, StepLayout
 
 if TYPE_CHECKING:
+    from fdx.parallel.gloo_comm import GlooComm
     from fdx.parallel.group import RankGroup, RankLink
     from fdx.parallel.sharding import TensorShard
     from fdx.parallel.shm_comm import ShmComm
@@ -101,7 +102,7 @@ class PaddleModelRunner(PagedRunnerBase):
         self.tensor_parallel_size = world = int(config.tensor_parallel_size)
         self.shard: TensorShard | None = None
         self.group: RankGroup | None = None
-        self.comm: ShmComm | None = None
+        self.comm: ShmComm | GlooComm | None = None
         if world > 1:
             from fdx.parallel.sharding import make_shard
 
@@ -139,10 +140,9 @@ class PaddleModelRunner(PagedRunnerBase):
 
     def _join_group(self, ckpt: Any, link: RankLink | None, on_layer: Callable[[], None] | None) -> Any:
         """Rank 0: start the other ranks (they load while this one does);
-        a worker: map the group's segment.  Returns this rank's shard of ``ckpt``."""
-        from fdx.parallel.group import RankGroup
+        a worker: join the group's collectives.  Returns this rank's shard of ``ckpt``."""
+        from fdx.parallel.group import RankGroup, worker_comm
         from fdx.parallel.sharding import shard_checkpoint
-        from fdx.parallel.shm_comm import ShmComm
 
         assert self.shard is not None
         if link is None:
@@ -152,7 +152,7 @@ class PaddleModelRunner(PagedRunnerBase):
             self.group.start_progress(self.args.num_layers, self.source.name)
             on_layer = self.group.on_layer
         else:
-            self.comm = ShmComm.attach(link.shm_name, link.rank, link.world, link.slot_elems, link.timeout)
+            self.comm = worker_comm(link)
         return shard_checkpoint(ckpt, self.shard, on_layer)
 
     def _my_part(self, ckpt: Any) -> Any:

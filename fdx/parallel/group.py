@@ -1,9 +1,13 @@
 """The tensor-parallel rank group: rank 0 is the engine's model runner, ranks
 1..N-1 are worker processes (:mod:`fdx.parallel.worker`) it starts.
 
-Start-up (rank 0, :meth:`RankGroup.start`): create the shared-memory segment,
-bind two ZMQ sockets (commands out, one per worker; replies in), start the
-workers, send each the engine config.  Every rank then loads only its shard
+Start-up (rank 0, :meth:`RankGroup.start`): create the shared-memory segment
+(``shm``), bind one ZMQ ROUTER (ipc on one host; tcp at ``--master-port``
+across ``--nnodes``), start this node's workers; the other nodes' agents
+(:mod:`fdx.parallel.node`) say hello and are told how to start theirs.  Each
+worker joins with its rank and the group's id (a worker of an older group is
+ignored) and is sent the engine config; ``gloo``: every rank then joins
+Paddle's group (:mod:`fdx.parallel.gloo_comm`).  Every rank then loads only its shard
 straight from the checkpoint; rank 0 shows one progress bar summing all
 ranks' layers and waits for every worker's ``ready`` (or its error, or its
 exit, or ``--tp-start-timeout``), naming the rank that failed.
@@ -19,7 +23,8 @@ Faults: a worker that exits, stops or fails breaks the group
 within ``timeout``).  A broken group cannot be repaired in place: rank 0
 ends its process (:meth:`RankGroup.fatal`), the supervisor restarts the
 engine and with it the whole group, and in-flight requests get the 503 of
-any engine crash.  Workers die with rank 0 (``PR_SET_PDEATHSIG``).
+any engine crash.  Workers die with their parent (``PR_SET_PDEATHSIG``), and
+with rank 0 when its control connection drops (other hosts).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from typing import Any, Callable
 
 import attrs
@@ -49,11 +55,17 @@ class RankLink:
 
     rank: int
     world: int
+    #: ``shm`` or ``gloo`` (:mod:`fdx.parallel.gloo_comm`)
+    backend: str
+    #: shm: the segment's name and floats per slot
     shm_name: str
     slot_elems: int
-    #: ZMQ addresses: this worker's command socket (rank 0 binds), the replies (rank 0 binds)
-    cmd_addr: str
-    reply_addr: str
+    #: rank 0's control socket (a ZMQ ROUTER: ipc on one host, tcp across hosts)
+    ctrl_addr: str
+    #: the group's id: a worker of an older group (rank 0 restarted) is ignored
+    group_id: str
+    #: gloo: the group's TCP store, ``HOST:PORT``
+    store: str
     #: seconds a collective waits for a peer before the group counts as broken
     timeout: float
     #: compute threads of this rank
@@ -69,9 +81,14 @@ class RankLink:
         casts: dict[Any, Callable[[str], Any]] = {"int": int, "float": float, "str": str, int: int, float: float, str: str}
         return cls(**{k: casts[conv[k]](v) for k, v in kv.items()})
 
+    def spawn(self, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start this rank's worker process (``python -m fdx.parallel.worker``)."""
+        env = dict(env or os.environ, OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
+        return subprocess.Popen([sys.executable, "-m", "fdx.parallel.worker", *self.to_argv()], env=env)
+
 
 def die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent (rank 0) exits."""
+    """Linux: SIGKILL this process when its parent (rank 0, or its node's agent) exits."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -79,49 +96,97 @@ def die_with_parent() -> None:
         pass
 
 
+def worker_comm(link: RankLink) -> Any:
+    """A worker's collectives: the group's shm segment, or its place in the gloo group."""
+    if link.backend == "gloo":
+        from fdx.parallel.gloo_comm import GlooComm
+
+        return GlooComm.join(link.rank, link.world, link.store, link.timeout)
+    return ShmComm.attach(link.shm_name, link.rank, link.world, link.slot_elems, link.timeout)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class RankGroup:
     """Rank 0's side of the group (see the module docstring)."""
 
-    def __init__(self, world: int, timeout: float, start_timeout: float) -> None:
+    def __init__(self, config: Any) -> None:
         import zmq
 
-        self.world = world
-        self.timeout = timeout
-        self.start_timeout = start_timeout
-        self.comm = ShmComm.create(world, timeout)
+        self.world = world = int(config.tensor_parallel_size)
+        self.timeout = 0.8 * float(config.step_timeout)
+        self.start_timeout = float(config.tp_start_timeout)
+        self.backend = "gloo" if config.tp_backend == "gloo" or config.nnodes > 1 else "shm"  # auto: resolved here too
+        self.nnodes, self.per_node = int(config.nnodes), int(config.ranks_per_node)
+        self.group_id = uuid.uuid4().hex[:12]
         self._dir = tempfile.mkdtemp(prefix="fdx-tp-")
         self._ctx = zmq.Context.instance()
-        self._reply = self._ctx.socket(zmq.PULL)
-        self._reply_addr = f"ipc://{self._dir}/reply"
-        self._reply.bind(self._reply_addr)
-        self._cmd: list[Any] = []
+        self._ctrl = self._ctx.socket(zmq.ROUTER)
+        self._ctrl.setsockopt(zmq.LINGER, 0)
+        self._ctrl.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone worker fails instead of vanishing
+        if self.nnodes > 1:
+            self._ctrl.bind(f"tcp://{config.master_addr}:{config.master_port}")  # node 0's own address
+            self.ctrl_addr = f"tcp://{config.master_addr}:{config.master_port}"
+            self.store = f"{config.master_addr}:{int(config.master_port) + 1}"
+        else:
+            self.ctrl_addr = f"ipc://{self._dir}/ctrl"
+            self._ctrl.bind(self.ctrl_addr)
+            self.store = f"127.0.0.1:{_free_port()}" if self.backend == "gloo" else ""
+        self.comm: Any = ShmComm.create(world, self.timeout) if self.backend == "shm" else None
+        #: rank -> its routing id on the control socket, and its pid
+        self._ids: dict[int, bytes] = {}
+        self._rank_of: dict[bytes, int] = {}
+        self._pid: dict[int, int] = {0: os.getpid()}
+        self._config: Any = None
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.pids: list[int] = [os.getpid()]
         self._ready: set[int] = set()
         self._bar: Any = None
         self.layers_loaded = 0
+
+    @property
+    def pids(self) -> list[int]:
+        """The ranks' pids in rank order (0 for a rank not joined yet)."""
+        return [self._pid.get(r, 0) for r in range(self.world)]
+
+    def link(self, rank: int, threads: int) -> RankLink:
+        return RankLink(rank, self.world, self.backend, self.comm.name if self.backend == "shm" else "",
+                        self.comm.slot_elems if self.backend == "shm" else 0, self.ctrl_addr, self.group_id,
+                        self.store, self.timeout, threads)
 
     # ------------------------------------------------------------------ start-up
 
     @classmethod
     def start(cls, config: Any, threads: int) -> RankGroup:
-        """Start workers 1..N-1 and send them ``config`` (they start loading at once)."""
-        import zmq
-
-        world = int(config.tensor_parallel_size)
-        g = cls(world, timeout=0.8 * float(config.step_timeout), start_timeout=float(config.tp_start_timeout))
+        """Start this node's workers (ranks 1..per-node-1), let the other nodes'
+        agents start theirs, send every rank ``config`` as it joins (they start
+        loading at once); gloo: join the group's collectives."""
+        g = cls(config)
+        g._config = config
         try:
-            for r in range(1, world):
-                sock = g._ctx.socket(zmq.PUSH)
-                addr = f"ipc://{g._dir}/cmd-{r}"
-                sock.bind(addr)
-                g._cmd.append(sock)
-                link = RankLink(r, world, g.comm.name, g.comm.slot_elems, addr, g._reply_addr, g.timeout, threads)
-                env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-                p = subprocess.Popen([sys.executable, "-m", "fdx.parallel.worker", *link.to_argv()], env=env)
+            for r in range(1, g.per_node):
+                p = g.link(r, threads).spawn()
                 g.procs.append(p)
-                g.pids.append(p.pid)
-                sock.send(pickle.dumps(("init", config)))
+                g._pid[r] = p.pid
+            deadline = time.monotonic() + g.start_timeout
+            while len(g._ids) < g.world - 1:
+                g._drain(200)
+                g._check_alive()
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(1, g.world)) - set(g._ids))
+                    raise ModelLoadError(f"tensor-parallel rank {missing[0]} did not join within --tp-start-timeout "
+                                         f"{g.start_timeout:g} s" + (f" (is node {missing[0] // g.per_node}'s fdx "
+                                                                     f"serve --node-rank running?)"
+                                                                     if missing[0] >= g.per_node else ""))
+            if g.backend == "gloo":
+                from fdx.parallel.gloo_comm import GlooComm
+
+                g.comm = GlooComm.join(0, g.world, g.store, g.timeout)
         except BaseException:
             g.close()
             raise
@@ -145,9 +210,12 @@ class RankGroup:
 
     def _drain(self, wait_ms: int) -> None:
         """Handle the start-up messages that have arrived (waiting up to ``wait_ms``)."""
-        while self._reply.poll(wait_ms):
+        while self._ctrl.poll(wait_ms):
             wait_ms = 0
-            kind, rank, payload = pickle.loads(self._reply.recv())
+            msg = self._recv()
+            if msg is None:
+                continue
+            kind, rank, payload = msg
             if kind == "progress":
                 self._advance(int(payload))
             elif kind == "ready":
@@ -156,6 +224,39 @@ class RankGroup:
                 raise ModelLoadError(f"tensor-parallel rank {rank} failed to start: {payload}")
             else:
                 raise FdxError(f"tensor-parallel rank {rank}: unexpected {kind!r} message during start-up")
+
+    def _recv(self) -> tuple[str, int, Any] | None:
+        """The next control message from a rank of this group, answering the
+        node agents' hellos and the ranks' joins on the way (``None``: handled)."""
+        ident, data = self._ctrl.recv_multipart()
+        kind, rank, payload = pickle.loads(data)
+        if kind == "hello":  # a node agent waits for this group's ranks: tell it how to start them
+            if len(self._ids) < self.world - 1:
+                link = self.link(0, 0)
+                self._send(ident, ("spawn", attrs.asdict(link)))
+            return None
+        if kind == "join":
+            gid, pid = payload
+            if gid == self.group_id and rank not in self._ids:
+                self._ids[rank], self._rank_of[ident], self._pid[rank] = ident, rank, int(pid)
+                self._send(ident, ("init", self._config))
+            return None
+        if kind == "exit" and payload[0] == self.group_id:  # a node agent: one of this group's ranks exited
+            raise GroupBroken(f"tensor-parallel rank {rank} (pid {self._pid.get(rank, '?')}) exited with "
+                              f"status {payload[1]}")
+        if self._rank_of.get(ident) != rank:
+            return None  # a worker of an older group
+        return kind, rank, payload
+
+    def _send(self, ident: bytes, msg: Any) -> None:
+        import zmq
+
+        try:
+            self._ctrl.send_multipart([ident, pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)], copy=False)
+        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: that peer is gone
+            rank = self._rank_of.get(ident, -1)
+            raise GroupBroken(f"tensor-parallel rank {rank} (pid {self._pid.get(rank, '?')}) is not connected "
+                              f"({exc})") from None
 
     def wait_ready(self) -> None:
         """Block until every worker said ``ready``; a worker's error, exit or
@@ -167,7 +268,7 @@ class RankGroup:
                 self._check_alive()
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(1, self.world)) - self._ready)
-                    raise ModelLoadError(f"tensor-parallel rank {missing[0]} (pid {self.pids[missing[0]]}) was not "
+                    raise ModelLoadError(f"tensor-parallel rank {missing[0]} (pid {self._pid.get(missing[0])}) was not "
                                          f"ready within --tp-start-timeout {self.start_timeout:g} s")
         finally:
             if self._bar is not None:
@@ -187,14 +288,20 @@ class RankGroup:
 
     def send(self, msg: tuple[Any, ...]) -> None:
         """Send ``msg`` to every worker (no reply)."""
+        import zmq
+
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        for sock in self._cmd:
-            sock.send(data, copy=False)
+        for r in range(1, self.world):
+            try:
+                self._ctrl.send_multipart([self._ids[r], data], copy=False)
+            except (zmq.ZMQError, KeyError) as exc:
+                raise GroupBroken(f"tensor-parallel rank {r} (pid {self._pid.get(r, '?')}) is not connected "
+                                  f"({exc!r})") from None
 
     def send_each(self, msgs: list[tuple[Any, ...]]) -> None:
         """Worker ``r`` gets ``msgs[r - 1]``."""
-        for sock, msg in zip(self._cmd, msgs):
-            sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+        for r, msg in zip(range(1, self.world), msgs):
+            self._send(self._ids[r], msg)
 
     def collect(self, what: str) -> list[Any]:
         """Every worker's reply to the last call, in rank order (1..N-1); a
@@ -203,12 +310,15 @@ class RankGroup:
         errors: list[str] = []
         deadline = time.monotonic() + self.timeout
         while len(got) + len(errors) < self.world - 1:
-            if not self._reply.poll(100):
+            if not self._ctrl.poll(100):
                 self._check_alive()
                 if time.monotonic() > deadline:
                     raise GroupBroken(f"tensor-parallel ranks did not answer {what} within {self.timeout:g} s")
                 continue
-            kind, rank, payload = pickle.loads(self._reply.recv())
+            msg = self._recv()
+            if msg is None:
+                continue
+            kind, rank, payload = msg
             if kind == "result":
                 got[rank] = payload
             elif kind == "error":
@@ -219,9 +329,11 @@ class RankGroup:
 
     def fatal(self, exc: BaseException) -> None:
         """The group is broken: end rank 0's process (the supervisor restarts the group)."""
-        why = self.comm.last_error() or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        why = ((self.comm.last_error() if self.comm is not None else "")
+               or (str(exc).strip().splitlines() or [type(exc).__name__])[0])
         log.critical("%s; ending the engine so the supervisor restarts the whole tensor-parallel group", why)
-        self.comm.abort()
+        if self.comm is not None:
+            self.comm.abort()
         self.kill()
         logging.shutdown()
         os._exit(70)
@@ -248,8 +360,7 @@ class RankGroup:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-        self.comm.unlink()
-        for s in self._cmd:
-            s.close(0)
-        self._reply.close(0)
-        self.comm.close()
+        if self.comm is not None:
+            self.comm.unlink()
+            self.comm.close()
+        self._ctrl.close(0)

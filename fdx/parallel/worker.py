@@ -38,15 +38,34 @@ def main(argv: list[str]) -> int:
     import zmq
 
     ctx = zmq.Context.instance()
-    cmd = ctx.socket(zmq.PULL)
-    cmd.connect(link.cmd_addr)
-    reply = ctx.socket(zmq.PUSH)
-    reply.connect(link.reply_addr)
+    cmd = ctx.socket(zmq.DEALER)  # to and from rank 0's ROUTER
+    cmd.setsockopt(zmq.ROUTING_ID, f"{link.group_id}:{link.rank}".encode())
+    cmd.setsockopt(zmq.LINGER, 1000)
+    cmd.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # another host's rank 0 that vanished drops the connection
+    cmd.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    cmd.setsockopt(zmq.RECONNECT_IVL, -1)  # rank 0 once gone never comes back: its restart is a new group
+    gone = cmd.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    cmd.connect(link.ctrl_addr)
+    poller = zmq.Poller()
+    poller.register(cmd, zmq.POLLIN)
+    poller.register(gone, zmq.POLLIN)
 
     def send(kind: str, payload: Any) -> None:
-        reply.send(pickle.dumps((kind, link.rank, payload), protocol=pickle.HIGHEST_PROTOCOL))
+        cmd.send(pickle.dumps((kind, link.rank, payload), protocol=pickle.HIGHEST_PROTOCOL))
 
-    kind, config = pickle.loads(cmd.recv())
+    def recv() -> Any:
+        """Rank 0's next message; exit if its connection dropped (it died)."""
+        while True:
+            ready = dict(poller.poll())
+            if cmd in ready:  # what rank 0 sent before it went (a stop) comes first
+                return pickle.loads(cmd.recv())
+            if gone in ready:
+                logging.getLogger("fdx.parallel").warning("tp rank %d: rank 0's control connection dropped; "
+                                                          "exiting", link.rank)
+                os._exit(1)
+
+    send("join", (link.group_id, os.getpid()))
+    kind, config = recv()
     assert kind == "init", kind
     logging.basicConfig(level=getattr(logging, str(config.log_level).upper(), logging.INFO),
                         format=f"%(asctime)s %(levelname)s %(name)s [tp rank {link.rank}] %(message)s")
@@ -65,7 +84,7 @@ def main(argv: list[str]) -> int:
     send("ready", None)
     comm = runner.comm
     while True:
-        msg = pickle.loads(cmd.recv())
+        msg = recv()
         kind = msg[0]
         if kind == "stop":
             return 0
