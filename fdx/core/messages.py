@@ -262,6 +262,7 @@ class EngineStats:
     storage_puts: int = 0  # cumulative KV blocks written to the storage backend (put completed)
     splitwise: SplitwiseStats | None = None  # only on a --splitwise-role instance
     speculative: SpecDecodeStats | None = None  # only with --speculative
+    expert_tokens: tuple[tuple[int, str, int], ...] = ()  # a MoE model: (expert, rank, pairs routed), summed over layers
 
     @property
     def kv_usage(self) -> float:

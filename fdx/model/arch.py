@@ -153,6 +153,10 @@ class ModelArgs:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    #: expert parallelism (a rank's local geometry, :mod:`fdx.parallel.sharding`):
+    #: this rank holds experts ``[first, first + count)`` of the ``num_experts``
+    #: the router picks from; ``None``: all of them
+    local_experts: tuple[int, int] | None = None
 
     @property
     def q_size(self) -> int:
