@@ -21,8 +21,9 @@ and transformers' fp32 greedy tokens and logprobs for 3 token-id prompts x
   tokens over HTTP (token-id prompts, ``return_token_ids``); Gemma at TP=2 too;
 * the ``gpu`` runner's forward, on the CPU place in float32, matches the
   goldens as the cpu runner does;
-* MoE: the experts read from their tensor names, tensor parallelism refused,
-  and in int8/bfloat16 a prompt's tokens and logprobs are bit-identical alone
+* MoE: the experts read from their tensor names; at TP=2 with
+  ``--enable-expert-parallel`` the tokens of one rank and each expert's load
+  in ``/metrics``; in int8/bfloat16 a prompt's tokens and logprobs are bit-identical alone
   and among 16 others.
 """
 
@@ -619,7 +620,7 @@ def test_fdx_plugins_lists_the_architectures() -> None:
 # --------------------------------------------------------------------------
 
 
-def test_moe_experts_are_read_and_tensor_parallel_is_refused(tmp_path: Path) -> None:
+def test_moe_experts_are_read_and_expert_parallel_on_a_dense_model_is_refused(tmp_path: Path) -> None:
     """Qwen3-MoE's and Mixtral's experts come out stacked from their own
     tensor names, the routing fields as the configs say (Qwen3-MoE's
     ``num_experts``, as the hub's configs name it, reads as transformers 5's
@@ -656,11 +657,50 @@ def test_moe_experts_are_read_and_tensor_parallel_is_refused(tmp_path: Path) -> 
     with pytest.raises(ModelLoadError, match="missing tensor 'model.layers.0.mlp.experts.3.gate_proj.weight'"):
         load_checkpoint(str(dst))
 
+    mine = list(q.layers(range(6, 8)))[1]  # rank 3 of 4's experts: the others' tensors are not read
+    assert mine.e_up.shape == (2, 64, 128)
+    np.testing.assert_array_equal(mine.e_up[1], w["model.layers.1.mlp.experts.7.up_proj.weight"])
+
     with pytest.raises(ConfigError) as ei:
-        PaddleModelRunner(make_config(model=str(DATA / "qwen3_moe"), num_kv_blocks=8, max_model_len=512,
-                                      tensor_parallel_size=2), CPUDevice())
+        PaddleModelRunner(make_config(model=str(DATA / "llama3"), num_kv_blocks=8, max_model_len=512,
+                                      enable_expert_parallel=True), CPUDevice())
     msg = str(ei.value)
-    assert "\n" not in msg and "--tensor-parallel-size 2" in msg and "mixture-of-experts" in msg, msg
+    assert "\n" not in msg and "--enable-expert-parallel" in msg and "mixture-of-experts models only" in msg, msg
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_expert_parallel_gives_the_one_rank_tokens_and_counts_the_experts_load(name: str) -> None:
+    """``fdx serve -tp 2 --enable-expert-parallel`` (each rank half the experts,
+    whole), and ``-tp 2`` alone (each expert's width halved), give the greedy
+    tokens of one rank, logprobs within 1e-4; ``/metrics`` counts each
+    expert's (token, slot) pairs with the rank that holds it (``all``: every
+    rank a slice): under expert parallelism every rank some, and all of them
+    summing to the tokens run x top-k x layers."""
+    samples = goldens(name)
+    cfg = json.loads((DATA / name / "config.json").read_text())
+    top_k, layers, E = cfg["num_experts_per_tok"], cfg["num_hidden_layers"], cfg["num_local_experts"]
+    runs = {}
+    for tp, ep in (("1", True), ("2", True), ("2", False)):
+        with start_server("--model", str(DATA / name), "--dtype", "float32", "--max-model-len", "512",
+                          "--served-model-name", "m", "-tp", tp, *(["--enable-expert-parallel"] if ep else []),
+                          default_args=("--num-kv-blocks", "64", "--no-enable-prefix-caching")) as (base, _):
+            runs[tp, ep] = served_greedy(base, samples)
+            text = httpx.get(base + "/metrics").text
+        load = {}
+        for ln in text.splitlines():
+            if ln.startswith("fdx:moe_expert_tokens_total{"):
+                labels = dict(kv.split("=") for kv in ln[ln.index("{") + 1 : ln.index("}")].replace('"', "").split(","))
+                load[int(labels["expert"])] = (labels["rank"], float(ln.split()[-1]))
+        run = [ln for ln in text.splitlines() if ln.startswith("fdx:engine_batched_tokens_total")]
+        owner = {e: str(e * int(tp) // E) if ep else "all" for e in range(E)}
+        assert {e: r for e, (r, _n) in load.items()} == owner, text
+        for rank in set(owner.values()):
+            assert sum(n for r, n in load.values() if r == rank) > 0, load
+        assert sum(n for _r, n in load.values()) == float(run[0].split()[-1]) * top_k * layers, (load, run)
+    for key in (("2", True), ("2", False)):
+        for (toks1, lps1), (toks2, lps2) in zip(runs["1", True], runs[key]):
+            assert toks2 == toks1, key
+            np.testing.assert_allclose(lps2, lps1, atol=1e-4, err_msg=str(key))
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
