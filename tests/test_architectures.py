@@ -632,6 +632,7 @@ def test_moe_experts_are_read_and_expert_parallel_on_a_dense_model_is_refused(tm
     from fdx.core.errors import ConfigError
     from fdx.model.loader import load_checkpoint
     from fdx.model.runner import PaddleModelRunner
+    from fdx.parallel.sharding import make_shard, shard_checkpoint
     from fdx.plugins.hardware.cpu import CPUDevice
 
     q = load_checkpoint(str(DATA / "qwen3_moe"))
@@ -660,6 +661,12 @@ def test_moe_experts_are_read_and_expert_parallel_on_a_dense_model_is_refused(tm
     mine = list(q.layers(range(6, 8)))[1]  # rank 3 of 4's experts: the others' tensors are not read
     assert mine.e_up.shape == (2, 64, 128)
     np.testing.assert_array_equal(mine.e_up[1], w["model.layers.1.mlp.experts.7.up_proj.weight"])
+    asked: list[Any] = []
+    read = q.layers
+    q.layers = lambda experts=None: (asked.append(experts), read(experts))[1]
+    shard = list(shard_checkpoint(q, make_shard(a, 1, 2, expert_parallel=True)).layers())
+    assert asked == [range(4, 8)] and shard[1].e_down.shape == (4, 128, 64)  # rank 1 asks the loader for its own
+    np.testing.assert_array_equal(shard[1].e_down[3], w["model.layers.1.mlp.experts.7.down_proj.weight"])
 
     with pytest.raises(ConfigError) as ei:
         PaddleModelRunner(make_config(model=str(DATA / "llama3"), num_kv_blocks=8, max_model_len=512,

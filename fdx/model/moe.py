@@ -100,13 +100,14 @@ class MoeBlock:
                 total = total + weights[:, j : j + 1]
             weights = weights / total
         flat = experts.numpy().reshape(-1)  # slot j of token t at t * k + j
-        self.routed += np.bincount(flat, minlength=self.num_routed)
+        routed = np.bincount(flat, minlength=self.num_routed)
+        self.routed += routed
         lo, n_held = self.first, self.num_experts
+        counts = routed[lo : lo + n_held]  # this rank's experts' rows
         # expert parallelism: the pairs of this rank's experts (None: it holds every expert)
         pairs = None if n_held == self.num_routed else np.flatnonzero((flat >= lo) & (flat < lo + n_held))
         order = (np.argsort(flat, kind="stable") if pairs is None
                  else pairs[np.argsort(flat[pairs], kind="stable")])
-        counts = np.bincount(flat[order] - lo, minlength=n_held)
         if not order.size:  # none of this rank's experts was picked
             return paddle.zeros_like(h)
         x = paddle.index_select(h, paddle.to_tensor(order // k))  # the pairs' rows, grouped by expert
