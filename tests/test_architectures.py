@@ -710,19 +710,20 @@ def test_expert_parallel_gives_the_one_rank_tokens_and_counts_the_experts_load(n
             np.testing.assert_allclose(lps2, lps1, atol=1e-4, err_msg=str(key))
 
 
-@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
-def test_moe_batch_invariance(dtype: str) -> None:
+@pytest.mark.parametrize(("dtype", "tp"), [("int8", 1), ("bfloat16", 1), ("int8", 2)])
+def test_moe_batch_invariance(dtype: str, tp: int) -> None:
     """The packed modes: each golden prompt alone and among 16 others
     (random lengths, some sampled, other max_tokens: the experts' row groups
     change size every step) through ``fdx.LLM`` gives bit-identical tokens
-    and logprobs (the chosen token's and the top-2)."""
+    and logprobs (the chosen token's and the top-2); at TP=2 with expert
+    parallelism too (a rank's experts and the all-reduce are row-wise)."""
     import random
 
     import fdx
     from fdx import SamplingParams
 
     llm = fdx.LLM(model=str(DATA / "qwen3_moe"), dtype=dtype, num_kv_blocks=128, max_model_len=512,
-                  max_num_seqs=32, max_num_batched_tokens=256)
+                  max_num_seqs=32, max_num_batched_tokens=256, tensor_parallel_size=tp, enable_expert_parallel=tp > 1)
     assert llm.engine.runner.compute == dtype
 
     def params(**kw: Any) -> Any:
