@@ -123,9 +123,9 @@ class MoeBlock:
             outs.append(linear(swiglu(linear(xe, wg, pg)), wd, pd))
             start += n
         y = (paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]) * w_sorted
-        inverse = np.full(flat.size, order.size)  # another rank's pair: the zero row appended below
+        inverse = np.empty_like(order) if pairs is None else np.full(flat.size, order.size)
         inverse[order] = np.arange(order.size)
-        if pairs is not None:
+        if pairs is not None:  # another rank's pair reads this zero row
             y = paddle.concat([y, paddle.zeros([1, int(y.shape[1])], dtype=y.dtype)], axis=0)
         y = paddle.index_select(y, paddle.to_tensor(inverse)).reshape([T, k, -1])  # (token, slot) order
         out = y[:, 0]
