@@ -506,7 +506,7 @@ class LlamaModel:
                 else:
                     x = linear(swiglu(linear(h, layer.w_gate_up, layer.q_gate_up, layer.p_gate_up)), layer.w_down,
                                layer.q_down, layer.p_down)
-                if comm is not None:  # row-parallel down
+                if comm is not None:  # row-parallel down, or the ranks' experts (expert parallelism)
                     x = comm.all_reduce(x)
                 if layer.post_ffn_norm is not None:
                     x = add_norm(x, None, layer.post_ffn_norm)[0]

@@ -60,7 +60,8 @@ class TensorShard:
     world: int
     #: the full model's geometry
     full: ModelArgs
-    #: this rank's geometry (heads, KV heads, MLP width and vocabulary rows divided)
+    #: this rank's geometry (heads, KV heads, MLP or expert width and vocabulary rows
+    #: divided; or, expert parallel, ``local_experts`` set)
     local: ModelArgs
     #: the first vocabulary row this rank holds
     vocab_start: int
