@@ -710,7 +710,13 @@ def test_expert_parallel_gives_the_one_rank_tokens_and_counts_the_experts_load(n
             np.testing.assert_allclose(lps2, lps1, atol=1e-4, err_msg=str(key))
 
 
-@pytest.mark.parametrize(("dtype", "tp"), [("int8", 1), ("bfloat16", 1), ("int8", 2)])
+#: float32's matmuls are Paddle's (MKL), whose result for a row depends on the row count, the
+#: dense models' as the experts' (docs/MODELS.md): float32 is the parity mode, not batch-invariant
+F32_VARIES = pytest.mark.xfail(strict=True, reason="float32 (MKL) matmuls depend on the step's row count")
+
+
+@pytest.mark.parametrize(("dtype", "tp"), [("int8", 1), ("bfloat16", 1), ("int8", 2),
+                                           pytest.param("float32", 1, marks=F32_VARIES)])
 def test_moe_batch_invariance(dtype: str, tp: int) -> None:
     """The packed modes: each golden prompt alone and among 16 others
     (random lengths, some sampled, other max_tokens: the experts' row groups
