@@ -62,7 +62,7 @@ class MoeBlock:
     top_k: int
     renormalize: bool
     #: the router's experts (all ``E``, whichever this rank holds)
-    num_routed: int = 0
+    num_routed: int
     #: the global index of this block's first expert (expert parallelism)
     first: int = 0
     router: paddle.Tensor | None = None
