@@ -25,6 +25,12 @@
    Per concurrency: output tok/s and TTFT p50 of each, and the ratios
    against ``TP=1 x2`` (and ``TP=2 x1 / TP=1 x1`` at c=1: the scaling).
 
+3. **``--moe``**: the same four rows on a random Qwen3-MoE (12 layers,
+   hidden 512, 8 and 4 heads, 8 experts of width 512, top-2, vocabulary
+   49,152), with dp replaced by ``EP=2 x1``: two ranks with
+   ``--enable-expert-parallel`` (each 4 whole experts); ``TP=2 x1`` then
+   splits every expert's width instead.
+
 Timings on a shared machine are noisy: read the ratios, on an idle machine.
 """
 
@@ -58,6 +64,9 @@ CONFIGS = {
     "dp=2 x1": ("--scheduler", "dp", "--data-parallel-size", "2", "--num-threads", "1"),
 }
 BASELINE = "TP=1 x2"
+#: ``--moe``: dp's row becomes expert parallelism's
+MOE_CONFIGS = {**{k: v for k, v in CONFIGS.items() if not k.startswith("dp")},
+               "EP=2 x1": ("--tensor-parallel-size", "2", "--enable-expert-parallel", "--num-threads", "2")}
 
 
 def bench_model() -> str:
@@ -89,6 +98,43 @@ def bench_model() -> str:
             w[f"model.layers.{i}.{name}.weight"] = rng.standard_normal(shape, np.float32) / np.sqrt(shape[1])
         w[f"model.layers.{i}.input_layernorm.weight"] = np.ones(576, np.float32)
         w[f"model.layers.{i}.post_attention_layernorm.weight"] = np.ones(576, np.float32)
+    save_file(w, str(tmp / "model.safetensors"))
+    d.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, d)
+    return str(d)
+
+
+def bench_moe_model() -> str:
+    """A random Qwen3-MoE (HF folder, llama3's tokenizer), written once."""
+    from fdx.model.native import cache_dir
+
+    d = Path(cache_dir()) / "bench-models" / "qwen3moe-512-h8kv4-L12-e8x512"
+    if (d / "model.safetensors").exists():
+        return str(d)
+    from safetensors.numpy import save_file
+
+    H, L, E, F, V = 512, 12, 8, 512, 49152
+    tmp = Path(tempfile.mkdtemp(dir=d.parent if d.parent.exists() else None))
+    cfg = json.loads((ROOT / "tests" / "data" / "arch" / "qwen3_moe" / "config.json").read_text())
+    cfg.update(hidden_size=H, num_hidden_layers=L, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+               num_local_experts=E, moe_intermediate_size=F, intermediate_size=F, vocab_size=V,
+               tie_word_embeddings=True, max_position_embeddings=4096)
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER / f, tmp / f)
+    rng = np.random.default_rng(0)
+    w: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((V, H), np.float32),
+                                "model.norm.weight": np.ones(H, np.float32)}
+    shapes = {"self_attn.q_proj": (512, H), "self_attn.k_proj": (256, H), "self_attn.v_proj": (256, H),
+              "self_attn.o_proj": (H, 512), "mlp.gate": (E, H),
+              **{f"mlp.experts.{e}.{n}": s for e in range(E)
+                 for n, s in (("gate_proj", (F, H)), ("up_proj", (F, H)), ("down_proj", (H, F)))}}
+    for i in range(L):
+        for name, shape in shapes.items():
+            w[f"model.layers.{i}.{name}.weight"] = rng.standard_normal(shape, np.float32) / np.sqrt(shape[1])
+        for name, n in (("input_layernorm", H), ("post_attention_layernorm", H), ("self_attn.q_norm", 64),
+                        ("self_attn.k_norm", 64)):
+            w[f"model.layers.{i}.{name}.weight"] = np.ones(n, np.float32)
     save_file(w, str(tmp / "model.safetensors"))
     d.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, d)
@@ -165,11 +211,14 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allreduce-only", action="store_true")
     p.add_argument("--gloo", action="store_true", help="also serve TP=2 over the gloo backend (TP=2 gloo x1)")
+    p.add_argument("--moe", action="store_true", help="a random Qwen3-MoE; expert parallelism in dp's place")
     opts = p.parse_args()
     configs = dict(CONFIGS)
     if opts.gloo:
         configs["TP=2 gloo x1"] = (*CONFIGS["TP=2 x1"], "--tp-backend", "gloo")
 
+    if opts.moe:
+        return serve_rows(bench_moe_model(), MOE_CONFIGS, opts)
     print("all-reduce, 2 ranks (one process each, 1 thread), microseconds per call:")
     for n, iters in ((2304, 2000), (576 * 64, 500)):
         shm, _ = allreduce_us("shm", n, iters)
@@ -182,7 +231,11 @@ def main() -> int:
     if opts.allreduce_only:
         return 0
 
-    model = bench_model()
+    return serve_rows(bench_model(), configs, opts)
+
+
+def serve_rows(model: str, configs: dict[str, tuple[str, ...]], opts: argparse.Namespace) -> int:
+    """Serve ``model`` under each of ``configs`` and print the table."""
     common = ("--model", model, "--dtype", opts.dtype)
     concs = [int(c) for c in opts.concurrency.split(",")]
     results: dict[tuple[str, int], list[dict[str, Any]]] = {}
@@ -213,6 +266,9 @@ def main() -> int:
         if conc == 1:
             s = med("TP=2 x1", 1, "output_throughput") / med("TP=1 x1", 1, "output_throughput")
             print(f"  scaling at 1 thread a rank: TP=2 x1 / TP=1 x1 = {s:.2f}x (target >= 1.5)")
+            if "EP=2 x1" in names:
+                s = med("EP=2 x1", 1, "output_throughput") / med("TP=1 x1", 1, "output_throughput")
+                print(f"  expert parallel: EP=2 x1 / TP=1 x1 = {s:.2f}x")
     loads = [r["loadavg"] for rs in results.values() for r in rs]
     print(f"load average after the runs: {min(loads):.1f}-{max(loads):.1f} ({os.cpu_count()} CPUs)")
     return 0

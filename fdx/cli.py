@@ -84,6 +84,11 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                         "Megatron-style: each "
                         "holds 1/N of the heads, MLP and vocabulary and of the KV cache; the ranks share "
                         "--num-threads (default 1; see docs/PARALLELISM.md)")
+    k.add_argument("--enable-expert-parallel", "-ep", action="store_true", default=None,
+                   help="a mixture-of-experts model (Qwen3-MoE, Mixtral): divide the experts whole among the "
+                        "--tensor-parallel-size ranks (the number of experts must divide; attention stays "
+                        "tensor-parallel); without it each expert is split as the dense MLP. A dense model "
+                        "refuses it; harmless at size 1 (see docs/PARALLELISM.md)")
     k.add_argument("--tp-backend", choices=("auto", "shm", "gloo"),
                    help="the collectives between the tensor-parallel ranks: shm (shared memory, one host), gloo "
                         "(Paddle's, any hosts), auto (default: shm on one node, gloo across --nnodes)")

@@ -115,6 +115,9 @@ class EngineConfig:
     master_port: int | None = None
     #: seconds rank 0 waits for every other rank to load its shard and say ready
     tp_start_timeout: float = attrs.field(default=600.0, validator=_positive)
+    #: a mixture of experts' experts divided whole among the tensor-parallel
+    #: ranks (vLLM's flag; fdx/parallel/sharding.py); a dense model refuses it
+    enable_expert_parallel: bool = False
     #: ``--scheduler dp``: the batch policy each replica runs
     dp_local_scheduler: str = "v1"
     #: this engine's replica (set by the launcher for each dp engine)

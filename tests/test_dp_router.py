@@ -105,10 +105,11 @@ def test_merged_replies() -> None:
 
 def test_total_stats() -> None:
     a = EngineStats(num_running=2, num_waiting=1, kv_blocks_total=10, kv_blocks_used=4, prefix_hits=7, steps=3,
-                    is_paused=True, weights_version="v1")
+                    is_paused=True, weights_version="v1", expert_tokens=((0, "0", 5), (1, "1", 2)))
     b = EngineStats(num_running=1, kv_blocks_total=10, kv_blocks_used=1, prefix_hits=1, steps=5, is_paused=False,
-                    weights_version="v1")
+                    weights_version="v1", expert_tokens=((0, "0", 1), (1, "1", 4)))
     t = total_stats([a, b])
+    assert t.expert_tokens == ((0, "0", 6), (1, "1", 6))  # a MoE model's per-expert load, summed per expert
     assert (t.num_running, t.num_waiting, t.kv_blocks_total, t.kv_blocks_used, t.prefix_hits, t.steps) == \
         (3, 1, 20, 5, 8, 8)
     assert t.is_paused is False and t.weights_version == "v1" and t.kv_usage == 0.25

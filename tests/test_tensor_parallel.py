@@ -165,6 +165,44 @@ def test_shards_reassemble_the_weights_and_an_indivisible_model_is_refused() -> 
     assert "\n" not in msg and "attention heads 9" in msg and "KV heads 3" in msg and "MLP width 1536" not in msg
 
 
+def test_moe_shards_experts_whole_or_sliced_and_refuses_what_does_not_divide() -> None:
+    """Expert parallel: rank r holds experts [r*E/N, (r+1)*E/N) whole (the router
+    on every rank); without the flag: every expert's width sliced as the dense
+    MLP.  Experts that do not divide, and the flag on a dense model, are refused
+    in one line naming why."""
+    import attrs
+
+    from fdx.model.arch import ModelArgs
+    from fdx.model.loader import LayerWeights
+    from fdx.parallel.sharding import check_divisible, held_experts, make_shard, shard_layer
+
+    a = ModelArgs("qwen3_moe", 1, 64, 32, 4, 2, 16, 10, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    rng = np.random.default_rng(0)
+    w = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    lw = LayerWeights(np.ones(64, np.float32), w(64, 64), w(32, 64), w(32, 64), w(64, 64), np.ones(64, np.float32),
+                      None, None, None, router=w(4, 64), e_gate=w(4, 32, 64), e_up=w(4, 32, 64), e_down=w(4, 64, 32))
+    ep = [make_shard(a, r, 2, expert_parallel=True) for r in range(2)]
+    assert [held_experts(s) for s in ep] == [range(0, 2), range(2, 4)]
+    assert [s.local.local_experts for s in ep] == [(0, 2), (2, 2)] and ep[1].local.moe_intermediate_size == 32
+    parts = [shard_layer(lw, s) for s in ep]
+    for name in ("e_gate", "e_up", "e_down"):
+        assert np.array_equal(np.concatenate([getattr(p, name) for p in parts]), getattr(lw, name)), name
+    assert all(p.router is lw.router for p in parts)
+    assert np.array_equal(np.concatenate([p.wq for p in parts]), lw.wq)  # attention: tensor parallel as dense
+    tp = [shard_layer(lw, make_shard(a, r, 2)) for r in range(2)]
+    assert make_shard(a, 0, 2).local.moe_intermediate_size == 16 and make_shard(a, 0, 2).local.local_experts is None
+    assert np.array_equal(np.concatenate([p.e_gate for p in tp], axis=1), lw.e_gate)
+    assert np.array_equal(np.concatenate([p.e_down for p in tp], axis=2), lw.e_down)
+    with pytest.raises(ConfigError) as ei:
+        check_divisible(attrs.evolve(a, num_experts=5), 2, expert_parallel=True)
+    msg = str(ei.value)
+    assert "\n" not in msg and "--enable-expert-parallel" in msg and "experts 5 is not divisible by 2" in msg, msg
+    with pytest.raises(ConfigError, match="expert width 32 is not divisible by 3.*--enable-expert-parallel"):
+        check_divisible(attrs.evolve(a, num_heads=3, num_kv_heads=3), 3)
+    with pytest.raises(ConfigError, match="--enable-expert-parallel: the model .* has no experts"):
+        check_divisible(ModelArgs("llama", 1, 64, 96, 4, 2, 16, 10), 1, expert_parallel=True)
+
+
 # ---------------------------------------------------------------- real servers
 
 

@@ -270,7 +270,7 @@ class Engine:
             num_preemptions=int(s.get("num_preemptions", 0)),
             steps=self.steps,
             is_paused=self.is_paused,
-            weights_version=self.runner.weights_version,
+            weights_version=self.runner.weights_version, expert_tokens=getattr(self.runner, "expert_tokens", tuple)(),
             num_batched_tokens=int(s.get("num_scheduled_tokens", 0)),
             num_generated_tokens=int(s.get("num_generated_tokens", 0)),
             storage_puts=int(st.get("puts", 0)),

@@ -263,6 +263,7 @@ class EngineStats:
     num_admitted: int = 0  # cumulative requests the scheduler took to run (engine-side admissions)
     splitwise: SplitwiseStats | None = None  # only on a --splitwise-role instance
     speculative: SpecDecodeStats | None = None  # only with --speculative
+    expert_tokens: tuple[tuple[int, str, int], ...] = ()  # a MoE model: (expert, rank, pairs routed), summed over layers
 
     @property
     def kv_usage(self) -> float:

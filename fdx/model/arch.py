@@ -153,6 +153,10 @@ class ModelArgs:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    #: expert parallelism (a rank's local geometry, :mod:`fdx.parallel.sharding`):
+    #: this rank holds experts ``[first, first + count)`` of the ``num_experts``
+    #: the router picks from; ``None``: all of them
+    local_experts: tuple[int, int] | None = None
 
     @property
     def q_size(self) -> int:
@@ -168,7 +172,8 @@ class ModelArgs:
                          f" softcap={self.attn_softcap}/{self.final_softcap}" if self.attn_softcap or self.final_softcap else "",
                          f" windows={'/'.join(map(str, self.layer_windows))}" if any(self.layer_windows) else "",
                          f" moe={self.num_experts}x{self.moe_intermediate_size}/top{self.num_experts_per_tok}"
-                         if self.num_experts else ""))
+                         if self.num_experts else "",
+                         f" experts {self.local_experts[0]}..{sum(self.local_experts) - 1}" if self.local_experts else ""))
         return (
             f"{self.arch} L{self.num_layers} d{self.hidden_size} ff{self.intermediate_size} "
             f"h{self.num_heads}/kv{self.num_kv_heads}x{self.head_dim} V{self.vocab_size}{extra}"

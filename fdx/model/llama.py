@@ -169,7 +169,8 @@ def check_layer(lw: LayerWeights, a: ModelArgs, i: int, path: str) -> None:
     """Layer ``i``'s weights have the shapes ``a`` says (both runners' models check this at load)."""
     h, q, kv, ff = a.hidden_size, a.q_size, a.kv_size, a.intermediate_size
     E, f = a.num_experts, a.moe_intermediate_size
-    mlp = ((("router", (E, h)), ("e_gate", (E, f, h)), ("e_up", (E, f, h)), ("e_down", (E, h, f))) if E else
+    n = a.local_experts[1] if a.local_experts is not None else E  # the experts this rank holds
+    mlp = ((("router", (E, h)), ("e_gate", (n, f, h)), ("e_up", (n, f, h)), ("e_down", (n, h, f))) if E else
            (("w_gate", (ff, h)), ("w_up", (ff, h)), ("w_down", (h, ff))))
     for name, shape in (
         ("wq", (q, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q)), *mlp,
@@ -507,7 +508,7 @@ class LlamaModel:
                 else:
                     x = linear(swiglu(linear(h, layer.w_gate_up, layer.q_gate_up, layer.p_gate_up)), layer.w_down,
                                layer.q_down, layer.p_down)
-                if comm is not None:  # row-parallel down
+                if comm is not None:  # row-parallel down, or the ranks' experts (expert parallelism)
                     x = comm.all_reduce(x)
                 if layer.post_ffn_norm is not None:
                     x = add_norm(x, None, layer.post_ffn_norm)[0]

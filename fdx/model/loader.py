@@ -75,7 +75,9 @@ class Checkpoint:
     embed: np.ndarray
     final_norm: np.ndarray
     lm_head: np.ndarray | None  # None when tied to ``embed``
-    layers: Any  # callable () -> Iterator[LayerWeights]
+    #: callable ``(experts: range | None = None) -> Iterator[LayerWeights]``;
+    #: ``experts``: read only those experts of a MoE layer (expert parallelism)
+    layers: Any
     #: raw quantized rows of the LM head (``output`` or the tied embedding)
     lm_head_raw: tuple[np.ndarray, int] | None = None
 
@@ -523,7 +525,7 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
     if qk_scale != 1.0 and (args.qk_norm or args.attention_bias):  # the fold below would be wrong
         raise ModelLoadError(f"{cfg_path}: longrope's attention factor with q/k norm or biases is not implemented")
 
-    def layers() -> Iterator[LayerWeights]:
+    def layers(experts: range | None = None) -> Iterator[LayerWeights]:
         for i in range(args.num_layers):
             n = names.layer(i)
             if names.wqkv:
@@ -538,7 +540,8 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
                 w_gate = w_up = None
                 moe["router"] = get(n["router"])
                 for f in ("expert_gate", "expert_up", "expert_down"):
-                    moe["e_" + f[7:]] = _stack(src.path, [get(n[f].format(e=e)) for e in range(args.num_experts)],
+                    held = experts if experts is not None else range(args.num_experts)
+                    moe["e_" + f[7:]] = _stack(src.path, [get(n[f].format(e=e)) for e in held],
                                                n[f].format(e="*"))
             elif names.w_gate_up:
                 ff = args.intermediate_size

@@ -14,6 +14,18 @@ one down matmul over all of them, the outputs are weighted, put back in
 slot order.  The Python loop is over the experts (at most ``E`` iterations
 a layer), never over tokens.
 
+Expert parallelism (``ModelArgs.local_experts``, fdx/parallel/sharding.py).
+A rank holds experts ``[first, first + n)`` only; the router is whole, so
+every rank picks the same experts for every token, and a rank computes
+only the pairs whose expert it holds (the others' rows are zeros).  Its
+output is then a partial sum, which the layer's all-reduce completes (in
+rank order; for top-2 the sum is the one-rank sum exactly, as ``a + 0 = a``
+and two terms commute).
+
+Load.  :attr:`MoeBlock.routed` counts the (token, slot) pairs routed to
+each expert, every step's tokens included, for ``/metrics``
+(``fdx:moe_expert_tokens``).
+
 Batch invariance.  In the packed modes (int8, bfloat16) every matmul, the
 router's included, is ``fdx_qgemm``, whose result for a row does not depend
 on the other rows of the call (fdx/csrc/qgemm.cc); softmax, top-k, SwiGLU,
@@ -49,15 +61,23 @@ class MoeBlock:
 
     top_k: int
     renormalize: bool
+    #: the router's experts (all ``E``, whichever this rank holds)
+    num_routed: int
+    #: the global index of this block's first expert (expert parallelism)
+    first: int = 0
     router: paddle.Tensor | None = None
     w_gate_up: list[paddle.Tensor] = attrs.field(factory=list)
     w_down: list[paddle.Tensor] = attrs.field(factory=list)
     p_router: PackedWeight | None = None
     p_gate_up: list[PackedWeight] = attrs.field(factory=list)
     p_down: list[PackedWeight] = attrs.field(factory=list)
+    #: (token, slot) pairs routed to each of the ``num_routed`` experts so far
+    routed: np.ndarray = attrs.field(init=False, default=attrs.Factory(
+        lambda self: np.zeros(self.num_routed, dtype=np.int64), takes_self=True))
 
     @property
     def num_experts(self) -> int:
+        """The experts this block holds."""
         return len(self.w_gate_up) or len(self.p_gate_up)
 
     def __call__(self, h: paddle.Tensor, swiglu: Callable[[paddle.Tensor], paddle.Tensor],
@@ -80,8 +100,16 @@ class MoeBlock:
                 total = total + weights[:, j : j + 1]
             weights = weights / total
         flat = experts.numpy().reshape(-1)  # slot j of token t at t * k + j
-        order = np.argsort(flat, kind="stable")
-        counts = np.bincount(flat, minlength=self.num_experts)
+        routed = np.bincount(flat, minlength=self.num_routed)
+        self.routed += routed
+        lo, n_held = self.first, self.num_experts
+        counts = routed[lo : lo + n_held]  # this rank's experts' rows
+        # expert parallelism: the pairs of this rank's experts (None: it holds every expert)
+        pairs = None if n_held == self.num_routed else np.flatnonzero((flat >= lo) & (flat < lo + n_held))
+        order = (np.argsort(flat, kind="stable") if pairs is None
+                 else pairs[np.argsort(flat[pairs], kind="stable")])
+        if not order.size:  # none of this rank's experts was picked
+            return paddle.zeros_like(h)
         x = paddle.index_select(h, paddle.to_tensor(order // k))  # the pairs' rows, grouped by expert
         w_sorted = paddle.index_select(weights.reshape([-1]), paddle.to_tensor(order)).unsqueeze(1)
         outs, start = [], 0
@@ -95,8 +123,10 @@ class MoeBlock:
             outs.append(linear(swiglu(linear(xe, wg, pg)), wd, pd))
             start += n
         y = (paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]) * w_sorted
-        inverse = np.empty_like(order)
+        inverse = np.empty_like(order) if pairs is None else np.full(flat.size, order.size)
         inverse[order] = np.arange(order.size)
+        if pairs is not None:  # another rank's pair reads this zero row
+            y = paddle.concat([y, paddle.zeros([1, int(y.shape[1])], dtype=y.dtype)], axis=0)
         y = paddle.index_select(y, paddle.to_tensor(inverse)).reshape([T, k, -1])  # (token, slot) order
         out = y[:, 0]
         for j in range(1, k):  # slot order, whatever the batch
@@ -108,7 +138,9 @@ def build_moe(lw: LayerWeights, args: ModelArgs, mode: str) -> MoeBlock:
     """A layer's :class:`MoeBlock` in compute mode ``mode`` (``float32``,
     ``int8``: the float weights quantized to Q8_0, ``bfloat16``: rounded)."""
     assert lw.router is not None and lw.e_gate is not None and lw.e_up is not None and lw.e_down is not None
-    blk = MoeBlock(top_k=args.num_experts_per_tok, renormalize=args.norm_topk_prob)
+    first = args.local_experts[0] if args.local_experts is not None else 0
+    blk = MoeBlock(top_k=args.num_experts_per_tok, renormalize=args.norm_topk_prob, num_routed=args.num_experts,
+                   first=first)
     gate_up = [np.concatenate([g, u], axis=0) for g, u in zip(lw.e_gate, lw.e_up)]  # [2 * width, hidden]
     if mode == "float32":
         t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731

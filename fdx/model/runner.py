@@ -103,10 +103,13 @@ class PaddleModelRunner(PagedRunnerBase):
         self.shard: TensorShard | None = None
         self.group: RankGroup | None = None
         self.comm: ShmComm | GlooComm | None = None
-        if world > 1:
-            from fdx.parallel.sharding import make_shard
+        ep = bool(config.enable_expert_parallel)
+        if world > 1 or ep:
+            from fdx.parallel.sharding import check_divisible, make_shard
 
-            self.shard = make_shard(self.args, link.rank if link else 0, world)  # an indivisible model fails here
+            check_divisible(self.args, world, ep)  # an indivisible model, or experts asked of a dense one, fail here
+        if world > 1:
+            self.shard = make_shard(self.args, link.rank if link else 0, world, ep)
             self.kv_args = self.shard.local
 
         ops = None
@@ -161,6 +164,19 @@ class PaddleModelRunner(PagedRunnerBase):
         from fdx.parallel.sharding import shard_checkpoint
 
         return shard_checkpoint(ckpt, self.shard)
+
+    def expert_tokens(self) -> tuple[tuple[int, str, int], ...]:
+        """A mixture of experts' load for ``/metrics``: ``(expert, rank, pairs)``
+        per expert, the (token, slot) pairs routed to it summed over the
+        layers; ``rank``: the rank that holds it under expert parallelism,
+        ``all`` when every rank holds a slice of it (tensor parallel)."""
+        blocks = [layer.moe for layer in self.model.layers if layer.moe is not None]
+        if not blocks:
+            return ()
+        total = sum(b.routed for b in blocks)
+        ep, N = self.config.enable_expert_parallel, self.tensor_parallel_size
+        per = len(total) // N
+        return tuple((e, str(e // per) if ep or N == 1 else "all", int(n)) for e, n in enumerate(total))
 
     def kv_fingerprint(self) -> str:
         """int8 compute writes other K/V values than float32 compute: its

@@ -16,6 +16,20 @@ With ``world`` ranks, rank ``r`` holds:
   them and drops the padding;
 * norms: every rank a full copy; the paged KV cache: its KV heads only.
 
+A mixture-of-experts layer keeps its router whole on every rank (so every
+rank routes every token alike) and splits its experts one of two ways:
+
+* **expert parallel** (``--enable-expert-parallel``): rank ``r`` holds whole
+  experts ``[r*E/N, (r+1)*E/N)`` (``ModelArgs.local_experts``), read from the
+  checkpoint alone (the other experts' tensors are never read), and
+  computes only their (token, slot) pairs; the others' rows are zero;
+* **tensor parallel** (without the flag): every expert's gate/up rows
+  ``[r*f/N, (r+1)*f/N)`` and the matching input columns of its down
+  (Megatron-style, as the dense MLP).
+
+Either way a rank's MLP output is a partial sum, completed by the same
+all-reduce as the dense MLP's down.
+
 A rank's shard is a :class:`~fdx.model.loader.Checkpoint` of the *local*
 geometry (:func:`local_args`), so the model code that loads and runs it is
 the TP=1 code.  GGUF block rows are sliced too: by rows always, by columns
@@ -46,35 +60,56 @@ class TensorShard:
     world: int
     #: the full model's geometry
     full: ModelArgs
-    #: this rank's geometry (heads, KV heads, MLP width and vocabulary rows divided)
+    #: this rank's geometry (heads, KV heads, MLP or expert width and vocabulary rows
+    #: divided; or, expert parallel, ``local_experts`` set)
     local: ModelArgs
     #: the first vocabulary row this rank holds
     vocab_start: int
 
 
-def check_divisible(args: ModelArgs, world: int) -> None:
-    """A one-line :class:`ConfigError` unless the model splits into ``world`` ranks."""
-    if args.num_experts and world > 1:
-        raise ConfigError(f"--tensor-parallel-size {world}: mixture-of-experts models ({args.describe()}) are not "
-                          f"split across ranks yet; use --tensor-parallel-size 1")
-    bad = [f"{what} {n}" for what, n in (("attention heads", args.num_heads), ("KV heads", args.num_kv_heads),
-                                         ("MLP width", args.intermediate_size)) if n % world]
+def check_divisible(args: ModelArgs, world: int, expert_parallel: bool = False) -> None:
+    """A one-line :class:`ConfigError` unless the model splits into ``world``
+    ranks (``expert_parallel``: its experts whole, ``--enable-expert-parallel``)."""
+    flag = f"--tensor-parallel-size {world}" + (" --enable-expert-parallel" if expert_parallel else "")
+    if expert_parallel and not args.num_experts:
+        raise ConfigError(f"--enable-expert-parallel: the model ({args.describe()}) has no experts; the flag applies "
+                          f"to mixture-of-experts models only (Qwen3-MoE, Mixtral)")
+    if not args.num_experts:
+        mlp, hint = ("MLP width", args.intermediate_size), "MLP width"
+    elif expert_parallel:
+        mlp, hint = ("experts", args.num_experts), "the number of experts"
+    else:
+        mlp = ("expert width", args.moe_intermediate_size)
+        hint = "the expert width (or add --enable-expert-parallel to divide the experts)"
+    bad = [f"{what} {n}" for what, n in (("attention heads", args.num_heads), ("KV heads", args.num_kv_heads), mlp)
+           if n % world]
     if bad:
-        raise ConfigError(f"--tensor-parallel-size {world}: the model's {', '.join(bad)} "
-                          f"{'is' if len(bad) == 1 else 'are'} not divisible by {world} "
-                          f"({args.describe()}); choose a size that divides heads, KV heads and MLP width")
+        raise ConfigError(f"{flag}: the model's {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not divisible "
+                          f"by {world} ({args.describe()}); choose a size that divides heads, KV heads and {hint}")
 
 
-def local_args(args: ModelArgs, world: int) -> ModelArgs:
-    check_divisible(args, world)
+def local_args(args: ModelArgs, world: int, rank: int = 0, expert_parallel: bool = False) -> ModelArgs:
+    """Rank ``rank``'s geometry (see the module docstring)."""
+    check_divisible(args, world, expert_parallel)
+    mlp: dict[str, Any] = {"intermediate_size": args.intermediate_size // world}
+    if args.num_experts and expert_parallel:
+        per = args.num_experts // world
+        mlp = {"local_experts": (rank * per, per)}
+    elif args.num_experts:
+        mlp["moe_intermediate_size"] = args.moe_intermediate_size // world
     return attrs.evolve(args, num_heads=args.num_heads // world, num_kv_heads=args.num_kv_heads // world,
-                        intermediate_size=args.intermediate_size // world,
-                        vocab_size=-(-args.vocab_size // world))
+                        vocab_size=-(-args.vocab_size // world), **mlp)
 
 
-def make_shard(args: ModelArgs, rank: int, world: int) -> TensorShard:
-    loc = local_args(args, world)
+def make_shard(args: ModelArgs, rank: int, world: int, expert_parallel: bool = False) -> TensorShard:
+    loc = local_args(args, world, rank, expert_parallel)
     return TensorShard(rank, world, args, loc, rank * loc.vocab_size)
+
+
+def held_experts(s: TensorShard) -> range | None:
+    """The experts rank ``s.rank`` holds under expert parallelism (``None``: a part of every expert)."""
+    le = s.local.local_experts
+    return range(le[0], le[0] + le[1]) if le is not None else None
 
 
 def _rows(w: np.ndarray | None, r: int, n: int) -> np.ndarray | None:
@@ -100,11 +135,30 @@ def _raw_cols(raw: tuple[np.ndarray, int], r: int, world: int, n_in: int) -> tup
     return np.ascontiguousarray(rows[:, r * per : (r + 1) * per]), kind
 
 
+def _shard_experts(lw: LayerWeights, s: TensorShard) -> dict[str, Any]:
+    """A MoE layer's experts for rank ``s.rank``: its own whole ones (expert
+    parallel; already so when the loader read only those), else every
+    expert's slice of the expert width."""
+    assert lw.e_gate is not None and lw.e_up is not None and lw.e_down is not None
+    held = held_experts(s)
+    if held is not None:
+        if len(lw.e_gate) == len(held):  # the loader read only this rank's experts
+            return {}
+        cut = slice(held.start, held.stop)
+        return dict(e_gate=lw.e_gate[cut], e_up=lw.e_up[cut], e_down=lw.e_down[cut])
+    r, f = s.rank, s.local.moe_intermediate_size
+    return dict(e_gate=lw.e_gate[:, r * f : (r + 1) * f], e_up=lw.e_up[:, r * f : (r + 1) * f],
+                e_down=lw.e_down[:, :, r * f : (r + 1) * f])
+
+
 def shard_layer(lw: LayerWeights, s: TensorShard) -> LayerWeights:
     a, r, N = s.full, s.rank, s.world
     hq, hk, f = a.q_size // N, a.kv_size // N, a.intermediate_size // N
-    col = {"wq": hq, "wk": hk, "wv": hk, "w_gate": f, "w_up": f}  # output rows
-    row = {"wo": a.q_size, "w_down": a.intermediate_size}  # input columns
+    col = {"wq": hq, "wk": hk, "wv": hk}  # output rows
+    row = {"wo": a.q_size}  # input columns
+    if not a.num_experts:
+        col.update(w_gate=f, w_up=f)
+        row.update(w_down=a.intermediate_size)
     raw: dict[str, tuple[np.ndarray, int]] = {}
     for name, (blocks, kind) in lw.raw.items():
         if name in col:
@@ -113,23 +167,24 @@ def shard_layer(lw: LayerWeights, s: TensorShard) -> LayerWeights:
             cut = _raw_cols((blocks, kind), r, N, row[name])
             if cut is not None:
                 raw[name] = cut
+    mlp = _shard_experts(lw, s) if a.num_experts else dict(
+        w_gate=_rows(lw.w_gate, r, f), w_up=_rows(lw.w_up, r, f), w_down=lw.w_down[:, r * f : (r + 1) * f])
     return attrs.evolve(
         lw,
         wq=_rows(lw.wq, r, hq), wk=_rows(lw.wk, r, hk), wv=_rows(lw.wv, r, hk),
         bq=_rows(lw.bq, r, hq), bk=_rows(lw.bk, r, hk), bv=_rows(lw.bv, r, hk),
         wo=lw.wo[:, r * hq : (r + 1) * hq],
-        w_gate=_rows(lw.w_gate, r, f), w_up=_rows(lw.w_up, r, f),
-        w_down=lw.w_down[:, r * f : (r + 1) * f],
         raw=raw,
+        **mlp,
     )
 
 
 def shard_checkpoint(ckpt: Checkpoint, s: TensorShard, on_layer: Callable[[], None] | None = None) -> Checkpoint:
     """Rank ``s.rank``'s part of ``ckpt`` (layers sliced one at a time as they are read)."""
-    layers = ckpt.layers
+    layers, held = ckpt.layers, held_experts(s)
 
     def shard_layers() -> Iterator[LayerWeights]:
-        for lw in layers():
+        for lw in (layers() if held is None else layers(held)):
             yield shard_layer(lw, s)
             if on_layer is not None:
                 on_layer()

@@ -88,6 +88,13 @@ class _EngineCollector(Collector):
             m = fam(f"fdx:{name}", doc, labels=["model_name"])
             m.add_metric([self.model], value(s))
             yield m
+        if s.expert_tokens:  # a mixture of experts: each expert's load, and the rank that holds it
+            m = CounterMetricFamily("fdx:moe_expert_tokens", "(token, expert) pairs routed to the expert, summed over "
+                                    "the MoE layers; rank: the rank that holds it (all: every rank a slice).",
+                                    labels=["model_name", "expert", "rank"])
+            for e, rank, n in s.expert_tokens:
+                m.add_metric([self.model, str(e), rank], n)
+            yield m
         if self.get_replicas is None:
             return
         replicas = self.get_replicas()

@@ -54,7 +54,12 @@ def total_stats(stats: list[EngineStats]) -> EngineStats:
     if not stats:
         return EngineStats()
     sums = {name: sum(getattr(s, name) for s in stats) for name in _SUMMED}
-    return EngineStats(**sums, is_paused=all(s.is_paused for s in stats), weights_version=stats[0].weights_version)
+    experts: dict[tuple[int, str], int] = {}
+    for s in stats:
+        for e, rank, n in s.expert_tokens:
+            experts[(e, rank)] = experts.get((e, rank), 0) + n
+    return EngineStats(**sums, is_paused=all(s.is_paused for s in stats), weights_version=stats[0].weights_version,
+                       expert_tokens=tuple((e, rank, n) for (e, rank), n in sorted(experts.items())))
 
 
 def _union(results: list[dict[str, Any]], key: str) -> list[Any]:
