@@ -325,7 +325,7 @@ def test_an_indivisible_model_is_refused_at_start_up() -> None:
 
 def _stream(base: str, out: list[Any], i: int) -> None:
     try:
-        r = httpx.post(base + "/v1/completions", json={"prompt": PROMPTS[i % 3], "max_tokens": 400,
+        r = httpx.post(base + "/v1/completions", json={"prompt": PROMPTS[i % 3], "max_tokens": 440,
                                                        "temperature": 0, "ignore_eos": True}, timeout=120)
         out[i] = r.status_code
     except httpx.HTTPError as exc:
@@ -351,7 +351,10 @@ def lose_a_rank_under_16_streams(base: str, worker: int, sig: int, model: str, w
     threads = [threading.Thread(target=_stream, args=(base, codes, i)) for i in range(16)]
     for t in threads:
         t.start()
-    time.sleep(2.0)
+    deadline = time.monotonic() + 30
+    while httpx.get(base + "/health", timeout=5).json().get("num_running", 0) < 8:  # mid-decode
+        assert time.monotonic() < deadline and all(c is None for c in codes), codes
+        time.sleep(0.05)
     t0 = time.monotonic()
     os.kill(worker, sig)
     for t in threads:
