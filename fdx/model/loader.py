@@ -129,12 +129,14 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def find_architecture(where: str, hf_names: list[str] | None = None, gguf_name: str | None = None,
-                      model_type: str | None = None) -> Architecture:
+                      model_type: str | None = None, gguf_experts: bool = False) -> Architecture:
     """The registered architecture claiming ``hf_names[0]`` (HF) or
-    ``gguf_name`` (GGUF); an HF config without ``architectures`` falls back
-    to the architecture named ``model_type``.  Unknown: a
-    :class:`ModelLoadError` listing the choices.  Two plugins claiming one
-    name: a :class:`PluginError` naming both."""
+    ``gguf_name`` (GGUF; ``gguf_experts``: the file has experts, so the
+    claim of a mixture-of-experts architecture, as llama.cpp writes Mixtral
+    as ``llama``); an HF config without ``architectures`` falls back to the
+    architecture named ``model_type``.  Unknown: a :class:`ModelLoadError`
+    listing the choices.  Two plugins claiming one name: a
+    :class:`PluginError` naming both."""
     from fdx.core.plugins import get_plugins
 
     reg = get_plugins().registry("architecture")
@@ -144,13 +146,15 @@ def find_architecture(where: str, hf_names: list[str] | None = None, gguf_name: 
         entry = reg.get(name)
         arch = entry.factory()
         by_name[arch.name] = arch
-        keys = list(arch.hf_names) if hf_names is not None else ([arch.gguf_name] if arch.gguf_name else [])
+        keys = list(arch.hf_names) if hf_names is not None else ([gguf_claim(arch.gguf_name, arch.recipe.mlp == "moe")]
+                                                                 if arch.gguf_name else [])
         for k in keys:
             if k in claims and claims[k][1] != entry.source.describe():
                 raise PluginError(f"architecture name {k!r} is claimed twice: by {claims[k][1]} "
                                   f"and by {entry.source.describe()}")
             claims[k] = (arch, entry.source.describe())
-    want = (hf_names[0] if hf_names else None) if hf_names is not None else gguf_name
+    want = (hf_names[0] if hf_names else None) if hf_names is not None else \
+        (gguf_claim(gguf_name, gguf_experts) if gguf_name is not None else None)
     if want in claims:
         return claims[want][0]
     if hf_names is not None and not hf_names and model_type in by_name:
@@ -158,6 +162,12 @@ def find_architecture(where: str, hf_names: list[str] | None = None, gguf_name: 
     choices = ", ".join(sorted(claims)) or "(none installed)"
     got = want if want is not None else model_type
     raise ModelLoadError(f"{where}: unsupported architecture {got!r} (supported: {choices})")
+
+
+def gguf_claim(gguf_name: str, experts: bool) -> str:
+    """The name a GGUF architecture is claimed under: ``general.architecture``,
+    with `` (experts)`` for a mixture of experts (llama.cpp names Mixtral ``llama``)."""
+    return f"{gguf_name} (experts)" if experts else gguf_name
 
 
 def _refuse(where: str, what: str, key: str, value: Any, reason: str) -> ModelLoadError:
@@ -204,7 +214,8 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
 
     g = GGUFFile(src.path)
     gname = g.get("general.architecture")
-    arch = find_architecture(src.path, gguf_name=gname)
+    n_experts = int(g.get(f"{gname}.expert_count", 0) or 0)
+    arch = find_architecture(src.path, gguf_name=gname, gguf_experts=n_experts > 0)
     names = arch.gguf_weights
     if names is None or arch.gguf_name is None:
         raise ModelLoadError(f"{src.path}: fdx reads architecture {gname!r} from HF folders only")
@@ -230,11 +241,19 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
     if names.embed not in g.tensors:
         raise ModelLoadError(f"{src.path}: missing tensor {names.embed!r}")
     vocab = int(g.tensors[names.embed].shape[0])
+    moe: dict[str, Any] = {}
+    if n_experts:  # llama.cpp renormalises the top-k weights of both Mixtral (llama) and Qwen3-MoE
+        k = int(meta("expert_used_count"))
+        if not 1 <= k <= n_experts:
+            raise ModelLoadError(f"{src.path}: unsupported metadata key '{ns}.expert_used_count' = {k}: "
+                                 f"must be between 1 and the number of experts ({n_experts})")
+        moe = dict(num_experts=n_experts, num_experts_per_tok=k, norm_topk_prob=True,
+                   moe_intermediate_size=int(g.get(f"{ns}.expert_feed_forward_length") or meta("feed_forward_length")))
     args = ModelArgs(
         arch=arch.name,
         num_layers=n_layers,
         hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
+        intermediate_size=moe["moe_intermediate_size"] if moe else int(meta("feed_forward_length")),
         num_heads=n_head,
         num_kv_heads=n_kv,
         head_dim=head_dim,
@@ -245,6 +264,7 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
         tie_embeddings=names.lm_head not in g.tensors,
         attention_bias=arch.recipe.qkv_bias,
         qk_norm=arch.recipe.qk_norm,
+        **moe,
     )
     _check_recipe(src.path, arch)
     _check_tensors(src.path, g.tensors, names, args)
@@ -258,7 +278,7 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
         return _unpermute(w, heads) if permuted else w
 
     def quant(name: str, n_head: int | None = None) -> tuple[np.ndarray, int] | None:
-        if g.type_name(name) not in QUANT_KERNEL_TYPES:
+        if not name or name not in g.tensors or g.type_name(name) not in QUANT_KERNEL_TYPES:
             return None
         rows, qt = raw_rows(g, name)
         return (unperm(rows, n_head) if n_head else rows), qt
@@ -266,14 +286,29 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
     def opt(name: str) -> np.ndarray | None:
         return g.load(name) if name and name in g.tensors else None
 
-    def layers() -> Iterator[LayerWeights]:
+    def experts_of(n: dict[str, str], held: range) -> dict[str, np.ndarray]:
+        """The router and the experts' matrices ``[E, out, in]``: llama.cpp
+        stacks them in one tensor each (a name without ``{e}``)."""
+        out = {"router": g.load(n["router"])}
+        for f in ("expert_gate", "expert_up", "expert_down"):
+            if "{e}" in n[f]:
+                out["e_" + f[7:]] = _stack(src.path, [g.load(n[f].format(e=e)) for e in held], n[f].format(e="*"))
+            else:
+                w = g.load(n[f])
+                if w.ndim != 3 or w.shape[0] != args.num_experts:
+                    raise ModelLoadError(f"{src.path}: tensor {n[f]!r} has shape {list(w.shape)}, "
+                                         f"expected [{args.num_experts}, out, in] (one matrix per expert)")
+                out["e_" + f[7:]] = np.ascontiguousarray(w[list(held)])
+        return out
+
+    def layers(experts: range | None = None) -> Iterator[LayerWeights]:
         for i in range(n_layers):
             n = names.layer(i)
-            raw = {
-                "wq": quant(n["wq"], n_head), "wk": quant(n["wk"], n_kv), "wv": quant(n["wv"]),
-                "wo": quant(n["wo"]), "w_gate": quant(n["w_gate"]), "w_up": quant(n["w_up"]),
-                "w_down": quant(n["w_down"]),
-            }
+            dense = ("w_gate", "w_up", "w_down")
+            raw = {"wq": quant(n["wq"], n_head), "wk": quant(n["wk"], n_kv), "wv": quant(n["wv"]), "wo": quant(n["wo"]),
+                   **({f: quant(n[f]) for f in dense} if not args.num_experts else {})}
+            mlp: dict[str, Any] = (experts_of(n, experts if experts is not None else range(args.num_experts))
+                                   if args.num_experts else {f: g.load(n[f]) for f in dense})
             yield LayerWeights(
                 raw={k: v for k, v in raw.items() if v is not None},
                 attn_norm=g.load(n["attn_norm"]),
@@ -282,9 +317,10 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
                 wv=g.load(n["wv"]),
                 wo=g.load(n["wo"]),
                 ffn_norm=g.load(n["ffn_norm"]),
-                w_gate=g.load(n["w_gate"]),
-                w_up=g.load(n["w_up"]),
-                w_down=g.load(n["w_down"]),
+                w_gate=mlp.pop("w_gate", None),
+                w_up=mlp.pop("w_up", None),
+                w_down=mlp.pop("w_down", None),
+                **mlp,
                 bq=(lambda b: None if b is None else unperm(b, n_head))(opt(n["bq"])),
                 bk=(lambda b: None if b is None else unperm(b, n_kv))(opt(n["bk"])),
                 bv=opt(n["bv"]),

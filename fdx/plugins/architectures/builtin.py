@@ -223,6 +223,22 @@ LLAMA_GGUF_KEYS: dict[str, FieldRule] = {
     "rope.scaling.type": read(equals("none")), "expert_count": read(equals(0)), "expert_used_count": read(equals(0)),
 }
 
+#: Qwen2 / Qwen3 (llama.cpp's ``qwen2`` / ``qwen3``): Llama's keys; no ``rope.dimension_count``
+#: or ``vocab_size`` is written by llama.cpp's converter, but either is accepted
+QWEN_GGUF_KEYS = LLAMA_GGUF_KEYS
+#: a mixture of experts (llama.cpp's ``llama`` with experts: Mixtral; ``qwen3moe``):
+#: the expert count, top-k, and the experts' width (Qwen3-MoE's ``moe_intermediate_size``)
+MOE_GGUF_KEYS: dict[str, FieldRule] = {
+    **LLAMA_GGUF_KEYS, "expert_count": read(_positive_int), "expert_used_count": read(_positive_int),
+    "expert_feed_forward_length": read(_positive_int),
+}
+#: llama.cpp's stacked experts (one ``[E, out, in]`` tensor per matrix) and its router
+GGUF_MOE_WEIGHTS = attrs.evolve(
+    GGUF_LLAMA_WEIGHTS, w_gate="", w_up="", w_down="", router="blk.{i}.ffn_gate_inp.weight",
+    expert_gate="blk.{i}.ffn_gate_exps.weight", expert_up="blk.{i}.ffn_up_exps.weight",
+    expert_down="blk.{i}.ffn_down_exps.weight",
+)
+
 LLAMA = Architecture(
     name="llama", hf_names=("LlamaForCausalLM",), recipe=LayerRecipe(), hf_weights=HF_LLAMA_WEIGHTS,
     hf_fields=LLAMA_FIELDS, gguf_name="llama", gguf_weights=GGUF_LLAMA_WEIGHTS, gguf_keys=LLAMA_GGUF_KEYS,
@@ -231,10 +247,12 @@ LLAMA = Architecture(
 QWEN2 = Architecture(
     name="qwen2", hf_names=("Qwen2ForCausalLM",), recipe=LayerRecipe(qkv_bias=True),
     hf_weights=HF_LLAMA_WEIGHTS, hf_fields=QWEN_FIELDS, description="Qwen2 / Qwen2.5 (q/k/v biases)",
+    gguf_name="qwen2", gguf_weights=GGUF_LLAMA_WEIGHTS, gguf_keys=QWEN_GGUF_KEYS, gguf_qk_permuted=False,
 )
 QWEN3 = Architecture(
     name="qwen3", hf_names=("Qwen3ForCausalLM",), recipe=LayerRecipe(qk_norm=True),
     hf_weights=HF_LLAMA_WEIGHTS, hf_fields=QWEN_FIELDS, description="Qwen3 dense (per-head q/k RMSNorm)",
+    gguf_name="qwen3", gguf_weights=GGUF_LLAMA_WEIGHTS, gguf_keys=QWEN_GGUF_KEYS, gguf_qk_permuted=False,
 )
 MISTRAL = Architecture(
     name="mistral", hf_names=("MistralForCausalLM",), recipe=LayerRecipe(),
@@ -278,6 +296,7 @@ HF_QWEN3_MOE_WEIGHTS = attrs.evolve(
 QWEN3_MOE = Architecture(
     name="qwen3_moe", hf_names=("Qwen3MoeForCausalLM",), recipe=LayerRecipe(qk_norm=True, mlp="moe"),
     hf_weights=HF_QWEN3_MOE_WEIGHTS, hf_fields=QWEN3_MOE_FIELDS,
+    gguf_name="qwen3moe", gguf_weights=GGUF_MOE_WEIGHTS, gguf_keys=MOE_GGUF_KEYS, gguf_qk_permuted=False,
     description="Qwen3-MoE (q/k norm; softmax top-k routing, norm_topk_prob)",
 )
 HF_MIXTRAL_WEIGHTS = attrs.evolve(
@@ -290,6 +309,8 @@ HF_MIXTRAL_WEIGHTS = attrs.evolve(
 MIXTRAL = Architecture(
     name="mixtral", hf_names=("MixtralForCausalLM",), recipe=LayerRecipe(mlp="moe", moe_renormalize=True),
     hf_weights=HF_MIXTRAL_WEIGHTS, hf_fields=MIXTRAL_FIELDS,
+    # llama.cpp's converter writes Mixtral as ``llama`` with experts (q/k rows permuted, as Llama's)
+    gguf_name="llama", gguf_weights=GGUF_MOE_WEIGHTS, gguf_keys=MOE_GGUF_KEYS,
     description="Mixtral (softmax over the top-k experts' logits; a sliding window no shorter than the context)",
 )
 BUILTIN = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, QWEN3_MOE, MIXTRAL)
