@@ -86,14 +86,16 @@ def gguf_tensors(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], s
     return cfg, out, arch
 
 
-def write_gguf(folder: Path, path: Path, ftype: str = "F32", **extra_keys: Any) -> Path:
+def write_gguf(folder: Path, path: Path, ftype: str = "F32", arch: str | None = None, **extra_keys: Any) -> Path:
     """``folder`` (an HF test model) written as llama.cpp's converter would,
-    matrices stored as ``ftype``.  ``extra_keys``: more ``<arch>.KEY`` values
-    (a key fdx does not implement, for the refusal tests)."""
+    matrices stored as ``ftype``.  ``arch``: another ``general.architecture``
+    (a mislabelled file); ``extra_keys``: more ``<arch>.KEY`` values (a key
+    fdx does not implement, for the refusal tests)."""
     import gguf
     from gguf.constants import GGMLQuantizationType as Q
 
-    cfg, tensors, arch = gguf_tensors(folder)
+    cfg, tensors, own = gguf_tensors(folder)
+    arch = arch or own
     wr = gguf.GGUFWriter(str(path), arch)
     wr.add_name(folder.name)
     wr.add_block_count(cfg["num_hidden_layers"])
