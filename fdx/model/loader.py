@@ -286,41 +286,19 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
     def opt(name: str) -> np.ndarray | None:
         return g.load(name) if name and name in g.tensors else None
 
-    def experts_of(n: dict[str, str], held: range) -> dict[str, np.ndarray]:
-        """The router and the experts' matrices ``[E, out, in]``: llama.cpp
-        stacks them in one tensor each (a name without ``{e}``)."""
-        out = {"router": g.load(n["router"])}
-        for f in ("expert_gate", "expert_up", "expert_down"):
-            if "{e}" in n[f]:
-                out["e_" + f[7:]] = _stack(src.path, [g.load(n[f].format(e=e)) for e in held], n[f].format(e="*"))
-            else:
-                w = g.load(n[f])
-                if w.ndim != 3 or w.shape[0] != args.num_experts:
-                    raise ModelLoadError(f"{src.path}: tensor {n[f]!r} has shape {list(w.shape)}, "
-                                         f"expected [{args.num_experts}, out, in] (one matrix per expert)")
-                out["e_" + f[7:]] = np.ascontiguousarray(w[list(held)])
-        return out
-
     def layers(experts: range | None = None) -> Iterator[LayerWeights]:
         for i in range(n_layers):
             n = names.layer(i)
-            dense = ("w_gate", "w_up", "w_down")
             raw = {"wq": quant(n["wq"], n_head), "wk": quant(n["wk"], n_kv), "wv": quant(n["wv"]), "wo": quant(n["wo"]),
-                   **({f: quant(n[f]) for f in dense} if not args.num_experts else {})}
-            mlp: dict[str, Any] = (experts_of(n, experts if experts is not None else range(args.num_experts))
-                                   if args.num_experts else {f: g.load(n[f]) for f in dense})
+                   **({f: quant(n[f]) for f in ("w_gate", "w_up", "w_down")} if not args.num_experts else {})}
+            p = _projections(src.path, n, names, args, g.load, experts)
+            p["wq"], p["wk"] = unperm(p["wq"], n_head), unperm(p["wk"], n_kv)
             yield LayerWeights(
                 raw={k: v for k, v in raw.items() if v is not None},
                 attn_norm=g.load(n["attn_norm"]),
-                wq=unperm(g.load(n["wq"]), n_head),
-                wk=unperm(g.load(n["wk"]), n_kv),
-                wv=g.load(n["wv"]),
                 wo=g.load(n["wo"]),
                 ffn_norm=g.load(n["ffn_norm"]),
-                w_gate=mlp.pop("w_gate", None),
-                w_up=mlp.pop("w_up", None),
-                w_down=mlp.pop("w_down", None),
-                **mlp,
+                **p,
                 bq=(lambda b: None if b is None else unperm(b, n_head))(opt(n["bq"])),
                 bk=(lambda b: None if b is None else unperm(b, n_kv))(opt(n["bk"])),
                 bv=opt(n["bv"]),
@@ -508,6 +486,52 @@ def _stack(where: str, parts: list[np.ndarray], name: str) -> np.ndarray:
     return np.stack(parts)
 
 
+def _qk_scale(where: str, args: ModelArgs) -> float:
+    """LongRoPE's attention factor (1.0 without it), folded into the q/k rows."""
+    qk_scale = args.rope_scaling.attention_factor if isinstance(args.rope_scaling, LongRopeScaling) else 1.0
+    if qk_scale != 1.0 and (args.qk_norm or args.attention_bias):  # the fold would be wrong
+        raise ModelLoadError(f"{where}: longrope's attention factor with q/k norm or biases is not implemented")
+    return qk_scale
+
+
+def _projections(where: str, n: dict[str, str], names: WeightNames, args: ModelArgs, get: Any,
+                 experts: range | None) -> dict[str, np.ndarray | None]:
+    """Layer ``n``'s q/k/v and MLP matrices as :class:`LayerWeights` fields,
+    read with ``get(name)``: fused q|k|v and gate|up split (Phi-3), LongRoPE's
+    attention factor folded into q and k, a mixture of experts' router and
+    experts ``[E, out, in]`` (only ``experts``, when given) from one tensor
+    per expert (HF) or one stacked tensor per matrix (llama.cpp: a name
+    without ``{e}``)."""
+    if names.wqkv:
+        wq, wk, wv = _split_rows(where, n["wqkv"], get(n["wqkv"]), (args.q_size, args.kv_size, args.kv_size))
+    else:
+        wq, wk, wv = get(n["wq"]), get(n["wk"]), get(n["wv"])
+    qk_scale = _qk_scale(where, args)
+    if qk_scale != 1.0:  # cos/sin x attention factor == q and k x it (RoPE is linear)
+        wq, wk = wq * np.float32(qk_scale), wk * np.float32(qk_scale)
+    out: dict[str, np.ndarray | None] = dict(wq=wq, wk=wk, wv=wv, w_gate=None, w_up=None, w_down=None)
+    if args.num_experts:
+        out["router"] = get(n["router"])
+        held = experts if experts is not None else range(args.num_experts)
+        for f in ("expert_gate", "expert_up", "expert_down"):
+            if "{e}" in n[f]:
+                out["e_" + f[7:]] = _stack(where, [get(n[f].format(e=e)) for e in held], n[f].format(e="*"))
+                continue
+            w = get(n[f])
+            if w.ndim != 3 or w.shape[0] != args.num_experts:
+                raise ModelLoadError(f"{where}: tensor {n[f]!r} has shape {list(w.shape)}, "
+                                     f"expected [{args.num_experts}, out, in] (one matrix per expert)")
+            out["e_" + f[7:]] = np.ascontiguousarray(w[list(held)])
+        return out
+    if names.w_gate_up:
+        ff = args.intermediate_size
+        out["w_gate"], out["w_up"] = _split_rows(where, n["w_gate_up"], get(n["w_gate_up"]), (ff, ff))
+    else:
+        out["w_gate"], out["w_up"] = get(n["w_gate"]), get(n["w_up"])
+    out["w_down"] = get(n["w_down"])
+    return out
+
+
 #: HF tensors that carry no weights fdx needs (recomputed buffers saved by old transformers)
 HF_IGNORED_TENSORS = (".rotary_emb.inv_freq",)
 
@@ -557,46 +581,17 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
         w = get(name)
         return w if one is None else w + one
 
-    qk_scale = args.rope_scaling.attention_factor if isinstance(args.rope_scaling, LongRopeScaling) else 1.0
-    if qk_scale != 1.0 and (args.qk_norm or args.attention_bias):  # the fold below would be wrong
-        raise ModelLoadError(f"{cfg_path}: longrope's attention factor with q/k norm or biases is not implemented")
+    _qk_scale(cfg_path, args)
 
     def layers(experts: range | None = None) -> Iterator[LayerWeights]:
         for i in range(args.num_layers):
             n = names.layer(i)
-            if names.wqkv:
-                wq, wk, wv = _split_rows(src.path, n["wqkv"], get(n["wqkv"]), (args.q_size, args.kv_size, args.kv_size))
-            else:
-                wq, wk, wv = get(n["wq"]), get(n["wk"]), get(n["wv"])
-            if qk_scale != 1.0:  # cos/sin x attention factor == q and k x it (RoPE is linear)
-                wq, wk = wq * np.float32(qk_scale), wk * np.float32(qk_scale)
-            moe: dict[str, np.ndarray] = {}
-            w_down = None
-            if args.num_experts:
-                w_gate = w_up = None
-                moe["router"] = get(n["router"])
-                for f in ("expert_gate", "expert_up", "expert_down"):
-                    held = experts if experts is not None else range(args.num_experts)
-                    moe["e_" + f[7:]] = _stack(src.path, [get(n[f].format(e=e)) for e in held],
-                                               n[f].format(e="*"))
-            elif names.w_gate_up:
-                ff = args.intermediate_size
-                w_gate, w_up = _split_rows(src.path, n["w_gate_up"], get(n["w_gate_up"]), (ff, ff))
-            else:
-                w_gate, w_up = get(n["w_gate"]), get(n["w_up"])
-            if not args.num_experts:
-                w_down = get(n["w_down"])
+            p = _projections(src.path, n, names, args, get, experts)
             yield LayerWeights(
                 attn_norm=norm(n["attn_norm"]),
-                wq=wq,
-                wk=wk,
-                wv=wv,
                 wo=get(n["wo"]),
                 ffn_norm=norm(n["ffn_norm"]),
-                w_gate=w_gate,
-                w_up=w_up,
-                w_down=w_down,
-                **moe,
+                **p,
                 bq=get(n["bq"], optional=True) if n["bq"] else None,
                 bk=get(n["bk"], optional=True) if n["bk"] else None,
                 bv=get(n["bv"], optional=True) if n["bv"] else None,
