@@ -3,7 +3,10 @@
 ``convert_hf_to_gguf.py`` does for that architecture:
 
 * ``general.architecture``: ``llama`` for Mistral and Mixtral (its
-  ``LlamaModel`` converts both), ``qwen2``, ``qwen3``, ``qwen3moe``;
+  ``LlamaModel`` converts both), ``qwen2``, ``qwen3``, ``qwen3moe``, ``phi3``
+  (fused ``attn_qkv`` / ``ffn_up``, LongRoPE's factors as ``rope_factors_*``
+  tensors), ``gemma2`` (every norm weight stored as ``1 + w``; no rope base
+  and no ``query_pre_attn_scalar`` written);
 * llama.cpp's tensor names (``blk.N.attn_q.weight``, ``attn_q_norm``,
   ``ffn_gate_inp``, the experts stacked ``[E, out, in]`` in
   ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``), no ``output``
@@ -25,6 +28,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +38,12 @@ import numpy as np
 GGUF_ARCH = {
     "qwen2": ("qwen2", False), "qwen3": ("qwen3", False), "qwen3_moe": ("qwen3moe", False),
     "mistral": ("llama", True), "mixtral": ("llama", True), "llama": ("llama", True),
+    "phi3": ("phi3", False), "gemma2": ("gemma2", False),
 }
+#: names that differ by architecture
+_PHI3 = {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
+_GEMMA = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+          "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -72,9 +81,10 @@ def gguf_tensors(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], s
     out = {"token_embd.weight": w["model.embed_tokens.weight"], "output_norm.weight": w["model.norm.weight"]}
     if not cfg.get("tie_word_embeddings") and "lm_head.weight" in w:
         out["output.weight"] = w["lm_head.weight"]
+    layer = {**_LAYER, **(_PHI3 if arch == "phi3" else {}), **(_GEMMA if arch == "gemma2" else {})}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        for hf, gg in _LAYER.items():
+        for hf, gg in layer.items():
             if p + hf in w:
                 t = w[p + hf]
                 if permuted and hf.startswith(("self_attn.q_proj", "self_attn.k_proj")):
@@ -83,6 +93,12 @@ def gguf_tensors(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], s
         for hf, gg in _EXPERTS.items():
             if p + hf.format(e=0) in w:
                 out[f"blk.{i}.{gg}"] = np.stack([w[p + hf.format(e=e)] for e in range(n_exp)])
+    if arch == "gemma2":  # Gemma2Model.modify_tensors: every norm weight stored as 1 + w
+        out = {k: t + np.float32(1) if k.endswith("norm.weight") else t for k, t in out.items()}
+    rope = cfg.get("rope_parameters") or {}
+    if arch == "phi3" and rope.get("rope_type") in ("longrope", "su"):  # generate_extra_tensors
+        out["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
+        out["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
     return cfg, out, arch
 
 
@@ -105,7 +121,8 @@ def write_gguf(folder: Path, path: Path, ftype: str = "F32", arch: str | None = 
     wr.add_head_count(cfg["num_attention_heads"])
     wr.add_head_count_kv(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
     rope = cfg.get("rope_parameters") or {}
-    wr.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    if arch != "gemma2":  # Gemma2Model writes no rope base (llama.cpp's default, 10000)
+        wr.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     wr.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     n_exp = cfg.get("num_experts") or cfg.get("num_local_experts")
     if n_exp:
@@ -119,6 +136,17 @@ def write_gguf(folder: Path, path: Path, ftype: str = "F32", arch: str | None = 
         wr.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     if arch == "qwen3moe":
         wr.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters
+        orig = cfg["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / orig
+        wr.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+        wr.add_rope_scaling_orig_ctx_len(orig)
+        wr.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+        wr.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":  # Gemma2Model.set_gguf_parameters
+        wr.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        wr.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        wr.add_sliding_window(cfg["sliding_window"])
     for k, v in extra_keys.items():
         key = f"{arch}.{k}"
         if isinstance(v, str):

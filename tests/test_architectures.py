@@ -765,7 +765,7 @@ def test_moe_batch_invariance(dtype: str, tp: int) -> None:
 # --------------------------------------------------------------------------
 
 #: the architectures fdx reads from GGUF (Mistral and Mixtral as llama.cpp writes them: ``llama``)
-GGUF_ARCHS = ("qwen3", "qwen2", "mistral", "qwen3_moe", "mixtral")
+GGUF_ARCHS = ("qwen3", "qwen2", "mistral", "qwen3_moe", "mixtral", "phi3")
 
 
 @pytest.fixture(scope="module")
@@ -784,27 +784,63 @@ def arch_gguf(where: Path, name: str, ftype: str = "F32", arch: str | None = Non
 
 @pytest.mark.parametrize("name", GGUF_ARCHS)
 def test_gguf_float32_matches_transformers(gguf_dir: Path, name: str) -> None:
-    """From an F32 GGUF: the HF folder's weights exactly (q/k un-permuted for
-    ``llama``, experts unstacked), and transformers' goldens teacher-forced."""
+    """From an F32 GGUF: the HF folder's weights (q/k un-permuted for
+    ``llama``, experts unstacked, Phi-3's fused tensors split), and
+    transformers' goldens teacher-forced."""
     import attrs
 
+    from fdx.model.arch import LongRopeScaling
     from fdx.model.loader import load_checkpoint
 
     path = arch_gguf(gguf_dir, name)
     g, h = load_checkpoint(str(path)), load_checkpoint(str(DATA / name))
-    # GGUF stores the epsilon as float32; llama.cpp's converter writes no sliding window for ``llama``
-    expect = attrs.evolve(h.args, rms_eps=g.args.rms_eps, sliding_window=None,
-                          arch="llama" if name == "mistral" else h.args.arch)
+    # GGUF stores the epsilon (and Phi-3's rope factors) as float32; llama.cpp's
+    # converter writes no sliding window for ``llama``
+    expect = attrs.evolve(h.args, rms_eps=g.args.rms_eps, arch="llama" if name == "mistral" else h.args.arch,
+                          sliding_window=h.args.sliding_window if name == "phi3" else None)
+    if isinstance(h.args.rope_scaling, LongRopeScaling):
+        got, want = g.args.rope_scaling, h.args.rope_scaling
+        for f in ("short_factor", "long_factor", "attention_factor"):
+            np.testing.assert_allclose(getattr(got, f), getattr(want, f), rtol=1e-7)
+        expect = attrs.evolve(expect, rope_scaling=got)
     assert g.args == expect
     for lg, lh in zip(g.layers(), h.layers()):
         for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "bq", "bk", "bv", "q_norm", "k_norm",
                   "router", "e_gate", "e_up", "e_down", "attn_norm", "ffn_norm"):
             a, b = getattr(lg, f), getattr(lh, f)
             assert (a is None) == (b is None), f
-            if a is not None:
-                np.testing.assert_array_equal(a, b, err_msg=f)
+            if a is not None:  # Phi-3's q/k: times the attention factor, float32 in the GGUF
+                np.testing.assert_allclose(a, b, rtol=1e-6 if name == "phi3" else 0, err_msg=f)
     agree, worst = golden_gap(make_runner(name, "float32", path), name)
     assert agree == 1.0 and worst < 1e-3, f"{name}: top-1 {agree:.3f}, logprobs differ by {worst:.2e}"
+
+
+def test_gguf_gemma2_reads_as_llama_cpp_does(gguf_dir: Path) -> None:
+    """Gemma 2 from llama.cpp's converter: norm weights stored as ``1 + w``
+    (read as they are: the HF folder's folded weights), the caps and the
+    window from its keys, the even layers sliding.  Its converter writes no
+    ``query_pre_attn_scalar`` and llama.cpp scales the scores by
+    ``head_dim ** -0.5``, so does fdx; the test model's scalar is 48 (not
+    head_dim, 32), so its goldens do not apply: the GGUF serves the HF folder
+    with ``query_pre_attn_scalar`` = head_dim, token for token."""
+    import attrs
+
+    from fdx.model.loader import load_checkpoint
+
+    path = arch_gguf(gguf_dir, "gemma2")
+    g, h = load_checkpoint(str(path)), load_checkpoint(str(DATA / "gemma2"))
+    assert g.args == attrs.evolve(h.args, rms_eps=g.args.rms_eps, attn_scale=None)
+    for lg, lh in zip(g.layers(), h.layers()):
+        for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "ffn_norm", "post_attn_norm",
+                  "post_ffn_norm"):
+            np.testing.assert_array_equal(getattr(lg, f), getattr(lh, f), err_msg=f)
+    np.testing.assert_array_equal(g.final_norm, h.final_norm)
+    same_scale = copy_with_config(gguf_dir, "gemma2", query_pre_attn_scalar=32)
+    prompt = goldens("gemma2")[0]["prompt"]
+    tokens = goldens("gemma2")[0]["tokens"]
+    a = teacher_forced(make_runner("gemma2", "float32", path), prompt, tokens)
+    b = teacher_forced(make_runner("gemma2", "float32", same_scale), prompt, tokens)
+    np.testing.assert_allclose(log_softmax(a), log_softmax(b), atol=1e-5)
 
 
 @pytest.mark.parametrize("ftype", ["F16", "BF16", "Q8_0"])
@@ -842,6 +878,9 @@ GGUF_REFUSALS = [
     ("qwen3", "qwen2", {}, "tensor 'blk.0.attn_k_norm.weight'", "not part of fdx's qwen2"),
     # a Qwen3-MoE file labelled qwen3 (dense): refused by its expert count
     ("qwen3_moe", "qwen3", {}, "architecture 'qwen3 (experts)'", "supported:"),
+    ("phi3", None, {"rope.scaling.type": "yarn"}, "metadata key 'phi3.rope.scaling.type'", "'none'"),
+    ("gemma2", None, {"attention.sliding_window_pattern": 3}, "metadata key 'gemma2.attention.sliding_window_pattern'",
+     "not implemented"),
 ]
 
 

@@ -258,6 +258,10 @@ class WeightNames:
     expert_gate: str = ""
     expert_up: str = ""
     expert_down: str = ""
+    #: LongRoPE's factors as tensors (llama.cpp's Phi-3: ``rope_factors_long`` /
+    #: ``rope_factors_short``, ``head_dim / 2`` each; model-wide, not per layer)
+    rope_long: str = ""
+    rope_short: str = ""
 
     def layer(self, i: int) -> dict[str, str]:
         """Every field's name in layer ``i`` (per-expert names keep ``{e}``)."""

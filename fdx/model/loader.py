@@ -189,7 +189,7 @@ def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm:
     if sandwich:
         per += ["post_attn_norm", "post_ffn_norm"]
     req = {names.embed, names.final_norm}
-    optional = {names.lm_head}
+    optional = {names.lm_head} | {t for t in (names.rope_long, names.rope_short) if t}
     for i in range(n_layers):
         n = names.layer(i)
         req |= {n[f] for f in per}
@@ -251,6 +251,7 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
                    moe_intermediate_size=int(g.get(f"{ns}.expert_feed_forward_length") or meta("feed_forward_length")))
     args = ModelArgs(
         arch=arch.name,
+        **_gguf_extras(g, arch, n_layers, hidden, head_dim),
         num_layers=n_layers,
         hidden_size=hidden,
         intermediate_size=moe["moe_intermediate_size"] if moe else int(meta("feed_forward_length")),
@@ -304,6 +305,8 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
                 bv=opt(n["bv"]),
                 q_norm=opt(n["q_norm"]) if args.qk_norm else None,
                 k_norm=opt(n["k_norm"]) if args.qk_norm else None,
+                post_attn_norm=opt(n["post_attn_norm"]) if args.sandwich_norms else None,
+                post_ffn_norm=opt(n["post_ffn_norm"]) if args.sandwich_norms else None,
             )
 
     return Checkpoint(
@@ -315,6 +318,41 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
         layers=layers,
         lm_head_raw=quant(names.embed if args.tie_embeddings else names.lm_head),
     )
+
+
+def _gguf_extras(g: Any, arch: Architecture, n_layers: int, hidden: int, head_dim: int) -> dict[str, Any]:
+    """The :class:`ModelArgs` fields beyond Llama's a GGUF carries, as
+    llama.cpp reads them: LongRoPE from the ``rope_factors_*`` tensors and
+    ``rope.scaling.attn_factor`` / ``original_context_length`` (Phi-3); the
+    sliding window (``attention.sliding_window``: every layer's, or Gemma 2's
+    even layers'); Gemma 2's caps, GeGLU, sandwich norms and embedding scale.
+    llama.cpp's converter stores Gemma's norm weights as ``1 + w`` already and
+    writes no ``query_pre_attn_scalar``: llama.cpp scales the scores by
+    ``head_dim ** -0.5`` (by ``(hidden / heads) ** -0.5`` for the 46-layer
+    Gemma 2 27B), and so does fdx."""
+    ns, names, rc = arch.gguf_name, arch.gguf_weights, arch.recipe
+    out: dict[str, Any] = {}
+    if names is not None and names.rope_short and names.rope_short in g.tensors:
+        orig = g.get(f"{ns}.rope.scaling.original_context_length")
+        if orig is None:
+            raise ModelLoadError(f"{g.path}: tensor {names.rope_short!r} needs metadata key "
+                                 f"'{ns}.rope.scaling.original_context_length'")
+        short, long = (tuple(float(x) for x in g.load(t).reshape(-1)) for t in (names.rope_short, names.rope_long))
+        out["rope_scaling"] = LongRopeScaling("longrope", short, long,
+                                              float(g.get(f"{ns}.rope.scaling.attn_factor", 1.0)), int(orig))
+    window = g.get(f"{ns}.attention.sliding_window")
+    if rc.window_pattern and window is not None:  # llama.cpp's Gemma 2: the even layers slide
+        out["layer_windows"] = tuple(int(window) if i % 2 == 0 else 0 for i in range(n_layers))
+    elif window is not None:
+        out["sliding_window"] = int(window)
+    if rc.norm == "rms_1p":
+        n_head = int(g.get(f"{ns}.attention.head_count"))
+        out.update(mlp_act="gelu_tanh" if rc.mlp == "geglu" else "silu", sandwich_norms=rc.sandwich_norms,
+                   embed_scale=math.sqrt(hidden) if rc.embed_scale else None,
+                   attn_scale=(hidden / n_head) ** -0.5 if n_layers == 46 else None,
+                   attn_softcap=_opt_float(g.get(f"{ns}.attn_logit_softcapping")),
+                   final_softcap=_opt_float(g.get(f"{ns}.final_logit_softcapping")))
+    return out
 
 
 def _check_recipe(where: str, arch: Architecture) -> None:

@@ -218,8 +218,9 @@ LLAMA_GGUF_KEYS: dict[str, FieldRule] = {
     "block_count": _g, "context_length": _g, "embedding_length": _g, "feed_forward_length": _g,
     "attention.head_count": _g, "attention.head_count_kv": _g, "attention.layer_norm_rms_epsilon": _g,
     "attention.key_length": _g, "rope.freq_base": _g, "rope.dimension_count": _g, "vocab_size": harmless(),
-    "attention.value_length": read(lambda v, f: None if v == f.get("llama.attention.key_length", v) else
-                                   "a value length other than the key length is not implemented"),
+    "attention.value_length": read(lambda v, f: None if v == next(
+        (x for k, x in f.items() if k.endswith(".attention.key_length")), v) else
+        "a value length other than the key length is not implemented"),
     "rope.scaling.type": read(equals("none")), "expert_count": read(equals(0)), "expert_used_count": read(equals(0)),
 }
 
@@ -263,9 +264,21 @@ HF_PHI3_WEIGHTS = attrs.evolve(
     HF_LLAMA_WEIGHTS, wq="", wk="", wv="", w_gate="", w_up="", bq="", bk="", bv="", q_norm="", k_norm="",
     wqkv="model.layers.{i}.self_attn.qkv_proj.weight", w_gate_up="model.layers.{i}.mlp.gate_up_proj.weight",
 )
+#: llama.cpp's Phi-3: fused ``attn_qkv`` and ``ffn_up`` (gate rows then up), LongRoPE's
+#: factors as tensors and its attention factor / original context as keys
+GGUF_PHI3_WEIGHTS = attrs.evolve(
+    GGUF_LLAMA_WEIGHTS, wq="", wk="", wv="", w_gate="", w_up="", bq="", bk="", bv="", q_norm="", k_norm="",
+    wqkv="blk.{i}.attn_qkv.weight", w_gate_up="blk.{i}.ffn_up.weight",
+    rope_long="rope_factors_long.weight", rope_short="rope_factors_short.weight",
+)
+PHI3_GGUF_KEYS: dict[str, FieldRule] = {
+    **LLAMA_GGUF_KEYS, "rope.scaling.attn_factor": _g, "rope.scaling.original_context_length": _g,
+    "attention.sliding_window": read(_positive_window),
+}
 PHI3 = Architecture(
     name="phi3", hf_names=("Phi3ForCausalLM",), recipe=LayerRecipe(), hf_weights=HF_PHI3_WEIGHTS,
-    hf_fields=PHI3_FIELDS,
+    hf_fields=PHI3_FIELDS, gguf_name="phi3", gguf_weights=GGUF_PHI3_WEIGHTS, gguf_keys=PHI3_GGUF_KEYS,
+    gguf_qk_permuted=False,
     description="Phi-3 / Phi-3.5 (fused qkv and gate_up; longrope within original_max_position_embeddings)",
 )
 HF_GEMMA_WEIGHTS = attrs.evolve(
@@ -275,9 +288,19 @@ HF_GEMMA_WEIGHTS = attrs.evolve(
     post_ffn_norm="model.layers.{i}.post_feedforward_layernorm.weight",
 )
 GEMMA_RECIPE = LayerRecipe(norm="rms_1p", mlp="geglu", sandwich_norms=True, embed_scale=True, window_pattern=2)
+#: llama.cpp's Gemma 2 (norm weights stored as ``1 + w`` by its converter; no ``output``: tied)
+GGUF_GEMMA2_WEIGHTS = attrs.evolve(
+    GGUF_LLAMA_WEIGHTS, bq="", bk="", bv="", q_norm="", k_norm="",
+    post_attn_norm="blk.{i}.post_attention_norm.weight", post_ffn_norm="blk.{i}.post_ffw_norm.weight",
+)
+GEMMA2_GGUF_KEYS: dict[str, FieldRule] = {
+    **LLAMA_GGUF_KEYS, "attn_logit_softcapping": read(_positive_or_none),
+    "final_logit_softcapping": read(_positive_or_none), "attention.sliding_window": read(_positive_window),
+}
 GEMMA2 = Architecture(
     name="gemma2", hf_names=("Gemma2ForCausalLM",), recipe=GEMMA_RECIPE, hf_weights=HF_GEMMA_WEIGHTS,
-    hf_fields=GEMMA2_FIELDS,
+    hf_fields=GEMMA2_FIELDS, gguf_name="gemma2", gguf_weights=GGUF_GEMMA2_WEIGHTS, gguf_keys=GEMMA2_GGUF_KEYS,
+    gguf_qk_permuted=False,
     description="Gemma 2 (GeGLU, (1 + w) sandwich norms, soft-capping, alternating sliding-window layers)",
 )
 GEMMA3 = Architecture(
