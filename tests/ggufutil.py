@@ -102,11 +102,14 @@ def gguf_tensors(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], s
     return cfg, out, arch
 
 
-def write_gguf(folder: Path, path: Path, ftype: str = "F32", arch: str | None = None, **extra_keys: Any) -> Path:
+def write_gguf(folder: Path, path: Path, ftype: str = "F32", arch: str | None = None,
+               raw: dict[str, tuple[np.ndarray, Any]] | None = None, **extra_keys: Any) -> Path:
     """``folder`` (an HF test model) written as llama.cpp's converter would,
     matrices stored as ``ftype``.  ``arch``: another ``general.architecture``
-    (a mislabelled file); ``extra_keys``: more ``<arch>.KEY`` values (a key
-    fdx does not implement, for the refusal tests)."""
+    (a mislabelled file); ``raw``: tensors stored as given block bytes
+    (``name -> (uint8 [rows, row bytes], ggml type)``: a type the ``gguf``
+    package cannot quantize to, Q4_K); ``extra_keys``: more ``<arch>.KEY``
+    values (a key fdx does not implement, for the refusal tests)."""
     import gguf
     from gguf.constants import GGMLQuantizationType as Q
 
@@ -160,7 +163,9 @@ def write_gguf(folder: Path, path: Path, ftype: str = "F32", arch: str | None = 
     _tokenizer(wr, folder, cfg)
     for name, t in tensors.items():
         t = np.ascontiguousarray(t, dtype=np.float32)
-        if t.ndim == 1 or name.endswith("ffn_gate_inp.weight") or qt == Q.F32:
+        if raw and name in raw:
+            wr.add_tensor(name, raw[name][0], raw_dtype=raw[name][1])
+        elif t.ndim == 1 or name.endswith("ffn_gate_inp.weight") or qt == Q.F32:
             wr.add_tensor(name, t)
         elif qt == Q.F16:
             wr.add_tensor(name, t.astype(np.float16))

@@ -869,6 +869,30 @@ def test_gguf_formats_read_as_gguf_dequantizes_them(gguf_dir: Path, ftype: str) 
     assert agree >= 0.97, f"{ftype}: top-1 {agree:.3f} (logprobs up to {worst:.2e} apart)"
 
 
+def test_gguf_q4_k_reads_as_gguf_dequantizes_it(tmp_path: Path) -> None:
+    """Q4_K: the ``gguf`` package dequantizes it but has no quantizer, so the
+    test writes Q4_K blocks directly (256 weights in 144 bytes: f16 scale and
+    min, 12 bytes of 6-bit sub-block scales/mins, 128 bytes of nibbles) and
+    checks fdx reads them as ``gguf.quants.dequantize`` does."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType as Q
+
+    from ggufutil import write_gguf
+    from fdx.model.loader import load_checkpoint
+
+    rng = np.random.default_rng(0)
+    rows, blocks = 128, 1  # blk.1.ffn_down: [hidden 128, ffn 256]
+    b = rng.integers(0, 256, size=(rows, blocks, 144), dtype=np.uint8)
+    b[:, :, 0:2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)  # d
+    b[:, :, 2:4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)  # dmin
+    raw = b.reshape(rows, -1)
+    path = write_gguf(DATA / "qwen3", tmp_path / "q4k.gguf", raw={"blk.1.ffn_down.weight": (raw, Q.Q4_K)})
+    ck = load_checkpoint(str(path))
+    want = gguf.quants.dequantize(raw, Q.Q4_K).reshape(rows, 256)
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+    np.testing.assert_array_equal(list(ck.layers())[1].w_down, want)
+
+
 GGUF_REFUSALS = [
     ("qwen3", None, {"attention.sliding_window": 8}, "metadata key 'qwen3.attention.sliding_window'", "not implemented"),
     ("qwen2", None, {"rope.scaling.type": "yarn"}, "metadata key 'qwen2.rope.scaling.type'", "'none'"),
