@@ -811,6 +811,11 @@ def test_gguf_float32_matches_transformers(gguf_dir: Path, name: str) -> None:
             assert (a is None) == (b is None), f
             if a is not None:  # Phi-3's q/k: times the attention factor, float32 in the GGUF
                 np.testing.assert_allclose(a, b, rtol=1e-6 if name == "phi3" else 0, err_msg=f)
+    if g.args.num_experts:  # a rank's experts (expert parallelism) sliced from the stacked tensors
+        held = range(2, 4)
+        for lg, lh in zip(g.layers(held), h.layers(held)):
+            for f in ("e_gate", "e_up", "e_down"):
+                np.testing.assert_array_equal(getattr(lg, f), getattr(lh, f), err_msg=f)
     agree, worst = golden_gap(make_runner(name, "float32", path), name)
     assert agree == 1.0 and worst < 1e-3, f"{name}: top-1 {agree:.3f}, logprobs differ by {worst:.2e}"
 
