@@ -820,6 +820,18 @@ def test_gguf_float32_matches_transformers(gguf_dir: Path, name: str) -> None:
     assert agree == 1.0 and worst < 1e-3, f"{name}: top-1 {agree:.3f}, logprobs differ by {worst:.2e}"
 
 
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen2", "mixtral", "qwen3_moe"])
+def test_gguf_float32_file_in_packed_modes_is_the_hf_folder(gguf_dir: Path, name: str, dtype: str) -> None:
+    """An F32 GGUF in int8 / bfloat16 gives the HF folder's logits bit for bit
+    (the same weights, packed alike), so the folder's packed-mode results hold
+    for it (Phi-3 aside: its rope factors are float32 in the GGUF)."""
+    s = goldens(name)[0]
+    a = teacher_forced(make_runner(name, dtype, arch_gguf(gguf_dir, name)), s["prompt"], s["tokens"][:8])
+    b = teacher_forced(make_runner(name, dtype), s["prompt"], s["tokens"][:8])
+    np.testing.assert_array_equal(a, b)
+
+
 def test_gguf_gemma2_reads_as_llama_cpp_does(gguf_dir: Path) -> None:
     """Gemma 2 from llama.cpp's converter: norm weights stored as ``1 + w``
     (read as they are: the HF folder's folded weights), the caps and the
