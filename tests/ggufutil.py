@@ -145,7 +145,7 @@ def write_gguf(folder: Path, path: Path, ftype: str = "F32", arch: str | None = 
         wr.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
         wr.add_rope_scaling_orig_ctx_len(orig)
         wr.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
-        wr.add_sliding_window(cfg["sliding_window"])
+        wr.add_sliding_window(cfg.get("sliding_window") or 0)  # 0: no window (its Phi-4 marker)
     if arch == "gemma2":  # Gemma2Model.set_gguf_parameters
         wr.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         wr.add_final_logit_softcapping(cfg["final_logit_softcapping"])

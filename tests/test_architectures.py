@@ -832,6 +832,16 @@ def test_gguf_float32_file_in_packed_modes_is_the_hf_folder(gguf_dir: Path, name
     np.testing.assert_array_equal(a, b)
 
 
+def test_gguf_phi3_window_zero_is_no_window(gguf_dir: Path) -> None:
+    """llama.cpp's converter writes ``sliding_window`` 0 for a Phi-3 config without one."""
+    from ggufutil import write_gguf
+    from fdx.model.loader import load_checkpoint
+
+    folder = copy_with_config(gguf_dir, "phi3", sliding_window=None)
+    ck = load_checkpoint(str(write_gguf(folder, gguf_dir / "phi3-nowindow.gguf")))
+    assert ck.args.sliding_window is None and ck.args.rope_scaling is not None
+
+
 def test_gguf_gemma2_reads_as_llama_cpp_does(gguf_dir: Path) -> None:
     """Gemma 2 from llama.cpp's converter: norm weights stored as ``1 + w``
     (read as they are: the HF folder's folded weights), the caps and the

@@ -340,7 +340,7 @@ def _gguf_extras(g: Any, arch: Architecture, n_layers: int, hidden: int, head_di
         short, long = (tuple(float(x) for x in g.load(t).reshape(-1)) for t in (names.rope_short, names.rope_long))
         out["rope_scaling"] = LongRopeScaling("longrope", short, long,
                                               float(g.get(f"{ns}.rope.scaling.attn_factor", 1.0)), int(orig))
-    window = g.get(f"{ns}.attention.sliding_window")
+    window = g.get(f"{ns}.attention.sliding_window") or None  # 0: none (llama.cpp's Phi-4)
     if rc.window_pattern and window is not None:  # llama.cpp's Gemma 2: the even layers slide
         out["layer_windows"] = tuple(int(window) if i % 2 == 0 else 0 for i in range(n_layers))
     elif window is not None:

@@ -273,7 +273,8 @@ GGUF_PHI3_WEIGHTS = attrs.evolve(
 )
 PHI3_GGUF_KEYS: dict[str, FieldRule] = {
     **LLAMA_GGUF_KEYS, "rope.scaling.attn_factor": _g, "rope.scaling.original_context_length": _g,
-    "attention.sliding_window": read(_positive_window),
+    # llama.cpp's converter writes 0 for "no window" (Phi-4)
+    "attention.sliding_window": read(lambda v, f: None if v == 0 else _positive_window(v, f)),
 }
 PHI3 = Architecture(
     name="phi3", hf_names=("Phi3ForCausalLM",), recipe=LayerRecipe(), hf_weights=HF_PHI3_WEIGHTS,
