@@ -6,7 +6,8 @@
   ``LlamaModel`` converts both), ``qwen2``, ``qwen3``, ``qwen3moe``, ``phi3``
   (fused ``attn_qkv`` / ``ffn_up``, LongRoPE's factors as ``rope_factors_*``
   tensors), ``gemma2`` (every norm weight stored as ``1 + w``; no rope base
-  and no ``query_pre_attn_scalar`` written);
+  and no ``query_pre_attn_scalar`` written), ``gemma3`` (as Gemma 2, with the
+  q/k norms, the global layers' rope base and linear scaling);
 * llama.cpp's tensor names (``blk.N.attn_q.weight``, ``attn_q_norm``,
   ``ffn_gate_inp``, the experts stacked ``[E, out, in]`` in
   ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``), no ``output``
@@ -38,7 +39,7 @@ import numpy as np
 GGUF_ARCH = {
     "qwen2": ("qwen2", False), "qwen3": ("qwen3", False), "qwen3_moe": ("qwen3moe", False),
     "mistral": ("llama", True), "mixtral": ("llama", True), "llama": ("llama", True),
-    "phi3": ("phi3", False), "gemma2": ("gemma2", False),
+    "phi3": ("phi3", False), "gemma2": ("gemma2", False), "gemma3_text": ("gemma3", False),
 }
 #: names that differ by architecture
 _PHI3 = {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
@@ -81,7 +82,7 @@ def gguf_tensors(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], s
     out = {"token_embd.weight": w["model.embed_tokens.weight"], "output_norm.weight": w["model.norm.weight"]}
     if not cfg.get("tie_word_embeddings") and "lm_head.weight" in w:
         out["output.weight"] = w["lm_head.weight"]
-    layer = {**_LAYER, **(_PHI3 if arch == "phi3" else {}), **(_GEMMA if arch == "gemma2" else {})}
+    layer = {**_LAYER, **(_PHI3 if arch == "phi3" else {}), **(_GEMMA if arch in ("gemma2", "gemma3") else {})}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         for hf, gg in layer.items():
@@ -93,7 +94,7 @@ def gguf_tensors(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], s
         for hf, gg in _EXPERTS.items():
             if p + hf.format(e=0) in w:
                 out[f"blk.{i}.{gg}"] = np.stack([w[p + hf.format(e=e)] for e in range(n_exp)])
-    if arch == "gemma2":  # Gemma2Model.modify_tensors: every norm weight stored as 1 + w
+    if arch in ("gemma2", "gemma3"):  # Gemma2Model / Gemma3Model.modify_tensors: every norm weight stored as 1 + w
         out = {k: t + np.float32(1) if k.endswith("norm.weight") else t for k, t in out.items()}
     rope = cfg.get("rope_parameters") or {}
     if arch == "phi3" and rope.get("rope_type") in ("longrope", "su"):  # generate_extra_tensors
@@ -124,7 +125,8 @@ def write_gguf(folder: Path, path: Path, ftype: str = "F32", arch: str | None = 
     wr.add_head_count(cfg["num_attention_heads"])
     wr.add_head_count_kv(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
     rope = cfg.get("rope_parameters") or {}
-    if arch != "gemma2":  # Gemma2Model writes no rope base (llama.cpp's default, 10000)
+    if arch != "gemma2":  # Gemma2Model writes no rope base (llama.cpp's default, 10000); Gemma 3: the global layers'
+        rope = rope.get("full_attention", rope)
         wr.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     wr.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     n_exp = cfg.get("num_experts") or cfg.get("num_local_experts")
@@ -150,6 +152,13 @@ def write_gguf(folder: Path, path: Path, ftype: str = "F32", arch: str | None = 
         wr.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         wr.add_final_logit_softcapping(cfg["final_logit_softcapping"])
         wr.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma3":  # Gemma3Model.set_gguf_parameters: the global layers' linear scaling
+        if cfg.get("final_logit_softcapping"):
+            wr.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        wr.add_sliding_window(cfg["sliding_window"])
+        if rope.get("rope_type") == "linear":
+            wr.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            wr.add_rope_scaling_factor(float(rope["factor"]))
     for k, v in extra_keys.items():
         key = f"{arch}.{k}"
         if isinstance(v, str):

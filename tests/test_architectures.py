@@ -842,31 +842,38 @@ def test_gguf_phi3_window_zero_is_no_window(gguf_dir: Path) -> None:
     assert ck.args.sliding_window is None and ck.args.rope_scaling is not None
 
 
-def test_gguf_gemma2_reads_as_llama_cpp_does(gguf_dir: Path) -> None:
-    """Gemma 2 from llama.cpp's converter: norm weights stored as ``1 + w``
-    (read as they are: the HF folder's folded weights), the caps and the
-    window from its keys, the even layers sliding.  Its converter writes no
-    ``query_pre_attn_scalar`` and llama.cpp scales the scores by
-    ``head_dim ** -0.5``, so does fdx; the test model's scalar is 48 (not
-    head_dim, 32), so its goldens do not apply: the GGUF serves the HF folder
-    with ``query_pre_attn_scalar`` = head_dim, token for token."""
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gguf_gemma_reads_as_llama_cpp_does(gguf_dir: Path, name: str) -> None:
+    """Gemma 2 / 3 from llama.cpp's converter: norm weights (q/k norms too)
+    stored as ``1 + w`` (read as they are: the HF folder's folded weights),
+    the caps, window and Gemma 3's linear global scaling from its keys.
+    llama.cpp fixes what the GGUF does not carry: every 2nd (Gemma 2) / 6th
+    (Gemma 3) layer global, Gemma 3's local rope base 10000, and the score
+    scale ``head_dim ** -0.5`` (its converter writes no
+    ``query_pre_attn_scalar``); so does fdx.  The test models differ there
+    (scalar 48, not head_dim 32; Gemma 3's layer 3 global), so their goldens do
+    not apply: the GGUF serves, logit for logit, the HF folder with
+    ``query_pre_attn_scalar`` = head_dim and the class's default layer pattern."""
     import attrs
 
     from fdx.model.loader import load_checkpoint
 
-    path = arch_gguf(gguf_dir, "gemma2")
-    g, h = load_checkpoint(str(path)), load_checkpoint(str(DATA / "gemma2"))
+    path = arch_gguf(gguf_dir, name)
+    same = copy_with_config(gguf_dir, name, query_pre_attn_scalar=32, layer_types=None)
+    g, h = load_checkpoint(str(path)), load_checkpoint(str(same))
     assert g.args == attrs.evolve(h.args, rms_eps=g.args.rms_eps, attn_scale=None)
+    assert g.args.layer_windows == ((8, 0, 8, 0) if name == "gemma2" else (8, 8, 8, 8))
     for lg, lh in zip(g.layers(), h.layers()):
         for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "ffn_norm", "post_attn_norm",
-                  "post_ffn_norm"):
-            np.testing.assert_array_equal(getattr(lg, f), getattr(lh, f), err_msg=f)
+                  "post_ffn_norm", "q_norm", "k_norm"):
+            a, b = getattr(lg, f), getattr(lh, f)
+            assert (a is None) == (b is None), f
+            if a is not None:
+                np.testing.assert_array_equal(a, b, err_msg=f)
     np.testing.assert_array_equal(g.final_norm, h.final_norm)
-    same_scale = copy_with_config(gguf_dir, "gemma2", query_pre_attn_scalar=32)
-    prompt = goldens("gemma2")[0]["prompt"]
-    tokens = goldens("gemma2")[0]["tokens"]
-    a = teacher_forced(make_runner("gemma2", "float32", path), prompt, tokens)
-    b = teacher_forced(make_runner("gemma2", "float32", same_scale), prompt, tokens)
+    s = goldens(name)[0]
+    a = teacher_forced(make_runner(name, "float32", path), s["prompt"], s["tokens"])
+    b = teacher_forced(make_runner(name, "float32", same), s["prompt"], s["tokens"])
     np.testing.assert_allclose(log_softmax(a), log_softmax(b), atol=1e-5)
 
 
@@ -932,6 +939,7 @@ GGUF_REFUSALS = [
     ("phi3", None, {"rope.scaling.type": "yarn"}, "metadata key 'phi3.rope.scaling.type'", "'none'"),
     ("gemma2", None, {"attention.sliding_window_pattern": 3}, "metadata key 'gemma2.attention.sliding_window_pattern'",
      "not implemented"),
+    ("gemma3", None, {"attn_logit_softcapping": 50.0}, "metadata key 'gemma3.attn_logit_softcapping'", "not implemented"),
 ]
 
 

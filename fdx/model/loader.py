@@ -324,12 +324,15 @@ def _gguf_extras(g: Any, arch: Architecture, n_layers: int, hidden: int, head_di
     """The :class:`ModelArgs` fields beyond Llama's a GGUF carries, as
     llama.cpp reads them: LongRoPE from the ``rope_factors_*`` tensors and
     ``rope.scaling.attn_factor`` / ``original_context_length`` (Phi-3); the
-    sliding window (``attention.sliding_window``: every layer's, or Gemma 2's
-    even layers'); Gemma 2's caps, GeGLU, sandwich norms and embedding scale.
-    llama.cpp's converter stores Gemma's norm weights as ``1 + w`` already and
-    writes no ``query_pre_attn_scalar``: llama.cpp scales the scores by
-    ``head_dim ** -0.5`` (by ``(hidden / heads) ** -0.5`` for the 46-layer
-    Gemma 2 27B), and so does fdx."""
+    sliding window (``attention.sliding_window``: every layer's, or, for Gemma,
+    that of all but every ``window_pattern``-th layer: llama.cpp fixes Gemma 2's
+    at 2 and Gemma 3's at 6); a linear rope scaling (Gemma 3's global layers;
+    its sliding layers' base llama.cpp fixes at 10000); Gemma's caps, GeGLU,
+    sandwich norms and embedding scale.  llama.cpp's converter stores Gemma's
+    norm weights as ``1 + w`` already and writes no ``query_pre_attn_scalar``:
+    llama.cpp scales the scores by ``head_dim ** -0.5`` (by
+    ``(hidden / heads) ** -0.5`` for the 27B models: :data:`GEMMA_27B_LAYERS`),
+    and so does fdx."""
     ns, names, rc = arch.gguf_name, arch.gguf_weights, arch.recipe
     out: dict[str, Any] = {}
     if names is not None and names.rope_short and names.rope_short in g.tensors:
@@ -341,18 +344,27 @@ def _gguf_extras(g: Any, arch: Architecture, n_layers: int, hidden: int, head_di
         out["rope_scaling"] = LongRopeScaling("longrope", short, long,
                                               float(g.get(f"{ns}.rope.scaling.attn_factor", 1.0)), int(orig))
     window = g.get(f"{ns}.attention.sliding_window") or None  # 0: none (llama.cpp's Phi-4)
-    if rc.window_pattern and window is not None:  # llama.cpp's Gemma 2: the even layers slide
-        out["layer_windows"] = tuple(int(window) if i % 2 == 0 else 0 for i in range(n_layers))
+    if rc.window_pattern and window is not None:  # llama.cpp's fixed pattern: every n-th layer global
+        out["layer_windows"] = tuple(int(window) if (i + 1) % rc.window_pattern else 0 for i in range(n_layers))
     elif window is not None:
         out["sliding_window"] = int(window)
+    if g.get(f"{ns}.rope.scaling.type") == "linear":
+        out["rope_scaling"] = LinearRopeScaling("linear", float(g.get(f"{ns}.rope.scaling.factor") or 1.0))
+    if rc.local_rope:  # llama.cpp's Gemma 3: the sliding layers' base is fixed at 10000, unscaled
+        out["rope_local_theta"] = 10_000.0
     if rc.norm == "rms_1p":
         n_head = int(g.get(f"{ns}.attention.head_count"))
         out.update(mlp_act="gelu_tanh" if rc.mlp == "geglu" else "silu", sandwich_norms=rc.sandwich_norms,
                    embed_scale=math.sqrt(hidden) if rc.embed_scale else None,
-                   attn_scale=(hidden / n_head) ** -0.5 if n_layers == 46 else None,
+                   attn_scale=(hidden / n_head) ** -0.5 if n_layers == GEMMA_27B_LAYERS.get(ns) else None,
                    attn_softcap=_opt_float(g.get(f"{ns}.attn_logit_softcapping")),
                    final_softcap=_opt_float(g.get(f"{ns}.final_logit_softcapping")))
     return out
+
+
+#: llama.cpp scales a Gemma's scores by ``(hidden / heads) ** -0.5`` for its 27B
+#: models (which it tells by their layer count), by ``head_dim ** -0.5`` otherwise
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def _check_recipe(where: str, arch: Architecture) -> None:

@@ -304,11 +304,19 @@ GEMMA2 = Architecture(
     gguf_qk_permuted=False,
     description="Gemma 2 (GeGLU, (1 + w) sandwich norms, soft-capping, alternating sliding-window layers)",
 )
+#: llama.cpp's Gemma 3 text: Gemma 2's names with the q/k norms (all stored as ``1 + w``); a
+#: linear rope scaling (its global layers'), no attention cap
+GEMMA3_GGUF_KEYS: dict[str, FieldRule] = {
+    **{k: v for k, v in GEMMA2_GGUF_KEYS.items() if k != "attn_logit_softcapping"},
+    "rope.scaling.type": read(equals("none", "linear")), "rope.scaling.factor": read(_positive_or_none),
+}
 GEMMA3 = Architecture(
     name="gemma3", hf_names=("Gemma3ForCausalLM",),
     recipe=attrs.evolve(GEMMA_RECIPE, qk_norm=True, local_rope=True, window_pattern=6),
     hf_weights=attrs.evolve(HF_GEMMA_WEIGHTS, q_norm=HF_LLAMA_WEIGHTS.q_norm, k_norm=HF_LLAMA_WEIGHTS.k_norm),
-    hf_fields=GEMMA3_FIELDS,
+    hf_fields=GEMMA3_FIELDS, gguf_name="gemma3",
+    gguf_weights=attrs.evolve(GGUF_GEMMA2_WEIGHTS, q_norm=GGUF_LLAMA_WEIGHTS.q_norm, k_norm=GGUF_LLAMA_WEIGHTS.k_norm),
+    gguf_keys=GEMMA3_GGUF_KEYS, gguf_qk_permuted=False,
     description="Gemma 3 text (Gemma 2's recipe with per-head (1 + w) q/k norm and a local rope base)",
 )
 HF_QWEN3_MOE_WEIGHTS = attrs.evolve(
