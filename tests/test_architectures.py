@@ -24,7 +24,12 @@ and transformers' fp32 greedy tokens and logprobs for 3 token-id prompts x
 * MoE: the experts read from their tensor names; at TP=2 with
   ``--enable-expert-parallel`` the tokens of one rank and each expert's load
   in ``/metrics``; in int8/bfloat16 a prompt's tokens and logprobs are bit-identical alone
-  and among 16 others.
+  and among 16 others;
+* GGUF (written from each folder as llama.cpp's converter does: tests/ggufutil.py):
+  the folder's weights and transformers' goldens at F32 (qwen3, qwen2, mistral,
+  qwen3_moe, mixtral, phi3; Gemma against the folder with llama.cpp's fixed
+  values), F16/BF16/Q8_0/Q4_K read as ``gguf`` dequantizes them, one real
+  ``fdx serve``, and every key or tensor fdx lacks refused, naming it.
 """
 
 from __future__ import annotations
@@ -875,6 +880,19 @@ def test_gguf_gemma_reads_as_llama_cpp_does(gguf_dir: Path, name: str) -> None:
     a = teacher_forced(make_runner(name, "float32", path), s["prompt"], s["tokens"])
     b = teacher_forced(make_runner(name, "float32", same), s["prompt"], s["tokens"])
     np.testing.assert_allclose(log_softmax(a), log_softmax(b), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2", "mistral", "phi3"])
+def test_gguf_on_the_gpu_runner_matches_transformers(gguf_dir: Path, name: str) -> None:
+    """The ``gpu`` runner (on the CPU place, float32) from the F32 GGUF."""
+    from fdx.config import make_config
+    from fdx.model.gpu_runner import GPUModelRunner
+    from fdx.plugins.hardware.cpu import CPUDevice
+
+    runner = GPUModelRunner(make_config(model=str(arch_gguf(gguf_dir, name)), num_kv_blocks=32, block_size=4,
+                                        max_model_len=512, dtype="float32"), CPUDevice())
+    agree, worst = golden_gap(runner, name)
+    assert agree == 1.0 and worst < 1e-3, f"{name}: top-1 {agree:.3f}, logprobs differ by {worst:.2e}"
 
 
 @pytest.mark.parametrize("ftype", ["F16", "BF16", "Q8_0"])
