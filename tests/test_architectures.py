@@ -973,11 +973,13 @@ def test_gguf_key_or_tensor_fdx_lacks_is_refused_naming_it(gguf_dir: Path, name:
     assert "\n" not in msg and path.name in msg and what in msg and why in msg, msg
 
 
-def test_served_float32_from_gguf_gives_the_greedy_tokens(gguf_dir: Path) -> None:
-    """A real ``fdx serve`` over the Qwen3-MoE GGUF (stacked experts)."""
+@pytest.mark.parametrize("tp", [[], ["-tp", "2", "--enable-expert-parallel"]], ids=["tp1", "tp2-ep"])
+def test_served_float32_from_gguf_gives_the_greedy_tokens(gguf_dir: Path, tp: list[str]) -> None:
+    """A real ``fdx serve`` over the Qwen3-MoE GGUF (stacked experts), and at
+    TP=2 with expert parallelism (each rank slicing its half of the stack)."""
     samples = goldens("qwen3_moe")
     with start_server("--model", str(arch_gguf(gguf_dir, "qwen3_moe")), "--dtype", "float32", "--max-model-len", "512",
-                      "--served-model-name", "m", default_args=("--num-kv-blocks", "64")) as (base, _):
+                      "--served-model-name", "m", *tp, default_args=("--num-kv-blocks", "64")) as (base, _):
         for s, (toks, lps) in zip(samples, served_greedy(base, samples)):
             assert toks == s["tokens"]
             np.testing.assert_allclose(lps, s["logprobs"], atol=1e-3)
