@@ -24,7 +24,12 @@ and transformers' fp32 greedy tokens and logprobs for 3 token-id prompts x
 * MoE: the experts read from their tensor names; at TP=2 with
   ``--enable-expert-parallel`` the tokens of one rank and each expert's load
   in ``/metrics``; in int8/bfloat16 a prompt's tokens and logprobs are bit-identical alone
-  and among 16 others.
+  and among 16 others;
+* GGUF (written from each folder as llama.cpp's converter does: tests/ggufutil.py):
+  the folder's weights and transformers' goldens at F32 (qwen3, qwen2, mistral,
+  qwen3_moe, mixtral, phi3; Gemma against the folder with llama.cpp's fixed
+  values), F16/BF16/Q8_0/Q4_K read as ``gguf`` dequantizes them, one real
+  ``fdx serve``, and every key or tensor fdx lacks refused, naming it.
 """
 
 from __future__ import annotations
@@ -400,23 +405,32 @@ def arch_name(request: Any) -> str:
     return request.param
 
 
-def make_runner(name: str, dtype: str) -> Any:
+def make_runner(name: str, dtype: str, model: Path | None = None) -> Any:
+    """The runner of test model ``name`` (or of ``model``: its GGUF)."""
     from fdx.config import make_config
     from fdx.model.runner import PaddleModelRunner
     from fdx.plugins.hardware.cpu import CPUDevice
 
-    return PaddleModelRunner(make_config(model=str(DATA / name), num_kv_blocks=32, block_size=4,
+    return PaddleModelRunner(make_config(model=str(model or DATA / name), num_kv_blocks=32, block_size=4,
                                          max_model_len=512, dtype=dtype), CPUDevice())
 
 
-def test_float32_matches_transformers(arch_name: str) -> None:
-    runner = make_runner(arch_name, "float32")
+def golden_gap(runner: Any, name: str) -> tuple[float, float]:
+    """Teacher-forced on ``name``'s goldens: (top-1 agreement, max |logprob - golden|)."""
+    same = total = 0
     worst = 0.0
-    for s in goldens(arch_name):
+    for s in goldens(name):
         lp = log_softmax(teacher_forced(runner, s["prompt"], s["tokens"]))
-        assert [int(i) for i in lp.argmax(-1)] == s["tokens"], arch_name
+        same += sum(int(i) == t for i, t in zip(lp.argmax(-1), s["tokens"]))
+        total += len(s["tokens"])
         got = lp[np.arange(len(s["tokens"])), s["tokens"]]
         worst = max(worst, float(np.abs(got - np.asarray(s["logprobs"])).max()))
+    return same / total, worst
+
+
+def test_float32_matches_transformers(arch_name: str) -> None:
+    agree, worst = golden_gap(make_runner(arch_name, "float32"), arch_name)
+    assert agree == 1.0, arch_name
     assert worst < 1e-3, f"{arch_name}: logprobs differ by {worst:.2e}"
 
 
@@ -749,3 +763,223 @@ def test_moe_batch_invariance(dtype: str, tp: int) -> None:
         batch = others[:i * 5] + [(p, params())] + others[i * 5:]
         res = llm.generate([b[0] for b in batch], [b[1] for b in batch])
         assert key(res[i * 5]) == alone[i], f"{dtype}: prompt {i} changed among {len(batch) - 1} others"
+
+
+# --------------------------------------------------------------------------
+# GGUF: llama.cpp's architecture names, keys, tensor names and layout
+# --------------------------------------------------------------------------
+
+#: the architectures fdx reads from GGUF (Mistral and Mixtral as llama.cpp writes them: ``llama``)
+GGUF_ARCHS = ("qwen3", "qwen2", "mistral", "qwen3_moe", "mixtral", "phi3")
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory: Any) -> Path:
+    return Path(tmp_path_factory.mktemp("gguf"))
+
+
+def arch_gguf(where: Path, name: str, ftype: str = "F32", arch: str | None = None, **keys: Any) -> Path:
+    """Test model ``name`` as a GGUF written the way llama.cpp's converter does (tests/ggufutil.py)."""
+    from ggufutil import write_gguf
+
+    tag = "-".join([name, ftype, *([arch] if arch else []), *keys])
+    path = where / f"{tag}.gguf"
+    return path if path.exists() else write_gguf(DATA / name, path, ftype, arch, **keys)
+
+
+@pytest.mark.parametrize("name", GGUF_ARCHS)
+def test_gguf_float32_matches_transformers(gguf_dir: Path, name: str) -> None:
+    """From an F32 GGUF: the HF folder's weights (q/k un-permuted for
+    ``llama``, experts unstacked, Phi-3's fused tensors split), and
+    transformers' goldens teacher-forced."""
+    import attrs
+
+    from fdx.model.arch import LongRopeScaling
+    from fdx.model.loader import load_checkpoint
+
+    path = arch_gguf(gguf_dir, name)
+    g, h = load_checkpoint(str(path)), load_checkpoint(str(DATA / name))
+    # GGUF stores the epsilon (and Phi-3's rope factors) as float32; llama.cpp's
+    # converter writes no sliding window for ``llama``
+    expect = attrs.evolve(h.args, rms_eps=g.args.rms_eps, arch="llama" if name == "mistral" else h.args.arch,
+                          sliding_window=h.args.sliding_window if name == "phi3" else None)
+    if isinstance(h.args.rope_scaling, LongRopeScaling):
+        got, want = g.args.rope_scaling, h.args.rope_scaling
+        for f in ("short_factor", "long_factor", "attention_factor"):
+            np.testing.assert_allclose(getattr(got, f), getattr(want, f), rtol=1e-7)
+        expect = attrs.evolve(expect, rope_scaling=got)
+    assert g.args == expect
+    for lg, lh in zip(g.layers(), h.layers()):
+        for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "bq", "bk", "bv", "q_norm", "k_norm",
+                  "router", "e_gate", "e_up", "e_down", "attn_norm", "ffn_norm"):
+            a, b = getattr(lg, f), getattr(lh, f)
+            assert (a is None) == (b is None), f
+            if a is not None:  # Phi-3's q/k: times the attention factor, float32 in the GGUF
+                np.testing.assert_allclose(a, b, rtol=1e-6 if name == "phi3" else 0, err_msg=f)
+    if g.args.num_experts:  # a rank's experts (expert parallelism) sliced from the stacked tensors
+        held = range(2, 4)
+        for lg, lh in zip(g.layers(held), h.layers(held)):
+            for f in ("e_gate", "e_up", "e_down"):
+                np.testing.assert_array_equal(getattr(lg, f), getattr(lh, f), err_msg=f)
+    agree, worst = golden_gap(make_runner(name, "float32", path), name)
+    assert agree == 1.0 and worst < 1e-3, f"{name}: top-1 {agree:.3f}, logprobs differ by {worst:.2e}"
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen2", "mixtral", "qwen3_moe"])
+def test_gguf_float32_file_in_packed_modes_is_the_hf_folder(gguf_dir: Path, name: str, dtype: str) -> None:
+    """An F32 GGUF in int8 / bfloat16 gives the HF folder's logits bit for bit
+    (the same weights, packed alike), so the folder's packed-mode results hold
+    for it (Phi-3 aside: its rope factors are float32 in the GGUF)."""
+    s = goldens(name)[0]
+    a = teacher_forced(make_runner(name, dtype, arch_gguf(gguf_dir, name)), s["prompt"], s["tokens"][:8])
+    b = teacher_forced(make_runner(name, dtype), s["prompt"], s["tokens"][:8])
+    np.testing.assert_array_equal(a, b)
+
+
+def test_gguf_phi3_window_zero_is_no_window(gguf_dir: Path) -> None:
+    """llama.cpp's converter writes ``sliding_window`` 0 for a Phi-3 config without one."""
+    from ggufutil import write_gguf
+    from fdx.model.loader import load_checkpoint
+
+    folder = copy_with_config(gguf_dir, "phi3", sliding_window=None)
+    ck = load_checkpoint(str(write_gguf(folder, gguf_dir / "phi3-nowindow.gguf")))
+    assert ck.args.sliding_window is None and ck.args.rope_scaling is not None
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gguf_gemma_reads_as_llama_cpp_does(gguf_dir: Path, name: str) -> None:
+    """Gemma 2 / 3 from llama.cpp's converter: norm weights (q/k norms too)
+    stored as ``1 + w`` (read as they are: the HF folder's folded weights),
+    the caps, window and Gemma 3's linear global scaling from its keys.
+    llama.cpp fixes what the GGUF does not carry: every 2nd (Gemma 2) / 6th
+    (Gemma 3) layer global, Gemma 3's local rope base 10000, and the score
+    scale ``head_dim ** -0.5`` (its converter writes no
+    ``query_pre_attn_scalar``); so does fdx.  The test models differ there
+    (scalar 48, not head_dim 32; Gemma 3's layer 3 global), so their goldens do
+    not apply: the GGUF serves, logit for logit, the HF folder with
+    ``query_pre_attn_scalar`` = head_dim and the class's default layer pattern."""
+    import attrs
+
+    from fdx.model.loader import load_checkpoint
+
+    path = arch_gguf(gguf_dir, name)
+    same = copy_with_config(gguf_dir, name, query_pre_attn_scalar=32, layer_types=None)
+    g, h = load_checkpoint(str(path)), load_checkpoint(str(same))
+    assert g.args == attrs.evolve(h.args, rms_eps=g.args.rms_eps, attn_scale=None)
+    assert g.args.layer_windows == ((8, 0, 8, 0) if name == "gemma2" else (8, 8, 8, 8))
+    for lg, lh in zip(g.layers(), h.layers()):
+        for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "attn_norm", "ffn_norm", "post_attn_norm",
+                  "post_ffn_norm", "q_norm", "k_norm"):
+            a, b = getattr(lg, f), getattr(lh, f)
+            assert (a is None) == (b is None), f
+            if a is not None:
+                np.testing.assert_array_equal(a, b, err_msg=f)
+    np.testing.assert_array_equal(g.final_norm, h.final_norm)
+    s = goldens(name)[0]
+    a = teacher_forced(make_runner(name, "float32", path), s["prompt"], s["tokens"])
+    b = teacher_forced(make_runner(name, "float32", same), s["prompt"], s["tokens"])
+    np.testing.assert_allclose(log_softmax(a), log_softmax(b), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2", "mistral", "phi3"])
+def test_gguf_on_the_gpu_runner_matches_transformers(gguf_dir: Path, name: str) -> None:
+    """The ``gpu`` runner (on the CPU place, float32) from the F32 GGUF."""
+    from fdx.config import make_config
+    from fdx.model.gpu_runner import GPUModelRunner
+    from fdx.plugins.hardware.cpu import CPUDevice
+
+    runner = GPUModelRunner(make_config(model=str(arch_gguf(gguf_dir, name)), num_kv_blocks=32, block_size=4,
+                                        max_model_len=512, dtype="float32"), CPUDevice())
+    agree, worst = golden_gap(runner, name)
+    assert agree == 1.0 and worst < 1e-3, f"{name}: top-1 {agree:.3f}, logprobs differ by {worst:.2e}"
+
+
+@pytest.mark.parametrize("ftype", ["F16", "BF16", "Q8_0"])
+def test_gguf_formats_read_as_gguf_dequantizes_them(gguf_dir: Path, ftype: str) -> None:
+    """Qwen3 (and Qwen3-MoE's stacked experts) at F16, BF16 and Q8_0: every
+    matrix reads as ``gguf.quants.dequantize`` of what llama.cpp stores; the
+    goldens' top-1 agreement stays >= 97%.  (Q4_K: the ``gguf`` package has no
+    quantizer to write one; fdx reads it through ``dequantize``.)"""
+    import gguf
+    from gguf.constants import GGMLQuantizationType as Q
+    from safetensors.numpy import load_file
+
+    from fdx.model.loader import load_checkpoint
+
+    def rounded(w: np.ndarray) -> np.ndarray:
+        return gguf.quants.dequantize(gguf.quants.quantize(w, Q[ftype]), Q[ftype]).reshape(w.shape)
+
+    for name, hf, field in (("qwen3", "model.layers.1.self_attn.q_proj.weight", "wq"),
+                            ("qwen3_moe", "model.layers.1.mlp.experts.{e}.down_proj.weight", "e_down")):
+        ck = load_checkpoint(str(arch_gguf(gguf_dir, name, ftype)))
+        w = load_file(str(DATA / name / "model.safetensors"))
+        want = (np.stack([w[hf.format(e=e)] for e in range(8)]) if "{e}" in hf else w[hf])
+        np.testing.assert_array_equal(getattr(list(ck.layers())[1], field), rounded(want))
+        np.testing.assert_array_equal(ck.embed, rounded(w["model.embed_tokens.weight"]))
+    agree, worst = golden_gap(make_runner("qwen3", "float32", arch_gguf(gguf_dir, "qwen3", ftype)), "qwen3")
+    assert agree >= 0.97, f"{ftype}: top-1 {agree:.3f} (logprobs up to {worst:.2e} apart)"
+
+
+def test_gguf_q4_k_reads_as_gguf_dequantizes_it(tmp_path: Path) -> None:
+    """Q4_K: the ``gguf`` package dequantizes it but has no quantizer, so the
+    test writes Q4_K blocks directly (256 weights in 144 bytes: f16 scale and
+    min, 12 bytes of 6-bit sub-block scales/mins, 128 bytes of nibbles) and
+    checks fdx reads them as ``gguf.quants.dequantize`` does."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType as Q
+
+    from ggufutil import write_gguf
+    from fdx.model.loader import load_checkpoint
+
+    rng = np.random.default_rng(0)
+    rows, blocks = 128, 1  # blk.1.ffn_down: [hidden 128, ffn 256]
+    b = rng.integers(0, 256, size=(rows, blocks, 144), dtype=np.uint8)
+    b[:, :, 0:2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)  # d
+    b[:, :, 2:4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)  # dmin
+    raw = b.reshape(rows, -1)
+    path = write_gguf(DATA / "qwen3", tmp_path / "q4k.gguf", raw={"blk.1.ffn_down.weight": (raw, Q.Q4_K)})
+    ck = load_checkpoint(str(path))
+    want = gguf.quants.dequantize(raw, Q.Q4_K).reshape(rows, 256)
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+    np.testing.assert_array_equal(list(ck.layers())[1].w_down, want)
+
+
+GGUF_REFUSALS = [
+    ("qwen3", None, {"attention.sliding_window": 8}, "metadata key 'qwen3.attention.sliding_window'", "not implemented"),
+    ("qwen2", None, {"rope.scaling.type": "yarn"}, "metadata key 'qwen2.rope.scaling.type'", "'none'"),
+    ("qwen3_moe", None, {"expert_shared_count": 1}, "metadata key 'qwen3moe.expert_shared_count'", "not implemented"),
+    ("mixtral", None, {"expert_gating_func": 2}, "metadata key 'llama.expert_gating_func'", "not implemented"),
+    # a Qwen3 file labelled qwen2: its q/k norm tensors are not silently dropped
+    ("qwen3", "qwen2", {}, "tensor 'blk.0.attn_k_norm.weight'", "not part of fdx's qwen2"),
+    # a Qwen3-MoE file labelled qwen3 (dense): refused by its expert count
+    ("qwen3_moe", "qwen3", {}, "architecture 'qwen3 (experts)'", "supported:"),
+    ("phi3", None, {"rope.scaling.type": "yarn"}, "metadata key 'phi3.rope.scaling.type'", "'none'"),
+    ("gemma2", None, {"attention.sliding_window_pattern": 3}, "metadata key 'gemma2.attention.sliding_window_pattern'",
+     "not implemented"),
+    ("gemma3", None, {"attn_logit_softcapping": 50.0}, "metadata key 'gemma3.attn_logit_softcapping'", "not implemented"),
+]
+
+
+@pytest.mark.parametrize("name,arch,keys,what,why", GGUF_REFUSALS, ids=[f"{r[0]}-{r[1]}-{r[3]}" for r in GGUF_REFUSALS])
+def test_gguf_key_or_tensor_fdx_lacks_is_refused_naming_it(gguf_dir: Path, name: str, arch: str | None,
+                                                          keys: dict[str, Any], what: str, why: str) -> None:
+    from fdx.model.loader import load_checkpoint
+
+    path = arch_gguf(gguf_dir, name, "F32", arch, **keys)
+    with pytest.raises(ModelLoadError) as ei:
+        load_checkpoint(str(path))
+    msg = str(ei.value)
+    assert "\n" not in msg and path.name in msg and what in msg and why in msg, msg
+
+
+@pytest.mark.parametrize("tp", [[], ["-tp", "2", "--enable-expert-parallel"]], ids=["tp1", "tp2-ep"])
+def test_served_float32_from_gguf_gives_the_greedy_tokens(gguf_dir: Path, tp: list[str]) -> None:
+    """A real ``fdx serve`` over the Qwen3-MoE GGUF (stacked experts), and at
+    TP=2 with expert parallelism (each rank slicing its half of the stack)."""
+    samples = goldens("qwen3_moe")
+    with start_server("--model", str(arch_gguf(gguf_dir, "qwen3_moe")), "--dtype", "float32", "--max-model-len", "512",
+                      "--served-model-name", "m", *tp, default_args=("--num-kv-blocks", "64")) as (base, _):
+        for s, (toks, lps) in zip(samples, served_greedy(base, samples)):
+            assert toks == s["tokens"]
+            np.testing.assert_allclose(lps, s["logprobs"], atol=1e-3)

@@ -252,12 +252,17 @@ class WeightNames:
     wqkv: str = ""
     w_gate_up: str = ""
     #: mixture of experts: the router (``[num_experts, hidden]``) and each
-    #: expert's SwiGLU (``{e}``: the expert's index); a MoE layer has these
-    #: instead of ``w_gate``/``w_up``/``w_down``
+    #: expert's SwiGLU (``{e}``: the expert's index; a name without ``{e}``:
+    #: one stacked ``[num_experts, out, in]`` tensor, as llama.cpp writes them);
+    #: a MoE layer has these instead of ``w_gate``/``w_up``/``w_down``
     router: str = ""
     expert_gate: str = ""
     expert_up: str = ""
     expert_down: str = ""
+    #: LongRoPE's factors as tensors (llama.cpp's Phi-3: ``rope_factors_long`` /
+    #: ``rope_factors_short``, ``head_dim / 2`` each; model-wide, not per layer)
+    rope_long: str = ""
+    rope_short: str = ""
 
     def layer(self, i: int) -> dict[str, str]:
         """Every field's name in layer ``i`` (per-expert names keep ``{e}``)."""
@@ -395,7 +400,9 @@ class Architecture:
 
     ``hf_fields``: every HF config field it understands beyond
     :data:`HARMLESS_HF_FIELDS`.  ``gguf_keys``: the keys of its GGUF
-    namespace (``{gguf_name}.KEY``) it understands.  ``gguf_weights`` is
+    namespace (``{gguf_name}.KEY``) it understands.  A mixture of experts
+    claims ``gguf_name`` for files with experts (``expert_count`` > 0) only,
+    so Mixtral and Llama can share llama.cpp's ``llama``.  ``gguf_weights`` is
     ``None`` when fdx reads only its HF folders.  ``gguf_qk_permuted``:
     llama.cpp's converter stores q/k rows in interleaved-pair order (the
     loader un-permutes them).

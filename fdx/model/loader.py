@@ -129,12 +129,14 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def find_architecture(where: str, hf_names: list[str] | None = None, gguf_name: str | None = None,
-                      model_type: str | None = None) -> Architecture:
+                      model_type: str | None = None, gguf_experts: bool = False) -> Architecture:
     """The registered architecture claiming ``hf_names[0]`` (HF) or
-    ``gguf_name`` (GGUF); an HF config without ``architectures`` falls back
-    to the architecture named ``model_type``.  Unknown: a
-    :class:`ModelLoadError` listing the choices.  Two plugins claiming one
-    name: a :class:`PluginError` naming both."""
+    ``gguf_name`` (GGUF; ``gguf_experts``: the file has experts, so the
+    claim of a mixture-of-experts architecture, as llama.cpp writes Mixtral
+    as ``llama``); an HF config without ``architectures`` falls back to the
+    architecture named ``model_type``.  Unknown: a :class:`ModelLoadError`
+    listing the choices.  Two plugins claiming one name: a
+    :class:`PluginError` naming both."""
     from fdx.core.plugins import get_plugins
 
     reg = get_plugins().registry("architecture")
@@ -144,13 +146,15 @@ def find_architecture(where: str, hf_names: list[str] | None = None, gguf_name: 
         entry = reg.get(name)
         arch = entry.factory()
         by_name[arch.name] = arch
-        keys = list(arch.hf_names) if hf_names is not None else ([arch.gguf_name] if arch.gguf_name else [])
+        keys = list(arch.hf_names) if hf_names is not None else ([gguf_claim(arch.gguf_name, arch.recipe.mlp == "moe")]
+                                                                 if arch.gguf_name else [])
         for k in keys:
             if k in claims and claims[k][1] != entry.source.describe():
                 raise PluginError(f"architecture name {k!r} is claimed twice: by {claims[k][1]} "
                                   f"and by {entry.source.describe()}")
             claims[k] = (arch, entry.source.describe())
-    want = (hf_names[0] if hf_names else None) if hf_names is not None else gguf_name
+    want = (hf_names[0] if hf_names else None) if hf_names is not None else \
+        (gguf_claim(gguf_name, gguf_experts) if gguf_name is not None else None)
     if want in claims:
         return claims[want][0]
     if hf_names is not None and not hf_names and model_type in by_name:
@@ -158,6 +162,12 @@ def find_architecture(where: str, hf_names: list[str] | None = None, gguf_name: 
     choices = ", ".join(sorted(claims)) or "(none installed)"
     got = want if want is not None else model_type
     raise ModelLoadError(f"{where}: unsupported architecture {got!r} (supported: {choices})")
+
+
+def gguf_claim(gguf_name: str, experts: bool) -> str:
+    """The name a GGUF architecture is claimed under: ``general.architecture``,
+    with `` (experts)`` for a mixture of experts (llama.cpp names Mixtral ``llama``)."""
+    return f"{gguf_name} (experts)" if experts else gguf_name
 
 
 def _refuse(where: str, what: str, key: str, value: Any, reason: str) -> ModelLoadError:
@@ -179,7 +189,7 @@ def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm:
     if sandwich:
         per += ["post_attn_norm", "post_ffn_norm"]
     req = {names.embed, names.final_norm}
-    optional = {names.lm_head}
+    optional = {names.lm_head} | {t for t in (names.rope_long, names.rope_short) if t}
     for i in range(n_layers):
         n = names.layer(i)
         req |= {n[f] for f in per}
@@ -204,7 +214,8 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
 
     g = GGUFFile(src.path)
     gname = g.get("general.architecture")
-    arch = find_architecture(src.path, gguf_name=gname)
+    n_experts = int(g.get(f"{gname}.expert_count", 0) or 0)
+    arch = find_architecture(src.path, gguf_name=gname, gguf_experts=n_experts > 0)
     names = arch.gguf_weights
     if names is None or arch.gguf_name is None:
         raise ModelLoadError(f"{src.path}: fdx reads architecture {gname!r} from HF folders only")
@@ -230,11 +241,20 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
     if names.embed not in g.tensors:
         raise ModelLoadError(f"{src.path}: missing tensor {names.embed!r}")
     vocab = int(g.tensors[names.embed].shape[0])
+    moe: dict[str, Any] = {}
+    if n_experts:  # llama.cpp renormalises the top-k weights of both Mixtral (llama) and Qwen3-MoE
+        k = int(meta("expert_used_count"))
+        if not 1 <= k <= n_experts:
+            raise ModelLoadError(f"{src.path}: unsupported metadata key '{ns}.expert_used_count' = {k}: "
+                                 f"must be between 1 and the number of experts ({n_experts})")
+        moe = dict(num_experts=n_experts, num_experts_per_tok=k, norm_topk_prob=True,
+                   moe_intermediate_size=int(g.get(f"{ns}.expert_feed_forward_length") or meta("feed_forward_length")))
     args = ModelArgs(
         arch=arch.name,
+        **_gguf_extras(g, arch, n_layers, hidden, head_dim),
         num_layers=n_layers,
         hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
+        intermediate_size=moe["moe_intermediate_size"] if moe else int(meta("feed_forward_length")),
         num_heads=n_head,
         num_kv_heads=n_kv,
         head_dim=head_dim,
@@ -245,6 +265,7 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
         tie_embeddings=names.lm_head not in g.tensors,
         attention_bias=arch.recipe.qkv_bias,
         qk_norm=arch.recipe.qk_norm,
+        **moe,
     )
     _check_recipe(src.path, arch)
     _check_tensors(src.path, g.tensors, names, args)
@@ -258,7 +279,7 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
         return _unpermute(w, heads) if permuted else w
 
     def quant(name: str, n_head: int | None = None) -> tuple[np.ndarray, int] | None:
-        if g.type_name(name) not in QUANT_KERNEL_TYPES:
+        if not name or name not in g.tensors or g.type_name(name) not in QUANT_KERNEL_TYPES:
             return None
         rows, qt = raw_rows(g, name)
         return (unperm(rows, n_head) if n_head else rows), qt
@@ -266,30 +287,26 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
     def opt(name: str) -> np.ndarray | None:
         return g.load(name) if name and name in g.tensors else None
 
-    def layers() -> Iterator[LayerWeights]:
+    def layers(experts: range | None = None) -> Iterator[LayerWeights]:
         for i in range(n_layers):
             n = names.layer(i)
-            raw = {
-                "wq": quant(n["wq"], n_head), "wk": quant(n["wk"], n_kv), "wv": quant(n["wv"]),
-                "wo": quant(n["wo"]), "w_gate": quant(n["w_gate"]), "w_up": quant(n["w_up"]),
-                "w_down": quant(n["w_down"]),
-            }
+            raw = {"wq": quant(n["wq"], n_head), "wk": quant(n["wk"], n_kv), "wv": quant(n["wv"]), "wo": quant(n["wo"]),
+                   **({f: quant(n[f]) for f in ("w_gate", "w_up", "w_down")} if not args.num_experts else {})}
+            p = _projections(src.path, n, names, args, g.load, experts)
+            p["wq"], p["wk"] = unperm(p["wq"], n_head), unperm(p["wk"], n_kv)
             yield LayerWeights(
                 raw={k: v for k, v in raw.items() if v is not None},
                 attn_norm=g.load(n["attn_norm"]),
-                wq=unperm(g.load(n["wq"]), n_head),
-                wk=unperm(g.load(n["wk"]), n_kv),
-                wv=g.load(n["wv"]),
                 wo=g.load(n["wo"]),
                 ffn_norm=g.load(n["ffn_norm"]),
-                w_gate=g.load(n["w_gate"]),
-                w_up=g.load(n["w_up"]),
-                w_down=g.load(n["w_down"]),
+                **p,
                 bq=(lambda b: None if b is None else unperm(b, n_head))(opt(n["bq"])),
                 bk=(lambda b: None if b is None else unperm(b, n_kv))(opt(n["bk"])),
                 bv=opt(n["bv"]),
                 q_norm=opt(n["q_norm"]) if args.qk_norm else None,
                 k_norm=opt(n["k_norm"]) if args.qk_norm else None,
+                post_attn_norm=opt(n["post_attn_norm"]) if args.sandwich_norms else None,
+                post_ffn_norm=opt(n["post_ffn_norm"]) if args.sandwich_norms else None,
             )
 
     return Checkpoint(
@@ -301,6 +318,53 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
         layers=layers,
         lm_head_raw=quant(names.embed if args.tie_embeddings else names.lm_head),
     )
+
+
+def _gguf_extras(g: Any, arch: Architecture, n_layers: int, hidden: int, head_dim: int) -> dict[str, Any]:
+    """The :class:`ModelArgs` fields beyond Llama's a GGUF carries, as
+    llama.cpp reads them: LongRoPE from the ``rope_factors_*`` tensors and
+    ``rope.scaling.attn_factor`` / ``original_context_length`` (Phi-3); the
+    sliding window (``attention.sliding_window``: every layer's, or, for Gemma,
+    that of all but every ``window_pattern``-th layer: llama.cpp fixes Gemma 2's
+    at 2 and Gemma 3's at 6); a linear rope scaling (Gemma 3's global layers;
+    its sliding layers' base llama.cpp fixes at 10000); Gemma's caps, GeGLU,
+    sandwich norms and embedding scale.  llama.cpp's converter stores Gemma's
+    norm weights as ``1 + w`` already and writes no ``query_pre_attn_scalar``:
+    llama.cpp scales the scores by ``head_dim ** -0.5`` (by
+    ``(hidden / heads) ** -0.5`` for the 27B models: :data:`GEMMA_27B_LAYERS`),
+    and so does fdx."""
+    ns, names, rc = arch.gguf_name, arch.gguf_weights, arch.recipe
+    out: dict[str, Any] = {}
+    if names is not None and names.rope_short and names.rope_short in g.tensors:
+        orig = g.get(f"{ns}.rope.scaling.original_context_length")
+        if orig is None:
+            raise ModelLoadError(f"{g.path}: tensor {names.rope_short!r} needs metadata key "
+                                 f"'{ns}.rope.scaling.original_context_length'")
+        short, long = (tuple(float(x) for x in g.load(t).reshape(-1)) for t in (names.rope_short, names.rope_long))
+        out["rope_scaling"] = LongRopeScaling("longrope", short, long,
+                                              float(g.get(f"{ns}.rope.scaling.attn_factor", 1.0)), int(orig))
+    window = g.get(f"{ns}.attention.sliding_window") or None  # 0: none (llama.cpp's Phi-4)
+    if rc.window_pattern and window is not None:  # llama.cpp's fixed pattern: every n-th layer global
+        out["layer_windows"] = tuple(int(window) if (i + 1) % rc.window_pattern else 0 for i in range(n_layers))
+    elif window is not None:
+        out["sliding_window"] = int(window)
+    if g.get(f"{ns}.rope.scaling.type") == "linear":
+        out["rope_scaling"] = LinearRopeScaling("linear", float(g.get(f"{ns}.rope.scaling.factor") or 1.0))
+    if rc.local_rope:  # llama.cpp's Gemma 3: the sliding layers' base is fixed at 10000, unscaled
+        out["rope_local_theta"] = 10_000.0
+    if rc.norm == "rms_1p":
+        n_head = int(g.get(f"{ns}.attention.head_count"))
+        out.update(mlp_act="gelu_tanh" if rc.mlp == "geglu" else "silu", sandwich_norms=rc.sandwich_norms,
+                   embed_scale=math.sqrt(hidden) if rc.embed_scale else None,
+                   attn_scale=(hidden / n_head) ** -0.5 if n_layers == GEMMA_27B_LAYERS.get(ns) else None,
+                   attn_softcap=_opt_float(g.get(f"{ns}.attn_logit_softcapping")),
+                   final_softcap=_opt_float(g.get(f"{ns}.final_logit_softcapping")))
+    return out
+
+
+#: llama.cpp scales a Gemma's scores by ``(hidden / heads) ** -0.5`` for its 27B
+#: models (which it tells by their layer count), by ``head_dim ** -0.5`` otherwise
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def _check_recipe(where: str, arch: Architecture) -> None:
@@ -472,6 +536,52 @@ def _stack(where: str, parts: list[np.ndarray], name: str) -> np.ndarray:
     return np.stack(parts)
 
 
+def _qk_scale(where: str, args: ModelArgs) -> float:
+    """LongRoPE's attention factor (1.0 without it), folded into the q/k rows."""
+    qk_scale = args.rope_scaling.attention_factor if isinstance(args.rope_scaling, LongRopeScaling) else 1.0
+    if qk_scale != 1.0 and (args.qk_norm or args.attention_bias):  # the fold would be wrong
+        raise ModelLoadError(f"{where}: longrope's attention factor with q/k norm or biases is not implemented")
+    return qk_scale
+
+
+def _projections(where: str, n: dict[str, str], names: WeightNames, args: ModelArgs, get: Any,
+                 experts: range | None) -> dict[str, np.ndarray | None]:
+    """Layer ``n``'s q/k/v and MLP matrices as :class:`LayerWeights` fields,
+    read with ``get(name)``: fused q|k|v and gate|up split (Phi-3), LongRoPE's
+    attention factor folded into q and k, a mixture of experts' router and
+    experts ``[E, out, in]`` (only ``experts``, when given) from one tensor
+    per expert (HF) or one stacked tensor per matrix (llama.cpp: a name
+    without ``{e}``)."""
+    if names.wqkv:
+        wq, wk, wv = _split_rows(where, n["wqkv"], get(n["wqkv"]), (args.q_size, args.kv_size, args.kv_size))
+    else:
+        wq, wk, wv = get(n["wq"]), get(n["wk"]), get(n["wv"])
+    qk_scale = _qk_scale(where, args)
+    if qk_scale != 1.0:  # cos/sin x attention factor == q and k x it (RoPE is linear)
+        wq, wk = wq * np.float32(qk_scale), wk * np.float32(qk_scale)
+    out: dict[str, np.ndarray | None] = dict(wq=wq, wk=wk, wv=wv, w_gate=None, w_up=None, w_down=None)
+    if args.num_experts:
+        out["router"] = get(n["router"])
+        held = experts if experts is not None else range(args.num_experts)
+        for f in ("expert_gate", "expert_up", "expert_down"):
+            if "{e}" in n[f]:
+                out["e_" + f[7:]] = _stack(where, [get(n[f].format(e=e)) for e in held], n[f].format(e="*"))
+                continue
+            w = get(n[f])
+            if w.ndim != 3 or w.shape[0] != args.num_experts:
+                raise ModelLoadError(f"{where}: tensor {n[f]!r} has shape {list(w.shape)}, "
+                                     f"expected [{args.num_experts}, out, in] (one matrix per expert)")
+            out["e_" + f[7:]] = np.ascontiguousarray(w[list(held)])
+        return out
+    if names.w_gate_up:
+        ff = args.intermediate_size
+        out["w_gate"], out["w_up"] = _split_rows(where, n["w_gate_up"], get(n["w_gate_up"]), (ff, ff))
+    else:
+        out["w_gate"], out["w_up"] = get(n["w_gate"]), get(n["w_up"])
+    out["w_down"] = get(n["w_down"])
+    return out
+
+
 #: HF tensors that carry no weights fdx needs (recomputed buffers saved by old transformers)
 HF_IGNORED_TENSORS = (".rotary_emb.inv_freq",)
 
@@ -521,46 +631,17 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
         w = get(name)
         return w if one is None else w + one
 
-    qk_scale = args.rope_scaling.attention_factor if isinstance(args.rope_scaling, LongRopeScaling) else 1.0
-    if qk_scale != 1.0 and (args.qk_norm or args.attention_bias):  # the fold below would be wrong
-        raise ModelLoadError(f"{cfg_path}: longrope's attention factor with q/k norm or biases is not implemented")
+    _qk_scale(cfg_path, args)
 
     def layers(experts: range | None = None) -> Iterator[LayerWeights]:
         for i in range(args.num_layers):
             n = names.layer(i)
-            if names.wqkv:
-                wq, wk, wv = _split_rows(src.path, n["wqkv"], get(n["wqkv"]), (args.q_size, args.kv_size, args.kv_size))
-            else:
-                wq, wk, wv = get(n["wq"]), get(n["wk"]), get(n["wv"])
-            if qk_scale != 1.0:  # cos/sin x attention factor == q and k x it (RoPE is linear)
-                wq, wk = wq * np.float32(qk_scale), wk * np.float32(qk_scale)
-            moe: dict[str, np.ndarray] = {}
-            w_down = None
-            if args.num_experts:
-                w_gate = w_up = None
-                moe["router"] = get(n["router"])
-                for f in ("expert_gate", "expert_up", "expert_down"):
-                    held = experts if experts is not None else range(args.num_experts)
-                    moe["e_" + f[7:]] = _stack(src.path, [get(n[f].format(e=e)) for e in held],
-                                               n[f].format(e="*"))
-            elif names.w_gate_up:
-                ff = args.intermediate_size
-                w_gate, w_up = _split_rows(src.path, n["w_gate_up"], get(n["w_gate_up"]), (ff, ff))
-            else:
-                w_gate, w_up = get(n["w_gate"]), get(n["w_up"])
-            if not args.num_experts:
-                w_down = get(n["w_down"])
+            p = _projections(src.path, n, names, args, get, experts)
             yield LayerWeights(
                 attn_norm=norm(n["attn_norm"]),
-                wq=wq,
-                wk=wk,
-                wv=wv,
                 wo=get(n["wo"]),
                 ffn_norm=norm(n["ffn_norm"]),
-                w_gate=w_gate,
-                w_up=w_up,
-                w_down=w_down,
-                **moe,
+                **p,
                 bq=get(n["bq"], optional=True) if n["bq"] else None,
                 bk=get(n["bk"], optional=True) if n["bk"] else None,
                 bv=get(n["bv"], optional=True) if n["bv"] else None,

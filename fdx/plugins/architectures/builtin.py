@@ -218,10 +218,27 @@ LLAMA_GGUF_KEYS: dict[str, FieldRule] = {
     "block_count": _g, "context_length": _g, "embedding_length": _g, "feed_forward_length": _g,
     "attention.head_count": _g, "attention.head_count_kv": _g, "attention.layer_norm_rms_epsilon": _g,
     "attention.key_length": _g, "rope.freq_base": _g, "rope.dimension_count": _g, "vocab_size": harmless(),
-    "attention.value_length": read(lambda v, f: None if v == f.get("llama.attention.key_length", v) else
-                                   "a value length other than the key length is not implemented"),
+    "attention.value_length": read(lambda v, f: None if v == next(
+        (x for k, x in f.items() if k.endswith(".attention.key_length")), v) else
+        "a value length other than the key length is not implemented"),
     "rope.scaling.type": read(equals("none")), "expert_count": read(equals(0)), "expert_used_count": read(equals(0)),
 }
+
+#: Qwen2 / Qwen3 (llama.cpp's ``qwen2`` / ``qwen3``): Llama's keys; no ``rope.dimension_count``
+#: or ``vocab_size`` is written by llama.cpp's converter, but either is accepted
+QWEN_GGUF_KEYS = LLAMA_GGUF_KEYS
+#: a mixture of experts (llama.cpp's ``llama`` with experts: Mixtral; ``qwen3moe``):
+#: the expert count, top-k, and the experts' width (Qwen3-MoE's ``moe_intermediate_size``)
+MOE_GGUF_KEYS: dict[str, FieldRule] = {
+    **LLAMA_GGUF_KEYS, "expert_count": read(_positive_int), "expert_used_count": read(_positive_int),
+    "expert_feed_forward_length": read(_positive_int),
+}
+#: llama.cpp's stacked experts (one ``[E, out, in]`` tensor per matrix) and its router
+GGUF_MOE_WEIGHTS = attrs.evolve(
+    GGUF_LLAMA_WEIGHTS, w_gate="", w_up="", w_down="", router="blk.{i}.ffn_gate_inp.weight",
+    expert_gate="blk.{i}.ffn_gate_exps.weight", expert_up="blk.{i}.ffn_up_exps.weight",
+    expert_down="blk.{i}.ffn_down_exps.weight",
+)
 
 LLAMA = Architecture(
     name="llama", hf_names=("LlamaForCausalLM",), recipe=LayerRecipe(), hf_weights=HF_LLAMA_WEIGHTS,
@@ -231,10 +248,12 @@ LLAMA = Architecture(
 QWEN2 = Architecture(
     name="qwen2", hf_names=("Qwen2ForCausalLM",), recipe=LayerRecipe(qkv_bias=True),
     hf_weights=HF_LLAMA_WEIGHTS, hf_fields=QWEN_FIELDS, description="Qwen2 / Qwen2.5 (q/k/v biases)",
+    gguf_name="qwen2", gguf_weights=GGUF_LLAMA_WEIGHTS, gguf_keys=QWEN_GGUF_KEYS, gguf_qk_permuted=False,
 )
 QWEN3 = Architecture(
     name="qwen3", hf_names=("Qwen3ForCausalLM",), recipe=LayerRecipe(qk_norm=True),
     hf_weights=HF_LLAMA_WEIGHTS, hf_fields=QWEN_FIELDS, description="Qwen3 dense (per-head q/k RMSNorm)",
+    gguf_name="qwen3", gguf_weights=GGUF_LLAMA_WEIGHTS, gguf_keys=QWEN_GGUF_KEYS, gguf_qk_permuted=False,
 )
 MISTRAL = Architecture(
     name="mistral", hf_names=("MistralForCausalLM",), recipe=LayerRecipe(),
@@ -245,9 +264,22 @@ HF_PHI3_WEIGHTS = attrs.evolve(
     HF_LLAMA_WEIGHTS, wq="", wk="", wv="", w_gate="", w_up="", bq="", bk="", bv="", q_norm="", k_norm="",
     wqkv="model.layers.{i}.self_attn.qkv_proj.weight", w_gate_up="model.layers.{i}.mlp.gate_up_proj.weight",
 )
+#: llama.cpp's Phi-3: fused ``attn_qkv`` and ``ffn_up`` (gate rows then up), LongRoPE's
+#: factors as tensors and its attention factor / original context as keys
+GGUF_PHI3_WEIGHTS = attrs.evolve(
+    GGUF_LLAMA_WEIGHTS, wq="", wk="", wv="", w_gate="", w_up="", bq="", bk="", bv="", q_norm="", k_norm="",
+    wqkv="blk.{i}.attn_qkv.weight", w_gate_up="blk.{i}.ffn_up.weight",
+    rope_long="rope_factors_long.weight", rope_short="rope_factors_short.weight",
+)
+PHI3_GGUF_KEYS: dict[str, FieldRule] = {
+    **LLAMA_GGUF_KEYS, "rope.scaling.attn_factor": _g, "rope.scaling.original_context_length": _g,
+    # llama.cpp's converter writes 0 for "no window" (Phi-4)
+    "attention.sliding_window": read(lambda v, f: None if v == 0 else _positive_window(v, f)),
+}
 PHI3 = Architecture(
     name="phi3", hf_names=("Phi3ForCausalLM",), recipe=LayerRecipe(), hf_weights=HF_PHI3_WEIGHTS,
-    hf_fields=PHI3_FIELDS,
+    hf_fields=PHI3_FIELDS, gguf_name="phi3", gguf_weights=GGUF_PHI3_WEIGHTS, gguf_keys=PHI3_GGUF_KEYS,
+    gguf_qk_permuted=False,
     description="Phi-3 / Phi-3.5 (fused qkv and gate_up; longrope within original_max_position_embeddings)",
 )
 HF_GEMMA_WEIGHTS = attrs.evolve(
@@ -257,16 +289,34 @@ HF_GEMMA_WEIGHTS = attrs.evolve(
     post_ffn_norm="model.layers.{i}.post_feedforward_layernorm.weight",
 )
 GEMMA_RECIPE = LayerRecipe(norm="rms_1p", mlp="geglu", sandwich_norms=True, embed_scale=True, window_pattern=2)
+#: llama.cpp's Gemma 2 (norm weights stored as ``1 + w`` by its converter; no ``output``: tied)
+GGUF_GEMMA2_WEIGHTS = attrs.evolve(
+    GGUF_LLAMA_WEIGHTS, bq="", bk="", bv="", q_norm="", k_norm="",
+    post_attn_norm="blk.{i}.post_attention_norm.weight", post_ffn_norm="blk.{i}.post_ffw_norm.weight",
+)
+GEMMA2_GGUF_KEYS: dict[str, FieldRule] = {
+    **LLAMA_GGUF_KEYS, "attn_logit_softcapping": read(_positive_or_none),
+    "final_logit_softcapping": read(_positive_or_none), "attention.sliding_window": read(_positive_window),
+}
 GEMMA2 = Architecture(
     name="gemma2", hf_names=("Gemma2ForCausalLM",), recipe=GEMMA_RECIPE, hf_weights=HF_GEMMA_WEIGHTS,
-    hf_fields=GEMMA2_FIELDS,
+    hf_fields=GEMMA2_FIELDS, gguf_name="gemma2", gguf_weights=GGUF_GEMMA2_WEIGHTS, gguf_keys=GEMMA2_GGUF_KEYS,
+    gguf_qk_permuted=False,
     description="Gemma 2 (GeGLU, (1 + w) sandwich norms, soft-capping, alternating sliding-window layers)",
 )
+#: llama.cpp's Gemma 3 text: Gemma 2's names with the q/k norms (all stored as ``1 + w``); a
+#: linear rope scaling (its global layers'), no attention cap
+GEMMA3_GGUF_KEYS: dict[str, FieldRule] = {
+    **{k: v for k, v in GEMMA2_GGUF_KEYS.items() if k != "attn_logit_softcapping"},
+    "rope.scaling.type": read(equals("none", "linear")), "rope.scaling.factor": read(_positive_or_none),
+}
 GEMMA3 = Architecture(
     name="gemma3", hf_names=("Gemma3ForCausalLM",),
     recipe=attrs.evolve(GEMMA_RECIPE, qk_norm=True, local_rope=True, window_pattern=6),
     hf_weights=attrs.evolve(HF_GEMMA_WEIGHTS, q_norm=HF_LLAMA_WEIGHTS.q_norm, k_norm=HF_LLAMA_WEIGHTS.k_norm),
-    hf_fields=GEMMA3_FIELDS,
+    hf_fields=GEMMA3_FIELDS, gguf_name="gemma3",
+    gguf_weights=attrs.evolve(GGUF_GEMMA2_WEIGHTS, q_norm=GGUF_LLAMA_WEIGHTS.q_norm, k_norm=GGUF_LLAMA_WEIGHTS.k_norm),
+    gguf_keys=GEMMA3_GGUF_KEYS, gguf_qk_permuted=False,
     description="Gemma 3 text (Gemma 2's recipe with per-head (1 + w) q/k norm and a local rope base)",
 )
 HF_QWEN3_MOE_WEIGHTS = attrs.evolve(
@@ -278,6 +328,7 @@ HF_QWEN3_MOE_WEIGHTS = attrs.evolve(
 QWEN3_MOE = Architecture(
     name="qwen3_moe", hf_names=("Qwen3MoeForCausalLM",), recipe=LayerRecipe(qk_norm=True, mlp="moe"),
     hf_weights=HF_QWEN3_MOE_WEIGHTS, hf_fields=QWEN3_MOE_FIELDS,
+    gguf_name="qwen3moe", gguf_weights=GGUF_MOE_WEIGHTS, gguf_keys=MOE_GGUF_KEYS, gguf_qk_permuted=False,
     description="Qwen3-MoE (q/k norm; softmax top-k routing, norm_topk_prob)",
 )
 HF_MIXTRAL_WEIGHTS = attrs.evolve(
@@ -290,6 +341,8 @@ HF_MIXTRAL_WEIGHTS = attrs.evolve(
 MIXTRAL = Architecture(
     name="mixtral", hf_names=("MixtralForCausalLM",), recipe=LayerRecipe(mlp="moe", moe_renormalize=True),
     hf_weights=HF_MIXTRAL_WEIGHTS, hf_fields=MIXTRAL_FIELDS,
+    # llama.cpp's converter writes Mixtral as ``llama`` with experts (q/k rows permuted, as Llama's)
+    gguf_name="llama", gguf_weights=GGUF_MOE_WEIGHTS, gguf_keys=MOE_GGUF_KEYS,
     description="Mixtral (softmax over the top-k experts' logits; a sliding window no shorter than the context)",
 )
 BUILTIN = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, QWEN3_MOE, MIXTRAL)
