@@ -60,6 +60,10 @@ def models() -> dict[str, tuple[type, type, dict]]:
         # Mistral: a sliding window no shorter than the context (the case fdx serves)
         "mistral": (t.MistralConfig, t.MistralForCausalLM, dict(sliding_window=512, rope_theta=10000.0,
                                                                 tie_word_embeddings=False)),
+        # Mistral with a sliding window (8) shorter than two of the prompts (19, 37)
+        # and than every greedy continuation: honoured in the attention
+        "mistral_swa": (t.MistralConfig, t.MistralForCausalLM, dict(sliding_window=8, rope_theta=10000.0,
+                                                                    tie_word_embeddings=False)),
         # Phi-3: fused qkv_proj and gate_up_proj; longrope scaling with the
         # context (512) within original_max_position_embeddings, so the short
         # factors apply, and max_position_embeddings 4x that, so the attention

@@ -248,9 +248,9 @@ class LlamaModel:
             lt = rope_table(args, max_pos, local=True)
             self._cos_local = paddle.to_tensor(np.concatenate([lt[:, :half], lt[:, :half]], axis=1))
             self._sin_local = paddle.to_tensor(np.concatenate([-lt[:, half:], lt[:, half:]], axis=1))
-        #: the attention is the pure-Paddle one: the C++ op has no soft-capping,
-        #: sliding window or second rope base
-        self.paddle_attention = bool(args.attn_softcap or any(args.layer_windows) or args.rope_local_theta)
+        #: the attention is the pure-Paddle one: the C++ op has no soft-capping
+        #: or second rope base (its sliding window serves Mistral's and Gemma's layers)
+        self.paddle_attention = bool(args.attn_softcap or args.rope_local_theta)
         self.layers: list[Layer] = []
         self.embed: paddle.Tensor | None = None
         self.final_norm: paddle.Tensor | None = None
@@ -374,7 +374,9 @@ class LlamaModel:
         """The optional parts of layer ``i``: q/k norms, sandwich norms, its window."""
         a = self.args
         t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
-        out: dict[str, Any] = {"window": a.layer_windows[i]} if a.layer_windows else {}
+        # Gemma's per-layer windows, else Mistral's one window (kept only where shorter than the context)
+        w = a.layer_windows[i] if a.layer_windows else a.sliding_window or 0
+        out: dict[str, Any] = {"window": w} if w and (a.layer_windows or w < self.max_pos) else {}
         if a.qk_norm:
             out.update(q_norm=t(lw.q_norm), k_norm=t(lw.k_norm))
         if a.sandwich_norms:
@@ -421,7 +423,7 @@ class LlamaModel:
             meta, tables, rope, scale = step.meta, step.tables, self.rope, self.scale
 
             def attend(qkv: paddle.Tensor, cache: paddle.Tensor, layer: Layer) -> paddle.Tensor:
-                return op(qkv, cache, rope, meta, tables, H, KV, bs, scale)
+                return op(qkv, cache, rope, meta, tables, H, KV, bs, scale, layer.window)
         else:
             attend = self._fallback_attention(step, int(caches[0].shape[3]))
 
@@ -488,7 +490,7 @@ class LlamaModel:
             an, wq, bq, wo, fn, wgu, wd, kinds = self._layer_stack()
             x, residual = self.ops.fdx_decoder_layers(
                 x, self.rope, step.meta, step.tables, an, wq, bq, wo, fn, wgu, wd, list(caches), kinds,
-                a.num_heads, eps, self.scale, comm.handle if comm is not None else 0)
+                a.num_heads, eps, self.scale, comm.handle if comm is not None else 0, [l.window for l in self.layers])
         else:
             for layer, cache in zip(self.layers, caches):
                 h, residual = add_norm(x, residual, layer.attn_norm)
@@ -578,7 +580,7 @@ class LlamaModel:
 
             # per window (0: global): a windowed query sees keys pos - window < j <= pos
             masks = {w: additive(allowed & (j[None, None, :] > qpos[:, :, None] - w) if w else allowed)
-                     for w in {0, *a.layer_windows}}
+                     for w in {0, *(layer.window for layer in self.layers)}}
             if a.rope_local_theta is not None:
                 fb.update(cos_l=paddle.index_select(self._cos_local, paddle.to_tensor(pos)).unsqueeze(1),
                           sin_l=paddle.index_select(self._sin_local, paddle.to_tensor(pos)).unsqueeze(1))

@@ -75,6 +75,8 @@ class PaddleModelRunner(PagedRunnerBase):
 
     #: the C++ ops read int32 block tables
     table_dtype = np.int32
+    #: LlamaModel's attention (the C++ op or the pure-Paddle one) takes each layer's window
+    honours_sliding_window = True
 
     def __init__(self, config: EngineConfig, device: Device, link: RankLink | None = None,
                  on_layer: Callable[[], None] | None = None) -> None:
