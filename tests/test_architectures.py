@@ -770,12 +770,27 @@ def test_moe_batch_invariance(dtype: str, tp: int) -> None:
     change size every step) through ``fdx.LLM`` gives bit-identical tokens
     and logprobs (the chosen token's and the top-2); at TP=2 with expert
     parallelism too (a rank's experts and the all-reduce are row-wise)."""
+    assert_batch_invariant("qwen3_moe", dtype, tp)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("name", ["mistral_swa", "gemma3"])
+def test_sliding_window_batch_invariance(name: str, dtype: str) -> None:
+    """The C++ op's sliding window keeps a row's bits its own: the short-window
+    Mistral and Gemma 3 (its windowed layers with their own rope table) in
+    the packed modes, each prompt alone and among 16 others, bit-identical."""
+    assert_batch_invariant(name, dtype, 1)
+
+
+def assert_batch_invariant(name: str, dtype: str, tp: int) -> None:
+    """Each golden prompt of model ``name`` alone and among 16 others gives the
+    very tokens and logprobs (see test_moe_batch_invariance)."""
     import random
 
     import fdx
     from fdx import SamplingParams
 
-    llm = fdx.LLM(model=str(DATA / "qwen3_moe"), dtype=dtype, num_kv_blocks=128, max_model_len=512,
+    llm = fdx.LLM(model=str(DATA / name), dtype=dtype, num_kv_blocks=128, max_model_len=512,
                   max_num_seqs=32, max_num_batched_tokens=256, tensor_parallel_size=tp, enable_expert_parallel=tp > 1)
     assert llm.engine.runner.compute == dtype
 
@@ -785,7 +800,7 @@ def test_moe_batch_invariance(dtype: str, tp: int) -> None:
     def key(res: Any) -> Any:
         return list(res.token_ids), [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in res.outputs[0].logprobs]
 
-    prompts = [s["prompt"] for s in goldens("qwen3_moe")]
+    prompts = [s["prompt"] for s in goldens(name)]
     alone = [key(llm.generate([p], params())[0]) for p in prompts]
     rng = random.Random(25)
     others = [([rng.randrange(3, 512) for _ in range(rng.randrange(2, 50))],

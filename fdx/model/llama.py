@@ -246,11 +246,12 @@ class LlamaModel:
         self._sin_signed = paddle.to_tensor(np.concatenate([-rt[:, half:], rt[:, half:]], axis=1))
         if args.rope_local_theta is not None:  # the windowed layers' rope base (Gemma 3)
             lt = rope_table(args, max_pos, local=True)
+            self._rope_local = paddle.to_tensor(lt)  # the C++ op's table for the windowed layers
             self._cos_local = paddle.to_tensor(np.concatenate([lt[:, :half], lt[:, :half]], axis=1))
             self._sin_local = paddle.to_tensor(np.concatenate([-lt[:, half:], lt[:, half:]], axis=1))
         #: the attention is the pure-Paddle one: the C++ op has no soft-capping
-        #: or second rope base (its sliding window serves Mistral's and Gemma's layers)
-        self.paddle_attention = bool(args.attn_softcap or args.rope_local_theta)
+        #: (its sliding window and rope table serve Mistral's and Gemma 3's layers)
+        self.paddle_attention = bool(args.attn_softcap)
         self.layers: list[Layer] = []
         self.embed: paddle.Tensor | None = None
         self.final_norm: paddle.Tensor | None = None
@@ -421,9 +422,10 @@ class LlamaModel:
             H, KV = a.num_heads, a.num_kv_heads
             bs = int(caches[0].shape[3])
             meta, tables, rope, scale = step.meta, step.tables, self.rope, self.scale
+            rope_l = self._rope_local if a.rope_local_theta is not None else rope  # Gemma 3's windowed layers
 
             def attend(qkv: paddle.Tensor, cache: paddle.Tensor, layer: Layer) -> paddle.Tensor:
-                return op(qkv, cache, rope, meta, tables, H, KV, bs, scale, layer.window)
+                return op(qkv, cache, rope_l if layer.window else rope, meta, tables, H, KV, bs, scale, layer.window)
         else:
             attend = self._fallback_attention(step, int(caches[0].shape[3]))
 
