@@ -24,9 +24,11 @@ layer unchanged.
 Gemma (``ModelArgs.gemma_fields``) takes the per-layer path too, with a few
 local additions: the embedding scale, a norm on the attention and on the MLP
 output (sandwich norms, the same RMSNorm op), GeGLU in place of SwiGLU
-(Paddle's tanh GELU), and a soft-capped logit.  Soft-capped scores, sliding
-windows and a second rope base are computed by the pure-Paddle attention
-(:attr:`LlamaModel.paddle_attention`); the C++ ops run only Llama's maths.
+(Paddle's tanh GELU), and a soft-capped logit.  Soft-capped scores (Gemma 2)
+are computed by the pure-Paddle attention (:attr:`LlamaModel.paddle_attention`);
+sliding windows (each layer's ``Layer.window``: Gemma's, or Mistral's where
+shorter than the context) and Gemma 3's second rope table are arguments of
+the C++ attention op too.
 
 Attention (RoPE, KV-cache write, paged causal attention) is either the C++
 op ``fdx_paged_attention`` (fdx/csrc/) or an equivalent pure-Paddle fallback.

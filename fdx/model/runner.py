@@ -127,7 +127,7 @@ class PaddleModelRunner(PagedRunnerBase):
             ckpt = self._join_group(ckpt, link, on_layer)
         self.model = LlamaModel(self.kv_args, self.max_model_len, ops, self.compute, comm=self.comm,
                                 vocab_start=self.shard.vocab_start if self.shard else 0, vocab_size=self.vocab_size)
-        if self.model.paddle_attention:  # Gemma's caps, windows, local rope: the pure-Paddle attention
+        if self.model.paddle_attention:  # Gemma 2's soft-caps: the pure-Paddle attention
             self.attention_impl = "paddle"
         with paddle.no_grad():
             self.model.load(ckpt, progress=self.shard is None)
