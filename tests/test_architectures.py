@@ -48,8 +48,8 @@ pytestmark = pytest.mark.slow
 
 DATA = Path(__file__).parent / "data" / "arch"
 ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "mistral_swa", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral")
-#: the dense ones (the gpu runner has no MoE layers yet, nor Mistral's sliding window)
-DENSE_ARCHS = tuple(a for a in ARCHS if a not in ("qwen3_moe", "mixtral", "mistral_swa"))
+#: the dense ones (the gpu runner has no MoE layers yet)
+DENSE_ARCHS = tuple(a for a in ARCHS if a not in ("qwen3_moe", "mixtral"))
 
 
 def goldens(name: str) -> list[dict[str, Any]]:
@@ -194,9 +194,10 @@ def test_unknown_architecture_lists_choices_and_stray_tensor_is_refused(tmp_path
 
 
 def test_sliding_window_shorter_than_the_context(tmp_path: Path) -> None:
-    """The cpu runner attends within the window (the C++ op's window, each
-    layer's), so any --max-model-len serves; the gpu runner, which does not
-    yet, refuses a window shorter than the context."""
+    """Both runners attend within the window (the cpu runner's C++ op and the
+    gpu runner's plain attention take each layer's window), so any
+    --max-model-len serves; a window no shorter than the context is dropped.
+    A runner that does not honour windows refuses one shorter than the context."""
     from fdx.config import make_config
     from fdx.model.gpu_runner import GPUModelRunner
     from fdx.model.runner import PaddleModelRunner
@@ -207,10 +208,18 @@ def test_sliding_window_shorter_than_the_context(tmp_path: Path) -> None:
     assert runner.attention_impl == "native" and [l.window for l in runner.model.layers] == [512, 512]
     runner = PaddleModelRunner(make_config(model=folder, num_kv_blocks=8, max_model_len=512), CPUDevice())
     assert [l.window for l in runner.model.layers] == [0, 0]  # as long as the context: no window at all
+    gpu = GPUModelRunner(make_config(model=folder, num_kv_blocks=8, max_model_len=1024), CPUDevice())
+    assert gpu.model.layer_windows == (512, 512) and gpu.model.plain_attention
+    gpu = GPUModelRunner(make_config(model=folder, num_kv_blocks=8, max_model_len=512), CPUDevice())
+    assert gpu.model.layer_windows == () and not gpu.model.plain_attention
+
+    class NoWindows(PaddleModelRunner):
+        honours_sliding_window = False
+
     with pytest.raises(ModelLoadError) as ei:
-        GPUModelRunner(make_config(model=folder, num_kv_blocks=8, max_model_len=1024), CPUDevice())
+        NoWindows(make_config(model=folder, num_kv_blocks=8, max_model_len=1024), CPUDevice())
     msg = str(ei.value)
-    assert "'sliding_window' = 512" in msg and "--max-model-len" in msg, msg
+    assert "'sliding_window' = 512" in msg and "--max-model-len <= 512" in msg, msg
 
 
 def test_phi3_longrope_beyond_the_original_context_is_refused(tmp_path: Path) -> None:
