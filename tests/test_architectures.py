@@ -611,11 +611,12 @@ def test_served_float32_gives_the_greedy_tokens(arch_name: str) -> None:
             np.testing.assert_allclose(lps, s["logprobs"], atol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral_swa"])
 def test_gemma_at_tp2_gives_the_greedy_tokens(name: str) -> None:
     """Gemma's additions are row-wise or element-wise (the embedding scale
     after the vocab-parallel sum, the sandwich norms after each all-reduce,
-    the final soft-cap per vocab shard), so two ranks give transformers'
+    the final soft-cap per vocab shard) and a sliding window is per head
+    (Gemma's, the short-window Mistral's), so two ranks give transformers'
     tokens too; a prompt served again from the prefix cache as well."""
     samples = goldens(name)[1:]
     with start_server("--model", str(DATA / name), "--dtype", "float32", "--max-model-len", "512", "--served-model-name", "m",
