@@ -121,10 +121,9 @@ def main() -> None:
     if new is None:
         sys.exit("fdx's native ops are not loaded here")
     ref = build_ref(args.ref)
-    old_op = ref.fdx_paged_attention_ref
-    # the new op's sliding window, 0 (none); the old revision's op may have no such argument
-    new_op = (lambda *a: new.fdx_paged_attention(*a, 0)) if "window" in inspect.signature(
-        new.fdx_paged_attention).parameters else new.fdx_paged_attention
+    # the sliding window, 0 (none), to an op that takes one (a revision before it has no such argument)
+    no_window = lambda op: (lambda *a: op(*a, 0)) if "window" in inspect.signature(op).parameters else op  # noqa: E731
+    old_op, new_op = no_window(ref.fdx_paged_attention_ref), no_window(new.fdx_paged_attention)
     print(f"machine: {os.cpu_count()} cores (shared), kernel set: {native.loaded_isa()}, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, old = {args.ref}")
     rng = np.random.default_rng(0)

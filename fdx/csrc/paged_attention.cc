@@ -319,11 +319,16 @@ struct Geometry {
   int window;  // 0, or the sliding window (keys p - window < j <= p)
 };
 
-// The first key a query at position p attends to.
-inline int first_key(const Geometry& ge, int p) { return ge.window > 0 ? std::max(0, p + 1 - ge.window) : 0; }
+// The first key a query at position p attends to (kWindow false: 0, a
+// constant, so the code without a window is the code of before it).
+template <bool kWindow = true>
+inline int first_key(const Geometry& ge, int p) {
+  return kWindow && ge.window > 0 ? std::max(0, p + 1 - ge.window) : 0;
+}
 
 // Attention of the rows (t, kh*G + g) for tokens t in [t0, t1) (all of one
 // sequence) and g < G; q' is read from o and the result written over it.
+template <bool kWindow>
 void attend_item(const Geometry& ge, const float* kc, const float* vc, const int* mt, const int* tb, int64_t t0,
                  int64_t t1, int kh, float* o, Scratch& w) {
   const int H = ge.H, KV = ge.KV, D = ge.D, BS = ge.BS, G = ge.G;
@@ -349,7 +354,7 @@ void attend_item(const Geometry& ge, const float* kc, const float* vc, const int
   // scores: the G heads of a token in tiles of 2 rows (and 1), 12 / rows keys at a time
   for (int kb = 0; kb < nmax; kb += ge.kblock) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int n = mt[2 * t + 1] + 1, lo = first_key(ge, n - 1);
+      const int n = mt[2 * t + 1] + 1, lo = first_key<kWindow>(ge, n - 1);
       if (n <= kb || kb + ge.kblock <= lo) continue;
       const int kbeg = std::max(kb, lo / kKeyAlign * kKeyAlign);  // score tiles start on kKeyAlign
       const int kend = std::min(kb + ge.kblock, n);
@@ -374,7 +379,7 @@ void attend_item(const Geometry& ge, const float* kc, const float* vc, const int
   }
   // softmax weights
   for (int64_t t = t0; t < t1; ++t) {
-    const int n = mt[2 * t + 1] + 1, lo = first_key(ge, n - 1);
+    const int n = mt[2 * t + 1] + 1, lo = first_key<kWindow>(ge, n - 1);
     for (int g = 0; g < G; ++g) softmax(srow(t, g) + lo, n - lo);
   }
   // weighted values, key block by key block (each row's sum runs over j in order)
@@ -383,7 +388,7 @@ void attend_item(const Geometry& ge, const float* kc, const float* vc, const int
   const int last = odd ? D % L : L;
   for (int kb = 0; kb < nmax; kb += ge.kblock) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int n = mt[2 * t + 1] + 1, jb = std::max(kb, first_key(ge, n - 1));
+      const int n = mt[2 * t + 1] + 1, jb = std::max(kb, first_key<kWindow>(ge, n - 1));
       const int kend = std::min(kb + ge.kblock, n);
       if (jb >= kend) continue;
       for (int g0 = 0; g0 < G; g0 += kRows) {
@@ -476,7 +481,11 @@ void fdx::paged_attention(const AttnShape& sh, const float* x, float* kc, const 
       const int64_t r = it / KV;
       const int kh = static_cast<int>(it % KV);
       const int64_t t0 = runs[r];
-      attend_item(ge, kc, vc, mt, bt + (int64_t)mt[2 * t0] * MAXB, t0, runs[r + 1], kh, o, scratch);
+      const int* tb = bt + (int64_t)mt[2 * t0] * MAXB;
+      if (ge.window > 0)
+        attend_item<true>(ge, kc, vc, mt, tb, t0, runs[r + 1], kh, o, scratch);
+      else
+        attend_item<false>(ge, kc, vc, mt, tb, t0, runs[r + 1], kh, o, scratch);
     }
   }
 }
