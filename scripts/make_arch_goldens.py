@@ -43,6 +43,15 @@ COMMON = dict(
 )
 
 
+PHI3 = dict(
+    rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(16)],
+                  "long_factor": [2.0 + 0.5 * i for i in range(16)]},
+    max_position_embeddings=2048, original_max_position_embeddings=512, sliding_window=512,
+    pad_token_id=None, rope_theta=10000.0, tie_word_embeddings=False)
+MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=96, sliding_window=512,
+               rope_theta=1000000.0, tie_word_embeddings=False)
+
+
 def models() -> dict[str, tuple[type, type, dict]]:
     t = transformers
     return {
@@ -60,16 +69,16 @@ def models() -> dict[str, tuple[type, type, dict]]:
         # Mistral: a sliding window no shorter than the context (the case fdx serves)
         "mistral": (t.MistralConfig, t.MistralForCausalLM, dict(sliding_window=512, rope_theta=10000.0,
                                                                 tie_word_embeddings=False)),
+        # Mistral with a sliding window (8) shorter than two of the prompts (19, 37)
+        # and than every greedy continuation: honoured in the attention
+        "mistral_swa": (t.MistralConfig, t.MistralForCausalLM, dict(sliding_window=8, rope_theta=10000.0,
+                                                                    tie_word_embeddings=False)),
         # Phi-3: fused qkv_proj and gate_up_proj; longrope scaling with the
         # context (512) within original_max_position_embeddings, so the short
         # factors apply, and max_position_embeddings 4x that, so the attention
         # factor sqrt(1 + ln 4 / ln 512) scales cos/sin; a sliding window as
         # long as the context
-        "phi3": (t.Phi3Config, t.Phi3ForCausalLM, dict(
-            rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(16)],
-                          "long_factor": [2.0 + 0.5 * i for i in range(16)]},
-            max_position_embeddings=2048, original_max_position_embeddings=512, sliding_window=512,
-            pad_token_id=None, rope_theta=10000.0, tie_word_embeddings=False)),
+        "phi3": (t.Phi3Config, t.Phi3ForCausalLM, PHI3),
         # Gemma 2: 4 layers alternating sliding (window 8, shorter than two of
         # the prompts) and global; both soft-caps small enough to bend the
         # scores and logits; query_pre_attn_scalar != head_dim; GeGLU, the
@@ -96,9 +105,11 @@ def models() -> dict[str, tuple[type, type, dict]]:
             decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0, tie_word_embeddings=False)),
         # Mixtral: 4 experts of intermediate_size, top-2 (softmax over the
         # two selected logits), a sliding window as long as the context
-        "mixtral": (t.MixtralConfig, t.MixtralForCausalLM, dict(
-            num_local_experts=4, num_experts_per_tok=2, intermediate_size=96, sliding_window=512,
-            rope_theta=1000000.0, tie_word_embeddings=False)),
+        "mixtral": (t.MixtralConfig, t.MixtralForCausalLM, MIXTRAL),
+        # Phi-3 and Mixtral as above with a sliding window of 8 (transformers'
+        # mask is Mistral's): a check of the window on their paths
+        "phi3_swa": (t.Phi3Config, t.Phi3ForCausalLM, {**PHI3, "sliding_window": 8}),
+        "mixtral_swa": (t.MixtralConfig, t.MixtralForCausalLM, {**MIXTRAL, "sliding_window": 8}),
     }
 
 

@@ -124,9 +124,12 @@ def probe() -> dict[str, np.ndarray]:
         cache = paddle.zeros([2, NB, KV, BS, D], "float32")
         meta = np.array([(s, p) for s, n in enumerate(lens) for p in range(n)], np.int32)
         qkv = rng.standard_normal((len(meta), W)).astype(np.float32)
-        o = ops.fdx_paged_attention(T(qkv), cache, rope, T(meta), T(tables), H, KV, BS, float(D) ** -0.5)
+        o = ops.fdx_paged_attention(T(qkv), cache, rope, T(meta), T(tables), H, KV, BS, float(D) ** -0.5, 0)
         out[f"attention_D{D}_prefill"] = o.numpy()
         out[f"attention_D{D}_cache"] = cache.numpy()
+        for window in (7, 50):  # sliding windows: shorter than a block of keys, and spanning several
+            o = ops.fdx_paged_attention(T(qkv), cache, rope, T(meta), T(tables), H, KV, BS, float(D) ** -0.5, window)
+            out[f"attention_D{D}_prefill_window{window}"] = o.numpy()
 
     # the fused decoder op, int8 (Q4_1 and Q8_0 layers) and bf16, with a prefill then a decode step
     E, H, KV, D, F, BS, NL = 128, 4, 2, 32, 96, 8, 2
@@ -149,7 +152,7 @@ def probe() -> dict[str, np.ndarray]:
             xo, res = ops.fdx_decoder_layers(
                 T(x), rope, T(np.array(meta, np.int32)), tables, norms[:NL], [T(ls[0].data) for ls in layers],
                 [empty] * NL, [T(ls[1].data) for ls in layers], norms[NL:], [T(ls[2].data) for ls in layers],
-                [T(ls[3].data) for ls in layers], caches, kinds, H, 1e-5, float(D) ** -0.5, 0)
+                [T(ls[3].data) for ls in layers], caches, kinds, H, 1e-5, float(D) ** -0.5, 0, [6, 0])
             out[f"decoder_layers_{mode}_step{step}"] = xo.numpy()
             out[f"decoder_layers_{mode}_step{step}_residual"] = res.numpy()
     return out

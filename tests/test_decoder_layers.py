@@ -84,13 +84,16 @@ def test_malformed_call_is_a_clear_error(llm: Any) -> None:
     tables = paddle.to_tensor(np.array([[0]], dtype=np.int32))
     caches = list(llm.engine.runner.caches)
     op = model.ops.fdx_decoder_layers
+    nw = [0] * len(an)  # no sliding window
     with pytest.raises(Exception, match="one entry per layer"):
-        op(x, model.rope, meta, tables, an[:-1], wq, bq, wo, fn, wgu, wd, caches, kinds, model.args.num_heads, 1e-5, 0.1, 0)
+        op(x, model.rope, meta, tables, an[:-1], wq, bq, wo, fn, wgu, wd, caches, kinds, model.args.num_heads, 1e-5, 0.1, 0, nw)
     bad_tables = paddle.to_tensor(np.array([[10**6]], dtype=np.int32))
     with pytest.raises(Exception, match="block id out of range"):
-        op(x, model.rope, meta, bad_tables, an, wq, bq, wo, fn, wgu, wd, caches, kinds, model.args.num_heads, 1e-5, 0.1, 0)
+        op(x, model.rope, meta, bad_tables, an, wq, bq, wo, fn, wgu, wd, caches, kinds, model.args.num_heads, 1e-5, 0.1, 0, nw)
     with pytest.raises(Exception, match="w_o"):
-        op(x, model.rope, meta, tables, an, wq, bq, wq, fn, wgu, wd, caches, kinds, model.args.num_heads, 1e-5, 0.1, 0)
+        op(x, model.rope, meta, tables, an, wq, bq, wq, fn, wgu, wd, caches, kinds, model.args.num_heads, 1e-5, 0.1, 0, nw)
+    with pytest.raises(Exception, match="one entry per layer"):
+        op(x, model.rope, meta, tables, an, wq, bq, wo, fn, wgu, wd, caches, kinds, model.args.num_heads, 1e-5, 0.1, 0, nw[:-1])
 
 
 def test_reloaded_weights_reach_the_fused_op(llm: Any) -> None:

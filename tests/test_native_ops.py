@@ -503,10 +503,12 @@ def _rot_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def test_paged_attention_matches_numpy(ops: Any) -> None:
+@pytest.mark.parametrize("window", [0, 1, 5, 16])
+def test_paged_attention_matches_numpy(ops: Any, window: int) -> None:
     """Two sequences prefilled in one call (lengths 13 and 21: softmax tails
     for 8 and 16 lanes), then one decode token each; block tables are
-    interleaved, not contiguous."""
+    interleaved, not contiguous.  ``window`` > 0: a sliding window, the
+    query at p attends to the keys p - window < j <= p only (0: all)."""
     import paddle
 
     rng = np.random.default_rng(7)
@@ -532,7 +534,7 @@ def test_paged_attention_matches_numpy(ops: Any) -> None:
         qkv = rng.standard_normal((T, (H + 2 * KV) * D)).astype(np.float32)
         meta = np.array(seq_pos, dtype=np.int32)
         out = ops.fdx_paged_attention(paddle.to_tensor(qkv), cache, paddle.to_tensor(rope), paddle.to_tensor(meta),
-                                      paddle.to_tensor(tables), H, KV, BS, float(D) ** -0.5).numpy()
+                                      paddle.to_tensor(tables), H, KV, BS, float(D) ** -0.5, window).numpy()
         q = qkv[:, : H * D].reshape(T, H, D)
         k = qkv[:, H * D : (H + KV) * D].reshape(T, KV, D)
         v = qkv[:, (H + KV) * D :].reshape(T, KV, D)
@@ -541,7 +543,8 @@ def test_paged_attention_matches_numpy(ops: Any) -> None:
             vs[s].append(v[t])
         for t, (s, p) in enumerate(seq_pos):
             qr = _rot_half(q[t], rope[p, :half], rope[p, half:]).astype(np.float64)
-            K_, V_ = np.stack(ks[s][: p + 1]), np.stack(vs[s][: p + 1])  # [n, KV, D]
+            lo = max(0, p + 1 - window) if window else 0
+            K_, V_ = np.stack(ks[s][lo : p + 1]), np.stack(vs[s][lo : p + 1])  # [n, KV, D]
             for h in range(H):
                 kh = h // (H // KV)
                 sc = K_[:, kh] @ qr[h] * D**-0.5
@@ -555,6 +558,29 @@ def test_paged_attention_matches_numpy(ops: Any) -> None:
     c = cache.numpy()
     p = lens[1]
     np.testing.assert_allclose(c[0, tables[1, p // BS], :, p % BS], ks[1][p], rtol=1e-6, atol=1e-6)
+
+
+def test_paged_attention_window_zero_is_no_window(ops: Any) -> None:
+    """Window 0 and a window as long as the context give the very bits of
+    each other (the same keys, the same operations); a shorter one differs."""
+    import paddle
+
+    rng = np.random.default_rng(3)
+    H, KV, D, BS, n = 4, 2, 36, 5, 41
+    half, W = D // 2, (H + 2 * KV) * D
+    ang = np.arange(n)[:, None] * (1.0 / (10000.0 ** (np.arange(half) * 2.0 / D)))[None, :]
+    rope = paddle.to_tensor(np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32))
+    qkv = paddle.to_tensor(rng.standard_normal((n, W)).astype(np.float32))
+    meta = paddle.to_tensor(np.array([(0, p) for p in range(n)], np.int32))
+    tables = paddle.to_tensor(rng.permutation(9).astype(np.int32)[None, :])
+    outs = {}
+    for window in (0, n, 1000, n - 1):
+        cache = paddle.zeros([2, 9, KV, BS, D], "float32")
+        outs[window] = ops.fdx_paged_attention(qkv, cache, rope, meta, tables, H, KV, BS, float(D) ** -0.5,
+                                               window).numpy()
+    assert outs[0].tobytes() == outs[n].tobytes() == outs[1000].tobytes()
+    assert outs[0][: n - 1].tobytes() == outs[n - 1][: n - 1].tobytes()  # rows within the window: the same keys
+    assert not np.array_equal(outs[0][n - 1], outs[n - 1][n - 1])  # the last row lost key 0
 
 
 @contextlib.contextmanager
@@ -577,9 +603,10 @@ def _omp_threads(n: int) -> Iterator[bool]:
         omp.omp_set_num_threads(old)
 
 
-@pytest.mark.parametrize("H,KV,D,BS,lens", [(9, 3, 64, 16, (300, 130, 37, 5)), (8, 2, 36, 5, (70, 41, 9))])
+@pytest.mark.parametrize("H,KV,D,BS,lens,window", [(9, 3, 64, 16, (300, 130, 37, 5), 0), (8, 2, 36, 5, (70, 41, 9), 0),
+                                                    (8, 2, 36, 5, (70, 41, 9), 29)])
 def test_paged_attention_rows_are_batch_invariant(ops: Any, H: int, KV: int, D: int, BS: int,
-                                                  lens: tuple[int, ...]) -> None:
+                                                  lens: tuple[int, ...], window: int) -> None:
     """A query row's output bits depend only on its own q, its sequence's
     K/V and its position: the same rows computed one token per call (decode,
     T=1), as whole prompts (one prefill of up to 300 tokens), in chunks of
@@ -617,7 +644,7 @@ def test_paged_attention_rows_are_batch_invariant(ops: Any, H: int, KV: int, D: 
             qkv = np.stack([xs[s][p] for s, p in call])
             out = ops.fdx_paged_attention(paddle.to_tensor(qkv), cache, rope,
                                           paddle.to_tensor(np.array(call, np.int32)), tables_t,
-                                          H, KV, BS, scale).numpy()
+                                          H, KV, BS, scale, window).numpy()
             for row, (s, p) in zip(out, call):
                 outs[s][p] = row
         return outs, cache.numpy()
@@ -644,12 +671,13 @@ def test_paged_attention_rows_are_batch_invariant(ops: Any, H: int, KV: int, D: 
         vv = xs[s][:, (H + KV) * D :].reshape(n, KV, D)
         rp = rope.numpy()
         for p in {0, n // 2, n - 1}:
-            K_ = np.stack([_rot_half(kk[j], rp[j, :half], rp[j, half:]) for j in range(p + 1)]).astype(np.float64)
+            lo = max(0, p + 1 - window) if window else 0  # the sliding window's first key
+            K_ = np.stack([_rot_half(kk[j], rp[j, :half], rp[j, half:]) for j in range(lo, p + 1)]).astype(np.float64)
             qr = _rot_half(q[p], rp[p, :half], rp[p, half:]).astype(np.float64)
             for h in range(H):
                 sc = K_[:, h // (H // KV)] @ qr[h] * scale
                 e = np.exp(sc - sc.max())
-                np.testing.assert_allclose(want[s][p, h * D : (h + 1) * D], (e / e.sum()) @ vv[: p + 1, h // (H // KV)],
+                np.testing.assert_allclose(want[s][p, h * D : (h + 1) * D], (e / e.sum()) @ vv[lo : p + 1, h // (H // KV)],
                                            rtol=1e-4, atol=1e-5)
     variants = {"whole prompts": whole, "mixed chunks": mixed}
     results = {name: run(calls) for name, calls in variants.items()}

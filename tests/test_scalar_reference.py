@@ -62,11 +62,13 @@ def test_add_rms_norm_and_swiglu_match_the_reference(ops: Any, ref: Any, H: int)
     _same(ops.fdx_swiglu(g).numpy(), ref.fdx_ref_swiglu(g).numpy(), f"swiglu F={H}")
 
 
+@pytest.mark.parametrize("window", [0, 7, 50])
 @pytest.mark.parametrize("H,KV,D,BS,lens", [(9, 3, 64, 16, (300, 37, 5)), (8, 2, 36, 5, (70, 9)), (4, 4, 20, 3, (17,))])
 def test_paged_attention_matches_the_reference(ops: Any, ref: Any, H: int, KV: int, D: int, BS: int,
-                                               lens: tuple[int, ...]) -> None:
+                                               lens: tuple[int, ...], window: int) -> None:
     """Prefill of every sequence in one call, then a decode token each;
-    head sizes 64 (SmolLM2), 36 and 20 (tails of both lane counts)."""
+    head sizes 64 (SmolLM2), 36 and 20 (tails of both lane counts); no
+    sliding window, and windows of 7 and 50 keys."""
     import paddle
 
     rng = np.random.default_rng(D)
@@ -78,8 +80,8 @@ def test_paged_attention_matches_the_reference(ops: Any, ref: Any, H: int, KV: i
     for meta in ([(s, p) for s, n in enumerate(lens) for p in range(n)], [(s, n) for s, n in enumerate(lens)]):
         qkv = paddle.to_tensor(rng.standard_normal((len(meta), W)).astype(np.float32))
         mt = paddle.to_tensor(np.array(meta, np.int32))
-        got = ops.fdx_paged_attention(qkv, caches[0], rope, mt, tb, H, KV, BS, float(D) ** -0.5)
-        want = ref.fdx_ref_paged_attention(qkv, caches[1], rope, mt, tb, H, KV, BS, float(D) ** -0.5)
+        got = ops.fdx_paged_attention(qkv, caches[0], rope, mt, tb, H, KV, BS, float(D) ** -0.5, window)
+        want = ref.fdx_ref_paged_attention(qkv, caches[1], rope, mt, tb, H, KV, BS, float(D) ** -0.5, window)
         _same(got.numpy(), want.numpy(), f"attention D={D}, {len(meta)} tokens")
         _same(caches[0].numpy(), caches[1].numpy(), f"cache D={D}")
 

@@ -21,6 +21,7 @@
 //   b_qkv      L x [(H + 2 KV) D] float32, or [0] for no bias
 //   caches     L x [2, NB, KV, BS, D]  float32, WRITTEN IN PLACE
 //   kinds      4 L ints: the packed kind of w_qkv, w_o, w_gate_up, w_down per layer
+//   windows    L ints: each layer's sliding window (0: every key), as fdx_paged_attention's
 //   tp_comm    0, or (tensor parallelism) the address of an fdx::TPComm
 //              (fdx/parallel/shm_comm.py): the layers hold one rank's shard and
 //              the partial sums after w_o and w_down are all-reduced in place
@@ -71,13 +72,14 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& x, const paddle:
                                           const Tensors& b_qkv, const Tensors& w_o, const Tensors& ffn_norm,
                                           const Tensors& w_gate_up, const Tensors& w_down, const Tensors& caches,
                                           const std::vector<int>& kinds, int num_heads, float eps, float scale,
-                                          int64_t tp_comm) {
+                                          int64_t tp_comm, const std::vector<int>& windows) {
   PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2, "x must be float32 [T, E]");
   PD_CHECK(meta.dtype() == paddle::DataType::INT32 && tables.dtype() == paddle::DataType::INT32,
            "meta/tables must be int32");
   const size_t L = caches.size();
   PD_CHECK(L > 0 && attn_norm.size() == L && w_qkv.size() == L && b_qkv.size() == L && w_o.size() == L &&
-               ffn_norm.size() == L && w_gate_up.size() == L && w_down.size() == L && kinds.size() == 4 * L,
+               ffn_norm.size() == L && w_gate_up.size() == L && w_down.size() == L && kinds.size() == 4 * L &&
+               windows.size() == L,
            "every per-layer list must have one entry per layer");
   const int64_t T = x.shape()[0], E = x.shape()[1];
   const auto& c0 = caches[0].shape();
@@ -97,6 +99,7 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& x, const paddle:
     check_packed(w_o[l], kinds[4 * l + 1], Q, E, "w_o");
     check_packed(w_gate_up[l], kinds[4 * l + 2], E, F2, "w_gate_up");
     check_packed(w_down[l], kinds[4 * l + 3], F, E, "w_down");
+    PD_CHECK(windows[l] >= 0, "windows must be >= 0 (0: no sliding window)");
   }
   // the step's metadata is the same for every layer: validated once
   fdx::check_attention_meta(sh, meta.data<int>(), tables.data<int>());
@@ -117,6 +120,7 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& x, const paddle:
       for (int64_t t = 0; t < T; ++t)
         for (int64_t i = 0; i < W; ++i) qkv[t * W + i] += b[i];
     }
+    sh.window = windows[l];
     fdx::paged_attention(sh, qkv.data(), const_cast<float*>(caches[l].data<float>()), rope.data<float>(),
                          meta.data<int>(), tables.data<int>(), att.data());
     fdx::qgemm(att.data(), w_o[l].data<uint8_t>(), kinds[4 * l + 1], xb, T, Q, E);
@@ -138,7 +142,7 @@ std::vector<std::vector<int64_t>> DecoderLayersShape(
     const std::vector<std::vector<int64_t>>& w_o, const std::vector<std::vector<int64_t>>& ffn_norm,
     const std::vector<std::vector<int64_t>>& w_gate_up, const std::vector<std::vector<int64_t>>& w_down,
     const std::vector<std::vector<int64_t>>& caches, const std::vector<int>& kinds, int num_heads, float eps,
-    float scale, int64_t tp_comm) {
+    float scale, int64_t tp_comm, const std::vector<int>& windows) {
   return {x, x};
 }
 
@@ -157,7 +161,8 @@ PD_BUILD_OP(fdx_decoder_layers)
              paddle::Vec("w_o"), paddle::Vec("ffn_norm"), paddle::Vec("w_gate_up"), paddle::Vec("w_down"),
              paddle::Vec("caches")})
     .Outputs({"x_out", "residual"})
-    .Attrs({"kinds: std::vector<int>", "num_heads: int", "eps: float", "scale: float", "tp_comm: int64_t"})
+    .Attrs({"kinds: std::vector<int>", "num_heads: int", "eps: float", "scale: float", "tp_comm: int64_t",
+             "windows: std::vector<int>"})
     .SetKernelFn(PD_KERNEL(DecoderLayers))
     .SetInferShapeFn(PD_INFER_SHAPE(DecoderLayersShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(DecoderLayersDtype));

@@ -39,6 +39,7 @@ struct AttnShape {
   int64_t MAXB;  // block-table width
   int64_t P;     // rows of the RoPE table
   float scale;   // softmax scale
+  int window = 0;  // sliding window: keys pos - window < j <= pos (0: every key 0..pos)
 };
 
 // Throws (PD_CHECK) unless every token's sequence, position and block ids are

@@ -8,8 +8,11 @@
 //   meta      [T, 2]              int32     (sequence index, position) per token
 //   tables    [S, MAXB]           int32     block table per sequence
 // Output      [T, H * D]          float32
-// Token t of sequence s at position p attends to keys 0..p of s, which are
-// read ONLY through tables[s] (slot = tables[s][j / BS] * BS + j % BS).
+// Token t of sequence s at position p attends to keys lo..p of s, which are
+// read ONLY through tables[s] (slot = tables[s][j / BS] * BS + j % BS);
+// lo = 0, or with a sliding window w > 0, max(0, p - w + 1): the keys
+// p - w < j <= p (transformers' sliding_window_causal_mask_function).
+// Every key block stays in the cache; the window only narrows the keys read.
 // K/V of every token in the call are written before any attention is read,
 // so chunks of several new tokens per sequence (prefill) work.
 // RoPE is NEOX "rotate_half" style (Hugging Face q/k order).
@@ -17,14 +20,16 @@
 //
 // BATCH INVARIANCE BY CONSTRUCTION.  Query row (token t, head h) of
 // sequence s at position p, with q = rope(q), runs
-//   score[j] = dot(q, k_j) * scale   for j = 0..p: lane i of the 16
+//   score[j] = dot(q, k_j) * scale   for j = lo..p: lane i of the 16
 //              canonical lanes (simd_math.h) adds the products q[d] k_j[d]
 //              (each rounded: mul, then add) for d = i, i + 16, ... in
 //              order; then the lanes are added by one fixed tree
 //              (reduce8/reduce4 below, v::reduce_add's tree);
 //   w[j]     = softmax(score)[j]: exp(score[j] - max), their sum in the 16
-//              lanes and the same tree, then w[j] = e[j] * (1 / sum);
-//   out[d]   = sum over j = 0..p, in order, of w[j] v_j[d] (fma).
+//              lanes (lane i: j = lo + i, lo + i + 16, ...) and the same
+//              tree, then w[j] = e[j] * (1 / sum);
+//   out[d]   = sum over j = lo..p, in order, of w[j] v_j[d] (fma).
+// (window 0: lo = 0, the very operations of an op without a window.)
 // These are the same IEEE operations in the same order whatever T is,
 // whichever rows share the call, wherever the row sits in its tile (the
 // score tiles of 1-2 rows and the weighted-sum tiles of 1-3 rows x 1-4
@@ -311,10 +316,19 @@ struct Geometry {
   int64_t MAXB;
   int kblock;  // keys per L1 block (a multiple of 12)
   float scale;
+  int window;  // 0, or the sliding window (keys p - window < j <= p)
 };
+
+// The first key a query at position p attends to (kWindow false: 0, a
+// constant, so the code without a window is the code of before it).
+template <bool kWindow = true>
+inline int first_key(const Geometry& ge, int p) {
+  return kWindow && ge.window > 0 ? std::max(0, p + 1 - ge.window) : 0;
+}
 
 // Attention of the rows (t, kh*G + g) for tokens t in [t0, t1) (all of one
 // sequence) and g < G; q' is read from o and the result written over it.
+template <bool kWindow>
 void attend_item(const Geometry& ge, const float* kc, const float* vc, const int* mt, const int* tb, int64_t t0,
                  int64_t t1, int kh, float* o, Scratch& w) {
   const int H = ge.H, KV = ge.KV, D = ge.D, BS = ge.BS, G = ge.G;
@@ -340,8 +354,9 @@ void attend_item(const Geometry& ge, const float* kc, const float* vc, const int
   // scores: the G heads of a token in tiles of 2 rows (and 1), 12 / rows keys at a time
   for (int kb = 0; kb < nmax; kb += ge.kblock) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int n = mt[2 * t + 1] + 1;
-      if (n <= kb) continue;
+      const int n = mt[2 * t + 1] + 1, lo = first_key<kWindow>(ge, n - 1);
+      if (n <= kb || kb + ge.kblock <= lo) continue;
+      const int kbeg = std::max(kb, lo / kKeyAlign * kKeyAlign);  // score tiles start on kKeyAlign
       const int kend = std::min(kb + ge.kblock, n);
       for (int g0 = 0; g0 < G; g0 += 2) {
         const int nr = std::min(2, G - g0);
@@ -352,28 +367,30 @@ void attend_item(const Geometry& ge, const float* kc, const float* vc, const int
           out[r] = srow(t, g0 + r);
         }
         switch (nr * 1000 + (D == 64 || D == 128 ? D : 0)) {
-          case 1000: score_keys<1, 0>(q, kc, off, kb, kend, D, ge.scale, out); break;
-          case 1064: score_keys<1, 64>(q, kc, off, kb, kend, D, ge.scale, out); break;
-          case 1128: score_keys<1, 128>(q, kc, off, kb, kend, D, ge.scale, out); break;
-          case 2064: score_keys<2, 64>(q, kc, off, kb, kend, D, ge.scale, out); break;
-          case 2128: score_keys<2, 128>(q, kc, off, kb, kend, D, ge.scale, out); break;
-          default: score_keys<2, 0>(q, kc, off, kb, kend, D, ge.scale, out); break;
+          case 1000: score_keys<1, 0>(q, kc, off, kbeg, kend, D, ge.scale, out); break;
+          case 1064: score_keys<1, 64>(q, kc, off, kbeg, kend, D, ge.scale, out); break;
+          case 1128: score_keys<1, 128>(q, kc, off, kbeg, kend, D, ge.scale, out); break;
+          case 2064: score_keys<2, 64>(q, kc, off, kbeg, kend, D, ge.scale, out); break;
+          case 2128: score_keys<2, 128>(q, kc, off, kbeg, kend, D, ge.scale, out); break;
+          default: score_keys<2, 0>(q, kc, off, kbeg, kend, D, ge.scale, out); break;
         }
       }
     }
   }
   // softmax weights
-  for (int64_t t = t0; t < t1; ++t)
-    for (int g = 0; g < G; ++g) softmax(srow(t, g), mt[2 * t + 1] + 1);
+  for (int64_t t = t0; t < t1; ++t) {
+    const int n = mt[2 * t + 1] + 1, lo = first_key<kWindow>(ge, n - 1);
+    for (int g = 0; g < G; ++g) softmax(srow(t, g) + lo, n - lo);
+  }
   // weighted values, key block by key block (each row's sum runs over j in order)
   const int nvec = static_cast<int>(Dp / L);
   const bool odd = D % L != 0;
   const int last = odd ? D % L : L;
   for (int kb = 0; kb < nmax; kb += ge.kblock) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int n = mt[2 * t + 1] + 1;
-      if (n <= kb) continue;
+      const int n = mt[2 * t + 1] + 1, jb = std::max(kb, first_key<kWindow>(ge, n - 1));
       const int kend = std::min(kb + ge.kblock, n);
+      if (jb >= kend) continue;
       for (int g0 = 0; g0 < G; g0 += kRows) {
         const int nr = std::min(kRows, G - g0);
         const float* p[kRows];
@@ -385,9 +402,9 @@ void attend_item(const Geometry& ge, const float* kc, const float* vc, const int
           for (int r = 0; r < nr; ++r) a[r] = arow(t, g0 + r) + c0 * L;
           const float* vcd = vc + c0 * L;
           switch (nr) {
-            case 1: pv_rows<1>(p, vcd, off, kb, kend, nv, tail, last, a); break;
-            case 2: pv_rows<2>(p, vcd, off, kb, kend, nv, tail, last, a); break;
-            default: pv_rows<3>(p, vcd, off, kb, kend, nv, tail, last, a); break;
+            case 1: pv_rows<1>(p, vcd, off, jb, kend, nv, tail, last, a); break;
+            case 2: pv_rows<2>(p, vcd, off, jb, kend, nv, tail, last, a); break;
+            default: pv_rows<3>(p, vcd, off, jb, kend, nv, tail, last, a); break;
           }
         }
       }
@@ -420,14 +437,15 @@ void fdx::paged_attention(const AttnShape& sh, const float* x, float* kc, const 
   const int H = sh.H, KV = sh.KV, D = sh.D, BS = sh.BS, half = D / 2;
   const int64_t W = (int64_t)(H + 2 * KV) * D;
   float* vc = kc + (size_t)sh.NB * KV * BS * D;
-  const Geometry ge{H, KV, D, BS, H / KV, MAXB, static_cast<int>(std::max<int64_t>(kKeyAlign, 4096 / D / kKeyAlign * kKeyAlign)), sh.scale};
+  const Geometry ge{H, KV, D, BS, H / KV, MAXB, static_cast<int>(std::max<int64_t>(kKeyAlign, 4096 / D / kKeyAlign * kKeyAlign)), sh.scale,
+                      sh.window};
 
   // work items: runs of <= kRun consecutive tokens of one sequence, times kv heads
   std::vector<int64_t> runs;  // start of each run, then T
   int64_t work = 0;           // (row, key) pairs, to decide on threads
   for (int64_t t = 0; t < T; ++t) {
     if (t == 0 || mt[2 * t] != mt[2 * (t - 1)] || t - runs.back() >= kRun) runs.push_back(t);
-    work += mt[2 * t + 1] + 1;
+    work += mt[2 * t + 1] + 1 - first_key(ge, mt[2 * t + 1]);
   }
   runs.push_back(T);
   const int64_t nruns = (int64_t)runs.size() - 1, items = nruns * KV;
@@ -463,7 +481,11 @@ void fdx::paged_attention(const AttnShape& sh, const float* x, float* kc, const 
       const int64_t r = it / KV;
       const int kh = static_cast<int>(it % KV);
       const int64_t t0 = runs[r];
-      attend_item(ge, kc, vc, mt, bt + (int64_t)mt[2 * t0] * MAXB, t0, runs[r + 1], kh, o, scratch);
+      const int* tb = bt + (int64_t)mt[2 * t0] * MAXB;
+      if (ge.window > 0)
+        attend_item<true>(ge, kc, vc, mt, tb, t0, runs[r + 1], kh, o, scratch);
+      else
+        attend_item<false>(ge, kc, vc, mt, tb, t0, runs[r + 1], kh, o, scratch);
     }
   }
 }
@@ -471,14 +493,15 @@ void fdx::paged_attention(const AttnShape& sh, const float* x, float* kc, const 
 std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& kv_cache,
                                            const paddle::Tensor& rope, const paddle::Tensor& meta,
                                            const paddle::Tensor& tables, int num_heads, int num_kv_heads,
-                                           int block_size, float scale) {
+                                           int block_size, float scale, int window) {
   PD_CHECK(qkv.dtype() == paddle::DataType::FLOAT32, "qkv must be float32");
   PD_CHECK(kv_cache.dtype() == paddle::DataType::FLOAT32, "kv_cache must be float32");
   PD_CHECK(meta.dtype() == paddle::DataType::INT32 && tables.dtype() == paddle::DataType::INT32,
            "meta/tables must be int32");
   PD_CHECK(kv_cache.shape().size() == 5, "kv_cache must be [2, NB, KV, BS, D]");
   fdx::AttnShape sh{qkv.shape()[0], num_heads, num_kv_heads, static_cast<int>(kv_cache.shape()[4]), block_size,
-                    kv_cache.shape()[1], tables.shape()[0], tables.shape()[1], rope.shape()[0], scale};
+                    kv_cache.shape()[1], tables.shape()[0], tables.shape()[1], rope.shape()[0], scale, window};
+  PD_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   PD_CHECK(kv_cache.shape()[2] == sh.KV && kv_cache.shape()[3] == sh.BS, "kv_cache geometry mismatch");
   PD_CHECK(qkv.shape()[1] == (int64_t)(sh.H + 2 * sh.KV) * sh.D, "qkv width mismatch");
   PD_CHECK(sh.H % sh.KV == 0, "num_heads must be a multiple of num_kv_heads");
@@ -496,7 +519,7 @@ std::vector<std::vector<int64_t>> PagedAttentionInferShape(const std::vector<int
                                                            const std::vector<int64_t>& rope,
                                                            const std::vector<int64_t>& meta,
                                                            const std::vector<int64_t>& tables, int num_heads,
-                                                           int num_kv_heads, int block_size, float scale) {
+                                                           int num_kv_heads, int block_size, float scale, int window) {
   return {{qkv[0], (int64_t)num_heads * kv_cache[4]}};
 }
 
@@ -509,7 +532,7 @@ std::vector<paddle::DataType> PagedAttentionInferDtype(const paddle::DataType& q
 PD_BUILD_OP(fdx_paged_attention)
     .Inputs({"qkv", "kv_cache", "rope", "meta", "tables"})
     .Outputs({"out"})
-    .Attrs({"num_heads: int", "num_kv_heads: int", "block_size: int", "scale: float"})
+    .Attrs({"num_heads: int", "num_kv_heads: int", "block_size: int", "scale: float", "window: int"})
     .SetKernelFn(PD_KERNEL(PagedAttention))
     .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionInferDtype));

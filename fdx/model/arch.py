@@ -86,8 +86,9 @@ class ModelArgs:
     are ``[out, in]`` and q/k rows are in HF order (NEOX "rotate_half" RoPE).
     ``qk_norm``: a per-head RMSNorm (weights ``[head_dim]``) on q and k,
     before RoPE (Qwen3).  ``sliding_window``: the attention window the
-    checkpoint declares for every layer (``None``: full attention); fdx
-    serves it only when no sequence can outgrow it (Mistral, Phi-3).
+    checkpoint declares for every layer (``None``: full attention; Mistral,
+    Mixtral, Phi-3): keys at ``pos - window < j <= pos``, as ``layer_windows``,
+    honoured in the attention where shorter than the context.
 
     Gemma's quirks (all off by default: the Llama maths, the fused C++ paths):
 

@@ -132,8 +132,12 @@ class GPULlama:
         if args.rope_local_theta is not None:
             cos, sin = rope_tables(args, max_pos, local=True)
             self.cos_local, self.sin_local = paddle.to_tensor(cos).astype(dtype), paddle.to_tensor(sin).astype(dtype)
+        #: each layer's sliding window (0: global): Gemma's, or Mistral's one
+        #: window where shorter than the context (empty: none)
+        w = args.sliding_window
+        self.layer_windows = args.layer_windows or ((w,) * args.num_layers if w and w < max_pos else ())
         #: soft-capped scores or sliding windows: every sequence in a ``plain`` group
-        self.plain_attention = bool(args.attn_softcap or any(args.layer_windows))
+        self.plain_attention = bool(args.attn_softcap or any(self.layer_windows))
         self.layers: list[GPULayer] = []
         self.embed: Any | None = None
         self.final_norm: Any | None = None
@@ -227,7 +231,7 @@ class GPULlama:
             x = x * paddle.to_tensor(a.embed_scale, dtype="float32").astype(x.dtype)
         mlp = k.swiglu if a.mlp_act == "silu" else geglu
         residual = None
-        windows = a.layer_windows or (0,) * len(self.layers)  # each layer's sliding window (0: global)
+        windows = self.layer_windows or (0,) * len(self.layers)  # each layer's sliding window (0: global)
         for layer, cache, window in zip(self.layers, caches, windows):
             h, residual = k.rms_norm(x, layer.attn_norm, eps, residual)
             qkv = paddle.matmul(h, layer.w_qkv)

@@ -94,6 +94,9 @@ class GPUModelRunner(PagedRunnerBase):
     place Paddle can run (``gpu:N``, ``xpu:N``, a custom device, or ``cpu``).
     What it shares with the ``cpu`` runner is in :class:`PagedRunnerBase`."""
 
+    #: a sliding window shorter than the context: plain attention groups with a window mask
+    honours_sliding_window = True
+
     def __init__(self, config: EngineConfig, device: Device) -> None:
         import paddle
 
@@ -170,7 +173,7 @@ class GPUModelRunner(PagedRunnerBase):
         groups = []
         m = self.model
         for g in plan_groups(self.kernels, layout.q_lens, layout.starts, tables, KV, bs, a.num_heads // KV,
-                             plain_only=m.plain_attention, windows=a.layer_windows):
+                             plain_only=m.plain_attention, windows=m.layer_windows):
             up = {k: (t(v) if isinstance(v, np.ndarray) else v) for k, v in g.items()}
             if up.get("window_masks"):
                 up["window_masks"] = {w: t(v) for w, v in up["window_masks"].items()}

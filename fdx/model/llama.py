@@ -24,9 +24,11 @@ layer unchanged.
 Gemma (``ModelArgs.gemma_fields``) takes the per-layer path too, with a few
 local additions: the embedding scale, a norm on the attention and on the MLP
 output (sandwich norms, the same RMSNorm op), GeGLU in place of SwiGLU
-(Paddle's tanh GELU), and a soft-capped logit.  Soft-capped scores, sliding
-windows and a second rope base are computed by the pure-Paddle attention
-(:attr:`LlamaModel.paddle_attention`); the C++ ops run only Llama's maths.
+(Paddle's tanh GELU), and a soft-capped logit.  Soft-capped scores (Gemma 2)
+are computed by the pure-Paddle attention (:attr:`LlamaModel.paddle_attention`);
+sliding windows (each layer's ``Layer.window``: Gemma's, or Mistral's where
+shorter than the context) and Gemma 3's second rope table are arguments of
+the C++ attention op too.
 
 Attention (RoPE, KV-cache write, paged causal attention) is either the C++
 op ``fdx_paged_attention`` (fdx/csrc/) or an equivalent pure-Paddle fallback.
@@ -246,11 +248,12 @@ class LlamaModel:
         self._sin_signed = paddle.to_tensor(np.concatenate([-rt[:, half:], rt[:, half:]], axis=1))
         if args.rope_local_theta is not None:  # the windowed layers' rope base (Gemma 3)
             lt = rope_table(args, max_pos, local=True)
+            self._rope_local = paddle.to_tensor(lt)  # the C++ op's table for the windowed layers
             self._cos_local = paddle.to_tensor(np.concatenate([lt[:, :half], lt[:, :half]], axis=1))
             self._sin_local = paddle.to_tensor(np.concatenate([-lt[:, half:], lt[:, half:]], axis=1))
-        #: the attention is the pure-Paddle one: the C++ op has no soft-capping,
-        #: sliding window or second rope base
-        self.paddle_attention = bool(args.attn_softcap or any(args.layer_windows) or args.rope_local_theta)
+        #: the attention is the pure-Paddle one: the C++ op has no soft-capping
+        #: (its sliding window and rope table serve Mistral's and Gemma 3's layers)
+        self.paddle_attention = bool(args.attn_softcap)
         self.layers: list[Layer] = []
         self.embed: paddle.Tensor | None = None
         self.final_norm: paddle.Tensor | None = None
@@ -374,7 +377,9 @@ class LlamaModel:
         """The optional parts of layer ``i``: q/k norms, sandwich norms, its window."""
         a = self.args
         t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
-        out: dict[str, Any] = {"window": a.layer_windows[i]} if a.layer_windows else {}
+        # Gemma's per-layer windows, else Mistral's one window (kept only where shorter than the context)
+        w = a.layer_windows[i] if a.layer_windows else a.sliding_window or 0
+        out: dict[str, Any] = {"window": w} if w and (a.layer_windows or w < self.max_pos) else {}
         if a.qk_norm:
             out.update(q_norm=t(lw.q_norm), k_norm=t(lw.k_norm))
         if a.sandwich_norms:
@@ -419,9 +424,10 @@ class LlamaModel:
             H, KV = a.num_heads, a.num_kv_heads
             bs = int(caches[0].shape[3])
             meta, tables, rope, scale = step.meta, step.tables, self.rope, self.scale
+            rope_l = self._rope_local if a.rope_local_theta is not None else rope  # Gemma 3's windowed layers
 
             def attend(qkv: paddle.Tensor, cache: paddle.Tensor, layer: Layer) -> paddle.Tensor:
-                return op(qkv, cache, rope, meta, tables, H, KV, bs, scale)
+                return op(qkv, cache, rope_l if layer.window else rope, meta, tables, H, KV, bs, scale, layer.window)
         else:
             attend = self._fallback_attention(step, int(caches[0].shape[3]))
 
@@ -488,7 +494,7 @@ class LlamaModel:
             an, wq, bq, wo, fn, wgu, wd, kinds = self._layer_stack()
             x, residual = self.ops.fdx_decoder_layers(
                 x, self.rope, step.meta, step.tables, an, wq, bq, wo, fn, wgu, wd, list(caches), kinds,
-                a.num_heads, eps, self.scale, comm.handle if comm is not None else 0)
+                a.num_heads, eps, self.scale, comm.handle if comm is not None else 0, [l.window for l in self.layers])
         else:
             for layer, cache in zip(self.layers, caches):
                 h, residual = add_norm(x, residual, layer.attn_norm)
@@ -578,7 +584,7 @@ class LlamaModel:
 
             # per window (0: global): a windowed query sees keys pos - window < j <= pos
             masks = {w: additive(allowed & (j[None, None, :] > qpos[:, :, None] - w) if w else allowed)
-                     for w in {0, *a.layer_windows}}
+                     for w in {0, *(layer.window for layer in self.layers)}}
             if a.rope_local_theta is not None:
                 fb.update(cos_l=paddle.index_select(self._cos_local, paddle.to_tensor(pos)).unsqueeze(1),
                           sin_l=paddle.index_select(self._sin_local, paddle.to_tensor(pos)).unsqueeze(1))

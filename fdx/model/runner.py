@@ -75,6 +75,8 @@ class PaddleModelRunner(PagedRunnerBase):
 
     #: the C++ ops read int32 block tables
     table_dtype = np.int32
+    #: LlamaModel's attention (the C++ op or the pure-Paddle one) takes each layer's window
+    honours_sliding_window = True
 
     def __init__(self, config: EngineConfig, device: Device, link: RankLink | None = None,
                  on_layer: Callable[[], None] | None = None) -> None:
@@ -125,7 +127,7 @@ class PaddleModelRunner(PagedRunnerBase):
             ckpt = self._join_group(ckpt, link, on_layer)
         self.model = LlamaModel(self.kv_args, self.max_model_len, ops, self.compute, comm=self.comm,
                                 vocab_start=self.shard.vocab_start if self.shard else 0, vocab_size=self.vocab_size)
-        if self.model.paddle_attention:  # Gemma's caps, windows, local rope: the pure-Paddle attention
+        if self.model.paddle_attention:  # Gemma 2's soft-caps: the pure-Paddle attention
             self.attention_impl = "paddle"
         with paddle.no_grad():
             self.model.load(ckpt, progress=self.shard is None)

@@ -94,6 +94,9 @@ class PagedRunnerBase(ModelRunner):
 
     #: dtype of :attr:`StepLayout.tables` (what the subclass's kernels read)
     table_dtype: Any = np.int64
+    #: the model attends within a config's ``sliding_window`` (else a window
+    #: shorter than ``--max-model-len`` is refused)
+    honours_sliding_window = False
 
     config: EngineConfig
     device: Device
@@ -122,7 +125,7 @@ class PagedRunnerBase(ModelRunner):
         self.block_size = config.block_size
         self.max_model_len = int(config.max_model_len or self.args.max_position)
         window = self.args.sliding_window
-        if window is not None and self.max_model_len > window:  # fdx attends to the whole context
+        if window is not None and self.max_model_len > window and not self.honours_sliding_window:
             raise ModelLoadError(
                 f"{ckpt.source.path}: unsupported config field 'sliding_window' = {window}: sliding-window "
                 f"attention is not implemented; serve with --max-model-len <= {window} (now {self.max_model_len})")

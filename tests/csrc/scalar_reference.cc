@@ -9,7 +9,7 @@
 //
 //   fdx_ref_add_rms_norm(x, residual or [0], weight, eps) -> out, residual_out
 //   fdx_ref_swiglu(x [T, 2F]) -> out [T, F]
-//   fdx_ref_paged_attention(qkv, kv_cache, rope, meta, tables, H, KV, BS, scale) -> out
+//   fdx_ref_paged_attention(qkv, kv_cache, rope, meta, tables, H, KV, BS, scale, window) -> out
 //       (kv_cache written in place, as fdx_paged_attention)
 //   fdx_ref_qgemv(x, w, qtype) -> out
 
@@ -100,7 +100,8 @@ std::vector<paddle::Tensor> RefSwiglu(const paddle::Tensor& x) {
 
 std::vector<paddle::Tensor> RefPagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& kv_cache,
                                               const paddle::Tensor& rope, const paddle::Tensor& meta,
-                                              const paddle::Tensor& tables, int H, int KV, int BS, float scale) {
+                                              const paddle::Tensor& tables, int H, int KV, int BS, float scale,
+                                              int window) {
   const int64_t T = qkv.shape()[0], NB = kv_cache.shape()[1], MAXB = tables.shape()[1];
   const int D = static_cast<int>(kv_cache.shape()[4]), half = D / 2, G = H / KV;
   const int64_t W = (int64_t)(H + 2 * KV) * D;
@@ -134,12 +135,13 @@ std::vector<paddle::Tensor> RefPagedAttention(const paddle::Tensor& qkv, const p
   std::vector<float> q(D), w, acc(D);
   for (int64_t t = 0; t < T; ++t) {
     const int s = mt[2 * t], p = mt[2 * t + 1];
+    const int lo = window > 0 ? std::max(0, p + 1 - window) : 0;  // keys p - window < j <= p
     w.resize(p + 1);
     for (int h = 0; h < H; ++h) {
       const int kh = h / G;
       rotate(x + t * W + (int64_t)h * D, q.data(), rp + (int64_t)p * D);
       float mx = -INFINITY;
-      for (int j = 0; j <= p; ++j) {
+      for (int j = lo; j <= p; ++j) {
         const float* k = kc + slot(s, j, kh);
         float lane[16] = {};
         for (int d = 0; d < D; ++d) {
@@ -150,13 +152,13 @@ std::vector<paddle::Tensor> RefPagedAttention(const paddle::Tensor& qkv, const p
         mx = std::max(mx, w[j]);
       }
       float lane[16] = {};
-      for (int j = 0; j <= p; ++j) {
+      for (int j = lo; j <= p; ++j) {
         w[j] = exp_lane(w[j] - mx);
-        lane[j % 16] = lane[j % 16] + w[j];
+        lane[(j - lo) % 16] = lane[(j - lo) % 16] + w[j];
       }
       const float inv = 1.f / tree16(lane);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int j = 0; j <= p; ++j) {
+      for (int j = lo; j <= p; ++j) {
         const float wj = w[j] * inv;
         const float* v = vc + slot(s, j, kh);
         for (int d = 0; d < D; ++d) acc[d] = std::fma(wj, v[d], acc[d]);
@@ -216,7 +218,7 @@ PD_BUILD_OP(fdx_ref_swiglu).Inputs({"x"}).Outputs({"out"}).SetKernelFn(PD_KERNEL
 PD_BUILD_OP(fdx_ref_paged_attention)
     .Inputs({"qkv", "kv_cache", "rope", "meta", "tables"})
     .Outputs({"out"})
-    .Attrs({"num_heads: int", "num_kv_heads: int", "block_size: int", "scale: float"})
+    .Attrs({"num_heads: int", "num_kv_heads: int", "block_size: int", "scale: float", "window: int"})
     .SetKernelFn(PD_KERNEL(RefPagedAttention));
 
 PD_BUILD_OP(fdx_ref_qgemv).Inputs({"x", "w"}).Outputs({"out"}).Attrs({"qtype: int"}).SetKernelFn(PD_KERNEL(RefQGemv));
