@@ -98,6 +98,16 @@ async def _load(base: str, conc: int, requests: int, tokens: int) -> float:
         return time.perf_counter() - t0
 
 
+def ref_plugins(ref: str) -> str:
+    """``FDX_PLUGINS`` for the reference checkout: the ``fdx.plugins`` entry
+    points its pyproject.toml declares, and the echo runner."""
+    import tomllib
+
+    with open(os.path.join(ref, "pyproject.toml"), "rb") as f:
+        names = tomllib.load(f)["project"]["entry-points"]["fdx.plugins"]
+    return ",".join([*names, "echo_runner"])
+
+
 def run_variant(repo: str, extra: tuple[str, ...], env: dict[str, str], a: argparse.Namespace) -> float:
     cwd = os.getcwd()
     os.chdir(repo)  # `python -m fdx` puts the working directory first on sys.path
@@ -112,7 +122,7 @@ def run_variant(repo: str, extra: tuple[str, ...], env: dict[str, str], a: argpa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ref", default="main", help="the revision before tracing (default main)")
+    ap.add_argument("--ref", default="main", help="the revision before tracing (default main; b3834d0^ is the last without it)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--conc", type=int, default=16)
     ap.add_argument("--requests", type=int, default=64)
@@ -124,7 +134,8 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()[0]:.1f} (shared machine: read the ratios)")
     with ref_checkout(a.ref) as ref:
         variants = {
-            "ref": (ref, (), {"PYTHONPATH": f"{ref}{os.pathsep}{plugin_path}"}),
+            # the ref's own built-ins only: this venv's entry points name today's (e.g. deployments)
+            "ref": (ref, (), {"PYTHONPATH": f"{ref}{os.pathsep}{plugin_path}", "FDX_PLUGINS": ref_plugins(ref)}),
             "off": (ROOT, (), {"PYTHONPATH": f"{ROOT}{os.pathsep}{plugin_path}"}),
             "on": (ROOT, ("--otlp-traces-endpoint", sink.url), {"PYTHONPATH": f"{ROOT}{os.pathsep}{plugin_path}"}),
         }
