@@ -18,6 +18,13 @@ figures.
     .venv/bin/python bench/bench_model.py [--decode-steps 64] [--no-peer] [--dtype int8|float32]
     .venv/bin/python bench/bench_model.py --compare-dtypes int8,float32 [--repeats 3]
     .venv/bin/python bench/bench_model.py --compare-dtypes int8,int8:per-layer   # the fused layer op's gain
+    .venv/bin/python bench/bench_model.py --moe [--dtype int8]   # a random Qwen3-MoE: decode, expert vs dense GEMM
+
+``--moe`` runs bench_tp's random Qwen3-MoE (hidden 512, 12 layers, 8
+experts of width 512, top 2): decode tok/s at 1 and 16 sequences, and one
+layer's experts (router, grouping, the experts' GEMMs, the weighted sum)
+in GMAC/s against one dense gate/up + down GEMM pair of the same active
+width (top-k x the expert width) over the same tokens.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ def build_runner(args: argparse.Namespace):  # noqa: ANN201
     from fdx.model.runner import PaddleModelRunner
     from fdx.plugins.hardware.cpu import CPUDevice
 
-    cfg = make_config(num_kv_blocks=args.blocks, max_model_len=4096, max_num_seqs=64, dtype=args.dtype)
+    model = {"model": args.model} if getattr(args, "model", None) else {}
+    cfg = make_config(num_kv_blocks=args.blocks, max_model_len=4096, max_num_seqs=64, dtype=args.dtype, **model)
     r = PaddleModelRunner(cfg, CPUDevice())
     if args.attention == "paddle":
         r.model.ops = None
@@ -247,6 +255,75 @@ def bench_peer(args: argparse.Namespace, gguf: str) -> dict[str, float]:
             proc.kill()
 
 
+def bench_moe(args: argparse.Namespace) -> None:
+    """``--moe``: see the module docstring."""
+    import numpy as np
+    import paddle
+
+    from fdx.model.packed_weights import pack_bf16, pack_float
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_tp import bench_moe_model
+
+    args.model = bench_moe_model()
+    runner = build_runner(args)
+    step(runner, make_requests(runner, prompts_of(2, 16, 9), 4))  # warm-up
+    print(f"random Qwen3-MoE ({args.model}), compute {runner.compute}")
+    for batch in (1, 16):
+        best = 0.0
+        for rep in range(args.repeats):
+            reqs = make_requests(runner, prompts_of(batch, args.prompt_len, batch + rep), args.decode_steps + 2)
+            step(runner, reqs)
+            step(runner, reqs)
+            t = time.perf_counter()
+            for _ in range(args.decode_steps - 2):
+                step(runner, reqs)
+            best = max(best, batch * (args.decode_steps - 2) / (time.perf_counter() - t))
+        print(f"  decode tok/s, {batch:2d} sequences: {best:8.1f}")
+    model = runner.model
+    blk = model.layers[0].moe
+    ops = model.ops
+    packed = runner.compute != "float32"
+    qgemm = ops.fdx_qgemm if packed else None
+    swiglu = ops.fdx_swiglu if ops is not None else paddle.nn.functional.swiglu
+    H, k, E = int(model.args.hidden_size), blk.top_k, blk.num_routed
+    width = (blk.p_gate_up[0].n_out if packed else int(blk.w_gate_up[0].shape[1])) // 2
+    rng = np.random.default_rng(0)
+    pack = pack_bf16 if runner.compute == "bfloat16" else pack_float
+    dense_gu = rng.standard_normal((2 * k * width, H), np.float32) / np.sqrt(H)
+    dense_d = rng.standard_normal((H, k * width), np.float32) / np.sqrt(k * width)
+    if packed:
+        pg, pd = pack(dense_gu), pack(dense_d)
+        pg_t, pd_t = paddle.to_tensor(pg.data), paddle.to_tensor(pd.data)
+        dense = lambda x: qgemm(swiglu(qgemm(x, pg_t, pg.kind, pg.n_out)), pd_t, pd.kind, pd.n_out)  # noqa: E731
+    else:
+        wg, wd = paddle.to_tensor(np.ascontiguousarray(dense_gu.T)), paddle.to_tensor(np.ascontiguousarray(dense_d.T))
+        dense = lambda x: paddle.matmul(swiglu(paddle.matmul(x, wg)), wd)  # noqa: E731
+
+    def timed(fn, x, n=50) -> float:  # noqa: ANN001
+        fn(x)
+        best = 1e9
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(n):
+                fn(x)
+            best = min(best, (time.perf_counter() - t) / n)
+        return best
+
+    saved = blk.routed.copy()
+    print(f"one layer's MLP, {E} experts of width {width}, top {k}, vs one dense MLP of width {k * width}; "
+          "GMAC/s = active multiply-accumulates / time")
+    for T in (1, 16, 128):
+        x = paddle.to_tensor(rng.standard_normal((T, H), np.float32))
+        macs = T * k * 3 * H * width
+        t_moe = timed(lambda h: blk(h, swiglu, qgemm), x)
+        t_dense = timed(dense, x)
+        print(f"  T={T:4d}: experts {macs / t_moe / 1e9:7.2f} GMAC/s ({t_moe * 1e6:8.1f} us)   dense "
+              f"{macs / t_dense / 1e9:7.2f} GMAC/s ({t_dense * 1e6:8.1f} us)   experts / dense "
+              f"{t_dense / t_moe:5.2f}x")
+    blk.routed[:] = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill-len", type=int, default=512)
@@ -260,7 +337,11 @@ def main() -> None:
                     "(alternating; e.g. int8,float32) and print their ratio instead of the peer comparison")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    ap.add_argument("--moe", action="store_true", help="a random Qwen3-MoE instead (see above)")
     args = ap.parse_args()
+    if args.moe:
+        bench_moe(args)
+        return
 
     from fdx.model.source import embedded_gguf_path
 
