@@ -18,6 +18,8 @@ cluster of its own for the TTL path.
   ``abort``) and frees them in whichever engine runs them;
 * pause sent to one node pauses both, each listed in the reply; resume
   from the other node resumes both;
+* a node that joins a paused cluster comes up paused (the cluster's state
+  in Redis), with no further control call; resume from A resumes all;
 * a SIGSTOPped instance loses its leases: its requests finish on the other
   node, each once (the engines' admissions add up to the requests plus the
   re-queued attempts), and after SIGCONT it aborts what it held;
@@ -327,6 +329,35 @@ def test_pause_and_resume_act_on_every_node_and_report_each(cluster: dict[str, A
         assert "dp node ghost~0: no reply within 1s" in msg and "node-a" in msg and "node-b" in msg, msg
     finally:
         cluster["r"].delete(ghost)
+
+
+def test_a_node_that_joins_a_paused_cluster_comes_up_paused(cluster: dict[str, Any]) -> None:
+    (a, _), (b, _) = cluster["a"], cluster["b"]
+    r = _control(a, "pause")
+    assert r.status_code == 200 and r.json()["result"]["is_paused"] is True, r.text
+    url = cluster["redis"].url
+    with start_server(*NODE, "--redis-url", url, "--dp-cluster", CLUSTER, "--dp-instance-name", "node-c") as (c, cp):
+        deadline = time.monotonic() + 30  # its first heartbeats after its replica serves: no control call sent
+        while metric_value(c, "fdx:engine_paused") != 1.0:
+            assert time.monotonic() < deadline, read_log(cp)
+            time.sleep(0.2)
+        got = _control(c, "is_paused").json()["result"]
+        assert got["is_paused"] is True and len(got["nodes"]) == 3 and all(n["is_paused"] for n in got["nodes"]), got
+        assert "node-c" not in str(cluster["r"].zrange(f"fdx:{CLUSTER}:instances", 0, -1))  # it takes no work
+        assert "applied the cluster's control state, revision" in read_log(cp, 200_000), read_log(cp)
+        r = _control(a, "resume")
+        assert r.status_code == 200, r.text
+        res = r.json()["result"]
+        assert res["is_paused"] is False and len(res["nodes"]) == 3, res
+        for base in (a, b, c):
+            assert metric_value(base, "fdx:engine_paused") == 0.0
+        deadline = time.monotonic() + 15
+        while len(cluster["r"].zrange(f"fdx:{CLUSTER}:instances", 0, -1)) < 3:
+            assert time.monotonic() < deadline, "the resumed nodes did not rejoin the load table"
+            time.sleep(0.2)
+        assert _text(c, "After the pause,", 4) == _text(a, "After the pause,", 4)
+    state = json.loads(cluster["r"].get(f"fdx:{CLUSTER}:state"))
+    assert state["paused"] is False and state["rev"] >= 2, state
 
 
 def test_a_stopped_owner_loses_its_leases_and_its_requests_finish_once_on_the_other_node(
