@@ -380,9 +380,9 @@ def state_steps(want: dict[str, Any], paused: bool, sleeping: Iterable[str],
     asleep = set(sleeping)
     weights = want.get("weights") or {}
     if weights.get("path") and str(weights.get("version")) != str(version):
-        if asleep:
+        if asleep:  # wakeup resumes too
             steps.append(("wakeup", {}))
-            asleep = set()
+            asleep, paused = set(), False
         if not paused:
             steps.append(("pause", {}))
             paused = True
