@@ -18,8 +18,9 @@ cluster of its own for the TTL path.
   ``abort``) and frees them in whichever engine runs them;
 * pause sent to one node pauses both, each listed in the reply; resume
   from the other node resumes both;
-* a node that joins a paused cluster comes up paused (the cluster's state
-  in Redis), with no further control call; resume from A resumes all;
+* a node that joins a paused cluster comes up paused and with the weights
+  version of the cluster's last update_weights (the cluster's state in
+  Redis), with no further control call; resume from A resumes all;
 * a SIGSTOPped instance loses its leases: its requests finish on the other
   node, each once (the engines' admissions add up to the requests plus the
   re-queued attempts), and after SIGCONT it aborts what it held;
@@ -48,6 +49,7 @@ import pytest
 from kvservices import RedisServer, have_redis
 from serverutil import children_of, metric_value, read_log, start_server
 
+from fdx.model.source import embedded_gguf_path
 from fdx.plugins.deployments.dp_global_queue import OUTAGE_S
 
 redis = pytest.importorskip("redis")
@@ -58,7 +60,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis,
 CLUSTER = f"t{uuid.uuid4().hex[:6]}"
 TTL_CLUSTER = CLUSTER + "-ttl"
 NODE = ("--scheduler", "dp", "--dp-backend", "redis", "--num-threads", "1", "--max-num-seqs", "4",
-        "--dp-capacity", "6")
+        "--allowed-weights-dir", os.path.dirname(embedded_gguf_path()), "--dp-capacity", "6")
 
 
 def _body(prompt: str, max_tokens: int, **kw: Any) -> dict[str, Any]:
@@ -335,6 +337,9 @@ def test_a_node_that_joins_a_paused_cluster_comes_up_paused(cluster: dict[str, A
     (a, _), (b, _) = cluster["a"], cluster["b"]
     r = _control(a, "pause")
     assert r.status_code == 200 and r.json()["result"]["is_paused"] is True, r.text
+    # the same weights (the greedy text stays), a new version: every node, then the one that joins
+    r = httpx.post(a + "/v1/update_weights", json={"path": embedded_gguf_path(), "version": "cluster-v2"}, timeout=120)
+    assert r.status_code == 200, r.text
     url = cluster["redis"].url
     with start_server(*NODE, "--redis-url", url, "--dp-cluster", CLUSTER, "--dp-instance-name", "node-c") as (c, cp):
         deadline = time.monotonic() + 30  # its first heartbeats after its replica serves: no control call sent
@@ -345,6 +350,7 @@ def test_a_node_that_joins_a_paused_cluster_comes_up_paused(cluster: dict[str, A
         assert got["is_paused"] is True and len(got["nodes"]) == 3 and all(n["is_paused"] for n in got["nodes"]), got
         assert "node-c" not in str(cluster["r"].zrange(f"fdx:{CLUSTER}:instances", 0, -1))  # it takes no work
         assert "applied the cluster's control state, revision" in read_log(cp, 200_000), read_log(cp)
+        assert httpx.get(c + "/version", timeout=10).json()["weights_version"] == "cluster-v2"
         r = _control(a, "resume")
         assert r.status_code == 200, r.text
         res = r.json()["result"]
@@ -357,7 +363,7 @@ def test_a_node_that_joins_a_paused_cluster_comes_up_paused(cluster: dict[str, A
             time.sleep(0.2)
         assert _text(c, "After the pause,", 4) == _text(a, "After the pause,", 4)
     state = json.loads(cluster["r"].get(f"fdx:{CLUSTER}:state"))
-    assert state["paused"] is False and state["rev"] >= 2, state
+    assert state["paused"] is False and state["weights"]["version"] == "cluster-v2" and state["rev"] >= 3, state
 
 
 def test_a_stopped_owner_loses_its_leases_and_its_requests_finish_once_on_the_other_node(
