@@ -349,7 +349,10 @@ def test_a_node_that_joins_a_paused_cluster_comes_up_paused(cluster: dict[str, A
         got = _control(c, "is_paused").json()["result"]
         assert got["is_paused"] is True and len(got["nodes"]) == 3 and all(n["is_paused"] for n in got["nodes"]), got
         assert "node-c" not in str(cluster["r"].zrange(f"fdx:{CLUSTER}:instances", 0, -1))  # it takes no work
-        assert "applied the cluster's control state, revision" in read_log(cp, 200_000), read_log(cp)
+        log_c = read_log(cp, 200_000)
+        line = next((x for x in log_c.splitlines() if "applied the cluster's control state" in x), None)
+        assert line is not None, log_c
+        print("\nnode C:", line.split("] ")[-1])
         assert httpx.get(c + "/version", timeout=10).json()["weights_version"] == "cluster-v2"
         r = _control(a, "resume")
         assert r.status_code == 200, r.text
@@ -362,6 +365,24 @@ def test_a_node_that_joins_a_paused_cluster_comes_up_paused(cluster: dict[str, A
             assert time.monotonic() < deadline, "the resumed nodes did not rejoin the load table"
             time.sleep(0.2)
         assert _text(c, "After the pause,", 4) == _text(a, "After the pause,", 4)
+        # a state that cannot be applied (its weights are gone): each node says so in /health and takes no work;
+        # a newer revision that can be applied clears it
+        key = f"fdx:{CLUSTER}:state"
+        good = json.loads(cluster["r"].get(key))
+        cluster["r"].set(key, json.dumps({**good, "weights": {"path": "/no/such/model.gguf", "version": "gone"},
+                                          "rev": good["rev"] + 1}))
+        deadline = time.monotonic() + 30
+        while (h := httpx.get(c + "/health", timeout=10)).status_code == 200:
+            assert time.monotonic() < deadline, h.text
+            time.sleep(0.2)
+        assert "could not apply the cluster's control state (revision" in h.json()["reason"], h.text
+        assert "could not apply the cluster's control state" in read_log(cp, 200_000)
+        cluster["r"].set(key, json.dumps({**good, "rev": good["rev"] + 2}))
+        for base in (a, b, c):
+            deadline = time.monotonic() + 30
+            while (h := httpx.get(base + "/health", timeout=10)).status_code != 200 or h.json()["is_paused"]:
+                assert time.monotonic() < deadline, h.text
+                time.sleep(0.2)
     state = json.loads(cluster["r"].get(f"fdx:{CLUSTER}:state"))
     assert state["paused"] is False and state["weights"]["version"] == "cluster-v2" and state["rev"] >= 3, state
 
