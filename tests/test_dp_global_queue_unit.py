@@ -8,7 +8,7 @@ import pytest
 
 from fdx.core.messages import SamplingParams
 from fdx.deploy.frontend import ControlCallError
-from fdx.plugins.deployments.dp_global_queue import continuable, merge_node_replies
+from fdx.plugins.deployments.dp_global_queue import continuable, merge_node_replies, state_fields, state_steps
 
 
 def test_only_requests_that_sample_as_they_would_have_are_continued() -> None:
@@ -38,3 +38,28 @@ def test_a_failed_node_fails_the_call_naming_it_and_the_nodes_that_succeeded() -
         merge_node_replies("pause", replies)
     assert e.value.code == 504
     assert str(e.value) == "dp node b~2: no reply within 1s; dp node c~3: bad (succeeded on: a~1)"
+
+
+def test_a_node_reaches_the_cluster_state_through_local_control_calls_in_order() -> None:
+    fresh = dict(paused=False, sleeping=(), version="m")
+    assert state_steps({"paused": True, "rev": 1}, **fresh) == [("pause", {})]
+    assert state_steps({"paused": False, "rev": 2}, **fresh) == []
+    assert state_steps({"paused": True, "sleeping": ["kv_cache", "weight"]}, **fresh) == [
+        ("sleep", {"tags": ["kv_cache", "weight"]})]  # sleep pauses by itself
+    assert state_steps({"paused": False, "sleeping": {}, "weights": {"path": "/w", "version": "v2"}}, **fresh) == [
+        ("pause", {}), ("update_weights", {"path": "/w", "version": "v2"}), ("resume", {})]
+    assert state_steps({"paused": True, "weights": {"path": "/w", "version": "v2"}},
+                       paused=True, sleeping=(), version="v2") == []  # already so
+    assert state_steps({"paused": True, "weights": {"path": "/w", "version": "v2"}},
+                       paused=True, sleeping=("weight",), version="m") == [
+        ("wakeup", {}), ("pause", {}), ("update_weights", {"path": "/w", "version": "v2"})]
+    assert state_steps({"paused": False}, paused=True, sleeping=("weight",), version="m") == [("wakeup", {})]
+
+
+def test_state_fields_follow_the_merged_reply() -> None:
+    assert state_fields("pause", {}, {"is_paused": True}) == {"paused": True}
+    assert state_fields("sleep", {"tags": ["weight"]}, {"sleeping": ["weight"]}) == {
+        "paused": True, "sleeping": ["weight"]}
+    assert state_fields("wakeup", {}, {"sleeping": [], "is_paused": False}) == {"paused": False, "sleeping": []}
+    assert state_fields("update_weights", {"path": "/w", "version": "v2"}, {}) == {
+        "weights": {"path": "/w", "version": "v2"}}

@@ -17,7 +17,7 @@ from kvservices import RedisServer, have_redis
 redis = pytest.importorskip("redis")
 
 from fdx.plugins.deployments.dp_global_queue import (  # noqa: E402
-    ABORT, ANY, ENQUEUE, EXPIRE, PICK, PUSH, RECLAIM, RELEASE, RENEW)
+    ABORT, ANY, ENQUEUE, EXPIRE, PICK, PUSH, RECLAIM, RECORD, RELEASE, RENEW)
 
 pytestmark = [pytest.mark.redis,
               pytest.mark.skipif(not have_redis(), reason="redis-server not installed (apt-get install redis-server)")]
@@ -250,3 +250,21 @@ def test_a_lease_survives_a_redis_that_lost_its_data(r: Any) -> None:
     assert h[b"owner"] == b"b" and h[b"origin"] == b"a" and h[b"fence"] == s.leases["k2"][1].encode()
     assert s.reclaim("k2") == [("held", "b")]
     assert s.push("b", "a", ("k2",), b"out") == [] and r.lrange(f"{P}:out:a", 0, -1) == [b"out"]
+
+
+def test_the_cluster_state_merges_fields_and_its_revision_only_grows(r: Any) -> None:
+    import json
+
+    record = r.register_script(RECORD)
+
+    def state() -> dict[str, Any]:
+        return json.loads(r.get(P + ":state"))
+
+    assert record(args=[P, 0, json.dumps({"paused": True})]) == 1
+    assert record(args=[P, 1, json.dumps({"weights": {"path": "/w", "version": "v2"}})]) == 2
+    assert state() == {"paused": True, "weights": {"path": "/w", "version": "v2"}, "rev": 2}
+    assert record(args=[P, 0, json.dumps({"paused": False})]) == 3  # a caller that is behind: still newer
+    assert state()["paused"] is False and state()["weights"]["version"] == "v2"
+    r.flushall()  # Redis lost its data: the next revision is above what the caller had applied
+    assert record(args=[P, 3, json.dumps({"paused": True})]) == 4
+    assert state() == {"paused": True, "rev": 4}

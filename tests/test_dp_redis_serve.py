@@ -18,6 +18,9 @@ cluster of its own for the TTL path.
   ``abort``) and frees them in whichever engine runs them;
 * pause sent to one node pauses both, each listed in the reply; resume
   from the other node resumes both;
+* a node that joins a paused cluster comes up paused and with the weights
+  version of the cluster's last update_weights (the cluster's state in
+  Redis), with no further control call; resume from A resumes all;
 * a SIGSTOPped instance loses its leases: its requests finish on the other
   node, each once (the engines' admissions add up to the requests plus the
   re-queued attempts), and after SIGCONT it aborts what it held;
@@ -46,6 +49,7 @@ import pytest
 from kvservices import RedisServer, have_redis
 from serverutil import children_of, metric_value, read_log, start_server
 
+from fdx.model.source import embedded_gguf_path
 from fdx.plugins.deployments.dp_global_queue import OUTAGE_S
 
 redis = pytest.importorskip("redis")
@@ -56,7 +60,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis,
 CLUSTER = f"t{uuid.uuid4().hex[:6]}"
 TTL_CLUSTER = CLUSTER + "-ttl"
 NODE = ("--scheduler", "dp", "--dp-backend", "redis", "--num-threads", "1", "--max-num-seqs", "4",
-        "--dp-capacity", "6")
+        "--allowed-weights-dir", os.path.dirname(embedded_gguf_path()), "--dp-capacity", "6")
 
 
 def _body(prompt: str, max_tokens: int, **kw: Any) -> dict[str, Any]:
@@ -327,6 +331,60 @@ def test_pause_and_resume_act_on_every_node_and_report_each(cluster: dict[str, A
         assert "dp node ghost~0: no reply within 1s" in msg and "node-a" in msg and "node-b" in msg, msg
     finally:
         cluster["r"].delete(ghost)
+
+
+def test_a_node_that_joins_a_paused_cluster_comes_up_paused(cluster: dict[str, Any]) -> None:
+    (a, _), (b, _) = cluster["a"], cluster["b"]
+    r = _control(a, "pause")
+    assert r.status_code == 200 and r.json()["result"]["is_paused"] is True, r.text
+    # the same weights (the greedy text stays), a new version: every node, then the one that joins
+    r = httpx.post(a + "/v1/update_weights", json={"path": embedded_gguf_path(), "version": "cluster-v2"}, timeout=120)
+    assert r.status_code == 200, r.text
+    url = cluster["redis"].url
+    with start_server(*NODE, "--redis-url", url, "--dp-cluster", CLUSTER, "--dp-instance-name", "node-c") as (c, cp):
+        deadline = time.monotonic() + 30  # its first heartbeats after its replica serves: no control call sent
+        while metric_value(c, "fdx:engine_paused") != 1.0:
+            assert time.monotonic() < deadline, read_log(cp)
+            time.sleep(0.2)
+        got = _control(c, "is_paused").json()["result"]
+        assert got["is_paused"] is True and len(got["nodes"]) == 3 and all(n["is_paused"] for n in got["nodes"]), got
+        assert "node-c" not in str(cluster["r"].zrange(f"fdx:{CLUSTER}:instances", 0, -1))  # it takes no work
+        log_c = read_log(cp, 200_000)
+        line = next((x for x in log_c.splitlines() if "applied the cluster's control state" in x), None)
+        assert line is not None, log_c
+        print("\nnode C:", line.split("] ")[-1])
+        assert httpx.get(c + "/version", timeout=10).json()["weights_version"] == "cluster-v2"
+        r = _control(a, "resume")
+        assert r.status_code == 200, r.text
+        res = r.json()["result"]
+        assert res["is_paused"] is False and len(res["nodes"]) == 3, res
+        for base in (a, b, c):
+            assert metric_value(base, "fdx:engine_paused") == 0.0
+        deadline = time.monotonic() + 15
+        while len(cluster["r"].zrange(f"fdx:{CLUSTER}:instances", 0, -1)) < 3:
+            assert time.monotonic() < deadline, "the resumed nodes did not rejoin the load table"
+            time.sleep(0.2)
+        assert _text(c, "After the pause,", 4) == _text(a, "After the pause,", 4)
+        # a state that cannot be applied (its weights are gone): each node says so in /health and takes no work;
+        # a newer revision that can be applied clears it
+        key = f"fdx:{CLUSTER}:state"
+        good = json.loads(cluster["r"].get(key))
+        cluster["r"].set(key, json.dumps({**good, "weights": {"path": "/no/such/model.gguf", "version": "gone"},
+                                          "rev": good["rev"] + 1}))
+        deadline = time.monotonic() + 30
+        while (h := httpx.get(c + "/health", timeout=10)).status_code == 200:
+            assert time.monotonic() < deadline, h.text
+            time.sleep(0.2)
+        assert "could not apply the cluster's control state (revision" in h.json()["reason"], h.text
+        assert "could not apply the cluster's control state" in read_log(cp, 200_000)
+        cluster["r"].set(key, json.dumps({**good, "rev": good["rev"] + 2}))
+        for base in (a, b, c):
+            deadline = time.monotonic() + 30
+            while (h := httpx.get(base + "/health", timeout=10)).status_code != 200 or h.json()["is_paused"]:
+                assert time.monotonic() < deadline, h.text
+                time.sleep(0.2)
+    state = json.loads(cluster["r"].get(f"fdx:{CLUSTER}:state"))
+    assert state["paused"] is False and state["weights"]["version"] == "cluster-v2" and state["rev"] >= 3, state
 
 
 def test_a_stopped_owner_loses_its_leases_and_its_requests_finish_once_on_the_other_node(

@@ -35,6 +35,10 @@ Invariants:
   else it ends with a 503 error event;
 * control calls (pause, ...) act on every node, through the nodes' ``ctl``
   lists, each answering on the call's reply list within the call's timeout;
+  one that changes state and succeeds everywhere is recorded as the
+  cluster's desired state (``P:state``, with a revision: :data:`RECORD`); a
+  node that starts, restarts or missed the call applies the newest revision
+  before it takes work (:meth:`GlobalQueueClient._sync_state`);
 * a request nobody picks up within ``--dp-request-ttl`` seconds ends with
   a 503 saying so (the origin's timer; the pick script also drops expired
   entries), so nothing stays queued forever;
@@ -329,6 +333,72 @@ return false
 """
 
 
+#: ARGV: prefix, the caller's newest known revision, the changed fields
+#: (JSON).  Merges them into the cluster's desired state ``P:state`` and
+#: gives it a new revision, greater than both the stored one and the
+#: caller's (a Redis that lost its data does not restart the count below
+#: what the nodes applied).  Returns the new revision.
+RECORD = """
+local k = ARGV[1] .. ':state'
+local cur = redis.call('GET', k)
+local s = {}
+if cur then s = cjson.decode(cur) end
+for f, v in pairs(cjson.decode(ARGV[3])) do s[f] = v end
+s['rev'] = math.max(tonumber(s['rev'] or 0), tonumber(ARGV[2])) + 1
+redis.call('SET', k, cjson.encode(s))
+return s['rev']
+"""
+
+#: the control calls that change a node's state, recorded in ``P:state``
+STATEFUL = frozenset({"pause", "resume", "sleep", "wakeup", "update_weights"})
+#: how long applying the cluster's state may take, each control call
+STATE_CALL_S = 300.0
+
+
+def state_fields(method: str, args: dict[str, Any], merged: Any) -> dict[str, Any]:
+    """The fields of the cluster's desired state that a successful control
+    call changed (from its merged reply: sleep pauses, wakeup resumes once
+    nothing is left asleep)."""
+    rep = merged if isinstance(merged, dict) else {}
+    if method in ("pause", "resume"):
+        return {"paused": method == "pause"}
+    if method == "sleep":
+        return {"paused": True, "sleeping": sorted(rep.get("sleeping") or ())}
+    if method == "wakeup":
+        return {"paused": bool(rep.get("is_paused")), "sleeping": sorted(rep.get("sleeping") or ())}
+    if method == "update_weights":
+        return {"weights": {"path": args.get("path"), "version": args.get("version")}}
+    return {}
+
+
+def state_steps(want: dict[str, Any], paused: bool, sleeping: Iterable[str],
+                version: str | None) -> list[tuple[str, dict[str, Any]]]:
+    """The local control calls that bring a node (``paused``, ``sleeping``
+    tags, weights ``version``) to the desired state ``want``, in order:
+    weights first (paused and awake), then sleep, then pause or resume."""
+    steps: list[tuple[str, dict[str, Any]]] = []
+    asleep = set(sleeping)
+    weights = want.get("weights") or {}
+    if weights.get("path") and str(weights.get("version")) != str(version):
+        if asleep:  # wakeup resumes too
+            steps.append(("wakeup", {}))
+            asleep, paused = set(), False
+        if not paused:
+            steps.append(("pause", {}))
+            paused = True
+        steps.append(("update_weights", {"path": weights["path"], "version": weights.get("version")}))
+    target = set(want.get("sleeping") or ())  # cjson writes an empty list as {}
+    if target - asleep:
+        steps.append(("sleep", {"tags": sorted(target - asleep)}))
+        paused = True
+    elif asleep and not target:
+        steps.append(("wakeup", {}))
+        paused = False
+    if bool(want.get("paused")) != paused and not target:
+        steps.append(("pause" if want.get("paused") else "resume", {}))
+    return steps
+
+
 @attrs.define(eq=False)
 class Remote:
     """One engine request of this origin, somewhere in the cluster."""
@@ -502,6 +572,11 @@ class GlobalQueueClient:
         self._renew = self.r.register_script(RENEW)
         self._push = self.r.register_script(PUSH)
         self._reclaim = self.r.register_script(RECLAIM)
+        self._record = self.r.register_script(RECORD)
+        self.state_rev = 0  # the newest revision of the cluster's state applied here
+        self.state_error: str | None = None  # applying it failed (in /health)
+        self._state_known = False  # read at least once since the start: no work before
+        self._state_task: asyncio.Task[Any] | None = None
         self.lease_ms = int(config.heartbeat_timeout * 1000)
         self.redis_error: str | None = "not connected yet"
         self._down_since: float | None = time.monotonic()
@@ -579,6 +654,8 @@ class GlobalQueueClient:
         reason = self.replicas.unavailable_reason()
         if reason is not None:
             return reason
+        if self.state_error is not None:
+            return self.state_error
         if self.redis_error is not None:
             return (f"the dp global queue is unavailable: Redis at {self.config.redis_url} does not answer "
                     f"({self.redis_error}); new requests are refused until it is back")
@@ -671,7 +748,16 @@ class GlobalQueueClient:
             raise local
         replies = {self.id: ({"ok": True, "result": local} if not isinstance(local, BaseException) else
                              {"ok": False, "code": getattr(local, "code", 500), "error": str(local)}), **remote}
-        return merge_node_replies(method, replies)
+        merged = merge_node_replies(method, replies)
+        if method in STATEFUL:  # every node did it: the state a node starting later must take
+            fields = state_fields(method, args or {}, merged)
+            try:
+                self.state_rev = int(await self._record(args=[self.prefix, self.state_rev, json.dumps(fields)]))
+            except Exception as exc:  # noqa: BLE001 - the call succeeded; a later node will not learn it
+                self._redis_failed(exc)
+                log.error("dp cluster state not recorded after %s (nodes starting later will not apply it): %s",
+                          method, exc)
+        return merged
 
     async def _send_control(self, call_id: str, method: str, args: dict[str, Any], timeout: float) -> list[str]:
         """Push control call ``call_id`` on every other node's ``ctl`` list
@@ -1002,7 +1088,51 @@ class GlobalQueueClient:
     # -- instance ----------------------------------------------------------------
 
     def _serving_locally(self) -> bool:
-        return self.capacity > 0 and not self.paused and self.replicas.unavailable_reason() is None
+        return (self.capacity > 0 and not self.paused and self._state_known
+                and self.state_error is None and self.replicas.unavailable_reason() is None
+                and (self._state_task is None or self._state_task.done()))
+
+    async def _sync_state(self) -> None:
+        """Each heartbeat once the replicas serve: read the cluster's desired
+        state (``P:state``); when its revision is newer than the one applied
+        here (a node that started, restarted, or missed the call), bring the
+        replicas to it through the local control path, in the background
+        (no work is picked meanwhile).  An older revision is never applied."""
+        if self.replicas.unavailable_reason() is not None or not (self._state_task is None or self._state_task.done()):
+            return
+        got = await self.r.get(self._k("state"))
+        want = json.loads(got) if got else {}
+        rev = int(want.get("rev") or 0)
+        if rev <= self.state_rev:
+            self._state_known = True
+            return
+        self._state_task = asyncio.get_running_loop().create_task(self._apply_state(want, rev))
+        self._tasks.add(self._state_task)
+        self._state_task.add_done_callback(self._tasks.discard)
+
+    async def _apply_state(self, want: dict[str, Any], rev: int) -> None:
+        first = not self._state_known
+        try:
+            now = await self.replicas.call("is_paused", None, 30.0)
+            steps = state_steps(want, self.paused or bool(now.get("is_paused")), now.get("sleeping") or (),
+                                self.replicas.weights_version)
+            for method, args in steps:
+                await asyncio.wait_for(self._call_local(method, args, STATE_CALL_S), STATE_CALL_S + 5)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported in the log and /health, retried next heartbeat
+            msg = (f"dp node {self.id} could not apply the cluster's control state (revision {rev}: "
+                   f"{json.dumps({k: v for k, v in want.items() if k != 'rev'})}): {str(exc) or type(exc).__name__}")
+            if msg != self.state_error:
+                log.error("%s", msg)
+            self.state_error = msg
+            return
+        self.state_rev, self.state_error, self._state_known = rev, None, True
+        if steps or first:
+            log.warning("dp node %s applied the cluster's control state, revision %d: paused=%s sleeping=%s "
+                        "weights=%s (%s)", self.id, rev, bool(want.get("paused")),
+                        ",".join(want.get("sleeping") or ()) or "-", (want.get("weights") or {}).get("version", "-"),
+                        ", ".join(m for m, _ in steps) or "already so")
 
     async def _heartbeat_loop(self) -> None:
         info = json.dumps({"url": f"http://{self.config.host}:{self.config.port}", "pid": os.getpid(),
@@ -1031,6 +1161,9 @@ class GlobalQueueClient:
         pipe = self.r.pipeline(transaction=False)
         pipe.set(self._k("instance", self.id), info, px=int(self.config.heartbeat_timeout * 1000))
         pipe.pexpire(self._k("out", self.id), 120_000)
+        await pipe.execute()
+        await self._sync_state()
+        pipe = self.r.pipeline(transaction=False)
         serving = self._serving_locally()
         if serving:
             pipe.hset(self._k("capacity"), self.id, self.capacity)
