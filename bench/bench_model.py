@@ -98,6 +98,18 @@ def prompts_of(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(100, 40000, size=length).tolist() for _ in range(n)]
 
 
+def decode_tok_s(runner, args: argparse.Namespace, batch: int, k: int) -> float:  # noqa: ANN001
+    """Decode tok/s of ``batch`` fresh ``--prompt-len`` prompts (seed ``batch + k``)
+    over ``--decode-steps`` steps, the prefill and first decode step not timed."""
+    reqs = make_requests(runner, prompts_of(batch, args.prompt_len, batch + k), args.decode_steps + 2)
+    step(runner, reqs)
+    step(runner, reqs)
+    t = time.perf_counter()
+    for _ in range(args.decode_steps - 2):
+        step(runner, reqs)
+    return batch * (args.decode_steps - 2) / (time.perf_counter() - t)
+
+
 def bench_fdx(args: argparse.Namespace) -> dict[str, float]:
     runner = build_runner(args)
     res: dict[str, float] = {}
@@ -270,15 +282,7 @@ def bench_moe(args: argparse.Namespace) -> None:
     step(runner, make_requests(runner, prompts_of(2, 16, 9), 4))  # warm-up
     print(f"random Qwen3-MoE ({args.model}), compute {runner.compute}")
     for batch in (1, 16):
-        best = 0.0
-        for rep in range(args.repeats):
-            reqs = make_requests(runner, prompts_of(batch, args.prompt_len, batch + rep), args.decode_steps + 2)
-            step(runner, reqs)
-            step(runner, reqs)
-            t = time.perf_counter()
-            for _ in range(args.decode_steps - 2):
-                step(runner, reqs)
-            best = max(best, batch * (args.decode_steps - 2) / (time.perf_counter() - t))
+        best = max(decode_tok_s(runner, args, batch, rep) for rep in range(args.repeats))
         print(f"  decode tok/s, {batch:2d} sequences: {best:8.1f}")
     model = runner.model
     blk = model.layers[0].moe

@@ -19,7 +19,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 
-from bench_model import make_requests, prompts_of, step  # noqa: E402
+from bench_model import decode_tok_s, make_requests, prompts_of, step  # noqa: E402
 
 
 def main() -> None:
@@ -51,13 +51,7 @@ def main() -> None:
         return args.prefill_len / (time.perf_counter() - t)
 
     def decode(batch: int, k: int) -> float:
-        reqs = make_requests(runner, prompts_of(batch, args.prompt_len, batch + k), args.decode_steps + 2)
-        step(runner, reqs)
-        step(runner, reqs)
-        t = time.perf_counter()
-        for _ in range(args.decode_steps - 2):
-            step(runner, reqs)
-        return batch * (args.decode_steps - 2) / (time.perf_counter() - t)
+        return decode_tok_s(runner, args, batch, k)
 
     figures = {"prefill tok/s": lambda k: prefill(k), "decode tok/s, 1 seq": lambda k: decode(1, k),
                "decode tok/s, 32 seqs": lambda k: decode(32, k)}
