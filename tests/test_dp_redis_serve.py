@@ -333,6 +333,32 @@ def test_pause_and_resume_act_on_every_node_and_report_each(cluster: dict[str, A
         cluster["r"].delete(ghost)
 
 
+def test_a_sleeping_cluster_takes_no_work_until_its_wakeup(cluster: dict[str, Any]) -> None:
+    """sleep pauses every node's engines: the nodes leave the load table and
+    pick nothing (a request waits in Redis, admitted nowhere); after the
+    wakeup it is admitted once and completes."""
+    (a, _), (b, _) = cluster["a"], cluster["b"]
+    r = _control(a, "sleep")
+    assert r.status_code == 200, r.text
+    try:
+        deadline = time.monotonic() + 15
+        while cluster["r"].zrange(f"fdx:{CLUSTER}:instances", 0, -1):
+            assert time.monotonic() < deadline, "a sleeping node stayed in the load table"
+            time.sleep(0.2)
+        before = _admitted(a, b)
+        out: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: out.update(r=_complete(a, "While the cluster sleeps,", 4)), daemon=True)
+        t.start()
+        time.sleep(3.0)  # a dozen heartbeats: a node taking work would have picked it up
+        assert t.is_alive() and _admitted(a, b) == before, "a sleeping node took work"
+    finally:
+        r = _control(b, "wakeup")
+    assert r.status_code == 200 and r.json()["result"]["is_paused"] is False, r.text
+    t.join(120)
+    assert not t.is_alive() and out["r"].status_code == 200, out
+    assert _admitted(a, b) == before + 1
+
+
 def test_a_node_that_joins_a_paused_cluster_comes_up_paused(cluster: dict[str, Any]) -> None:
     (a, _), (b, _) = cluster["a"], cluster["b"]
     r = _control(a, "pause")

@@ -136,7 +136,7 @@ class ReplicaSet:
         self.on_ready: list[Callable[[EngineReady], None]] = []
         self._metrics: Any = None
         self._ever_ready: set[int] = set()
-        self._paused = False  # the last pause/resume that succeeded
+        self._paused = False  # the engines' paused state after the last pause/resume/sleep/wakeup that succeeded
         self._tasks: set[asyncio.Task[Any]] = set()
         for rank, c in enumerate(self.replicas):
             c.on_ready.append(lambda msg, rank=rank: self._replica_ready(rank, msg))
@@ -330,9 +330,11 @@ class ReplicaSet:
                 results[rank] = rep
         if not results and ranks:
             raise EngineUnavailable("engine unavailable: no dp replica answered")
-        if method in ("pause", "resume"):
-            self._paused = method == "pause"
         merged = merge_replies(method, results)
+        if method in ("pause", "resume", "sleep"):  # sleep pauses the engines too
+            self._paused = method != "resume"
+        elif method == "wakeup" and isinstance(merged, dict):  # resumed once nothing is left asleep
+            self._paused = bool(merged.get("is_paused"))
         if down and isinstance(merged, dict):
             merged = {**merged, "unavailable": sorted(down)}
         return merged
