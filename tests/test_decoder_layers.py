@@ -78,7 +78,7 @@ def test_malformed_call_is_a_clear_error(llm: Any) -> None:
     import paddle
 
     model = llm.engine.runner.model
-    an, wq, bq, wo, fn, wgu, wd, kinds = model._layer_stack()
+    an, wq, bq, wo, fn, wgu, wd, kinds, _windows = model._layer_stack()
     x = paddle.zeros([1, model.args.hidden_size], dtype="float32")
     meta = paddle.to_tensor(np.array([[0, 0]], dtype=np.int32))
     tables = paddle.to_tensor(np.array([[0]], dtype=np.int32))

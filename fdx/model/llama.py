@@ -337,6 +337,7 @@ class LlamaModel:
                 [l.b_qkv if l.b_qkv is not None else empty for l in Ls], [l.p_o.data for l in Ls],  # type: ignore[union-attr]
                 [l.ffn_norm for l in Ls], [l.p_gate_up.data for l in Ls], [l.p_down.data for l in Ls],  # type: ignore[union-attr]
                 [k for l in Ls for k in (l.p_qkv.kind, l.p_o.kind, l.p_gate_up.kind, l.p_down.kind)],  # type: ignore[union-attr]
+                [l.window for l in Ls],
             )
         return self._stack
 
@@ -491,10 +492,10 @@ class LlamaModel:
             x = x * a.embed_scale
         residual = None
         if packed and self.fused_layers:  # every layer in one op call: the same kernels, the same bits
-            an, wq, bq, wo, fn, wgu, wd, kinds = self._layer_stack()
+            an, wq, bq, wo, fn, wgu, wd, kinds, windows = self._layer_stack()
             x, residual = self.ops.fdx_decoder_layers(
                 x, self.rope, step.meta, step.tables, an, wq, bq, wo, fn, wgu, wd, list(caches), kinds,
-                a.num_heads, eps, self.scale, comm.handle if comm is not None else 0, [l.window for l in self.layers])
+                a.num_heads, eps, self.scale, comm.handle if comm is not None else 0, windows)
         else:
             for layer, cache in zip(self.layers, caches):
                 h, residual = add_norm(x, residual, layer.attn_norm)
