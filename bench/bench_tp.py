@@ -40,7 +40,6 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,21 @@ from bench_dp import run_point, server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "tests" / "data" / "arch" / "llama3"
+
+
+def write_tokenizer(folder: Path) -> None:
+    """SmolLM2's own tokenizer (49,152 tokens, from the embedded GGUF) as
+    ``tokenizer.json`` + ``tokenizer_config.json``: the bench models share its
+    vocabulary size, so every sampled token detokenizes to text as a real
+    model's does (a test tokenizer of 512 tokens leaves most of them without
+    text, which skews TTFT and the API process's work)."""
+    from fdx.model.loader import load_tokenizer
+
+    tok = load_tokenizer(None)
+    tok._tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+         "add_bos_token": tok.add_bos_token}))
 
 CONFIGS = {
     "TP=1 x1": ("--num-threads", "1"),
@@ -73,7 +87,7 @@ def bench_model() -> str:
     """The random 8-head SmolLM2-shaped llama (HF folder), written once."""
     from fdx.model.native import cache_dir
 
-    d = Path(cache_dir()) / "bench-models" / "llama-576-h8kv4-L30"
+    d = Path(cache_dir()) / "bench-models" / "llama-576-h8kv4-L30-smollm2-tokenizer"
     if (d / "model.safetensors").exists():
         return str(d)
     from safetensors.numpy import save_file
@@ -85,8 +99,7 @@ def bench_model() -> str:
                max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
     cfg.pop("rope_scaling", None)
     (tmp / "config.json").write_text(json.dumps(cfg))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER / f, tmp / f)
+    write_tokenizer(tmp)
     rng = np.random.default_rng(0)
     w: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((49152, 576), np.float32),
                                 "model.norm.weight": np.ones(576, np.float32)}
@@ -105,10 +118,10 @@ def bench_model() -> str:
 
 
 def bench_moe_model() -> str:
-    """A random Qwen3-MoE (HF folder, llama3's tokenizer), written once."""
+    """A random Qwen3-MoE (HF folder, SmolLM2's tokenizer), written once."""
     from fdx.model.native import cache_dir
 
-    d = Path(cache_dir()) / "bench-models" / "qwen3moe-512-h8kv4-L12-e8x512"
+    d = Path(cache_dir()) / "bench-models" / "qwen3moe-512-h8kv4-L12-e8x512-smollm2-tokenizer"
     if (d / "model.safetensors").exists():
         return str(d)
     from safetensors.numpy import save_file
@@ -120,8 +133,7 @@ def bench_moe_model() -> str:
                num_local_experts=E, moe_intermediate_size=F, intermediate_size=F, vocab_size=V,
                tie_word_embeddings=True, max_position_embeddings=4096)
     (tmp / "config.json").write_text(json.dumps(cfg))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TOKENIZER / f, tmp / f)
+    write_tokenizer(tmp)
     rng = np.random.default_rng(0)
     w: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((V, H), np.float32),
                                 "model.norm.weight": np.ones(H, np.float32)}
