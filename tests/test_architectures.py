@@ -53,8 +53,6 @@ pytestmark = pytest.mark.slow
 
 DATA = Path(__file__).parent / "data" / "arch"
 ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "mistral_swa", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral")
-#: the dense ones (the gpu runner has no MoE layers yet)
-DENSE_ARCHS = tuple(a for a in ARCHS if a not in ("qwen3_moe", "mixtral"))
 
 
 def goldens(name: str) -> list[dict[str, Any]]:
@@ -546,11 +544,12 @@ def test_gemma3_goldens_depend_on_the_local_rope_base(tmp_path: Path) -> None:
         assert drift > 0.05, f"{local}: the goldens do not tell the local base apart ({drift:.2e})"
 
 
-@pytest.mark.parametrize("name", DENSE_ARCHS)
+@pytest.mark.parametrize("name", (*ARCHS, "mixtral_swa"))
 def test_gpu_runner_on_the_cpu_place_matches_transformers(name: str) -> None:
     """The ``gpu`` runner's forward (here on the CPU place, float32, its plain
     attention) computes every architecture's recipe too: Gemma's caps,
-    windows, sandwich norms and local rope included."""
+    windows, sandwich norms and local rope included, and the mixtures of
+    experts (the CPU model's :class:`~fdx.model.moe.MoeBlock`, plain Paddle)."""
     from fdx.config import make_config
     from fdx.model.gpu_runner import GPUModelRunner
     from fdx.plugins.hardware.cpu import CPUDevice
@@ -973,7 +972,7 @@ def test_gguf_gemma_reads_as_llama_cpp_does(gguf_dir: Path, name: str) -> None:
     np.testing.assert_allclose(log_softmax(a), log_softmax(b), atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen2", "mistral", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen2", "mistral", "phi3", "qwen3_moe", "mixtral"])
 def test_gguf_on_the_gpu_runner_matches_transformers(gguf_dir: Path, name: str) -> None:
     """The ``gpu`` runner (on the CPU place, float32) from the F32 GGUF."""
     from fdx.config import make_config

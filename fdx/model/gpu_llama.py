@@ -26,6 +26,11 @@ per step:
 * ``plain`` groups run a padded, masked attention in plain Paddle (any
   place; softmax in float32) -- the path the CPU tests exercise.
 
+A mixture-of-experts layer (Qwen3-MoE, Mixtral) is the CPU model's own
+:class:`fdx.model.moe.MoeBlock`, built by the same ``build_moe`` and cast to
+the runner's dtype: its float32 path is plain Paddle (router, top-k, one
+gate/up and down matmul per expert over its rows), so it runs on any place.
+
 Gemma (``ModelArgs.gemma_fields``) adds, as the CPU model does: the
 embedding scale (in the weights' dtype, as transformers), the sandwich
 norms, GeGLU, the windowed layers' own rope tables (Gemma 3) and the final
@@ -47,6 +52,7 @@ from fdx.core.errors import ModelLoadError
 from fdx.model.arch import ModelArgs, rope_angles
 from fdx.model.fused_kernels import Kernels
 from fdx.model.llama import check_layer, check_shape, geglu, qkv_bias
+from fdx.model.moe import MoeBlock, build_moe
 
 
 @attrs.define
@@ -96,8 +102,9 @@ class GPULayer:
     b_qkv: Any | None
     w_o: Any
     ffn_norm: Any
-    w_gate_up: Any
+    w_gate_up: Any  # None in a mixture-of-experts layer
     w_down: Any
+    moe: MoeBlock | None = None  # a mixture-of-experts layer's router and experts (fdx.model.moe)
     q_norm: Any | None = None  # per-head q/k RMSNorm [head_dim] (ModelArgs.qk_norm)
     k_norm: Any | None = None
     post_attn_norm: Any | None = None  # Gemma's sandwich norms (ModelArgs.sandwich_norms)
@@ -163,9 +170,6 @@ class GPULlama:
         The new weights replace the old ones only once all are built, so a
         failed load leaves the model as it was."""
         a = self.args
-        if a.num_experts:
-            raise ModelLoadError(f"{ckpt.source.path}: the gpu runner has no mixture-of-experts layers yet "
-                                 f"({a.describe()}); use the cpu runner")
         if ckpt.args != a:
             raise ModelLoadError(f"{ckpt.source.path}: architecture mismatch ({ckpt.args.describe()} != {a.describe()})")
         layers: list[GPULayer] = []
@@ -181,14 +185,16 @@ class GPULlama:
             dq += len(lw.raw)
             lw.raw = {}  # never uploaded: no kernel of this runner reads quant blocks
             b_qkv = qkv_bias(lw, a)
+            moe = self._moe(lw) if a.num_experts else None
             layers.append(GPULayer(
                 attn_norm=self._t(lw.attn_norm),
                 w_qkv=self._t(np.concatenate([lw.wq, lw.wk, lw.wv], axis=0).T),
                 b_qkv=self._t(b_qkv) if b_qkv is not None else None,
                 w_o=self._t(lw.wo.T),
                 ffn_norm=self._t(lw.ffn_norm),
-                w_gate_up=self._t(np.concatenate([lw.w_gate, lw.w_up], axis=0).T),
-                w_down=self._t(lw.w_down.T),
+                w_gate_up=None if moe else self._t(np.concatenate([lw.w_gate, lw.w_up], axis=0).T),
+                w_down=None if moe else self._t(lw.w_down.T),
+                moe=moe,
                 q_norm=self._t(lw.q_norm) if a.qk_norm else None,
                 k_norm=self._t(lw.k_norm) if a.qk_norm else None,
                 post_attn_norm=self._t(lw.post_attn_norm) if a.sandwich_norms else None,
@@ -207,6 +213,17 @@ class GPULlama:
         if ckpt.lm_head_raw is not None:
             dq += 1
         self.dequantized = dq
+
+    def _moe(self, lw: Any) -> MoeBlock:
+        """A layer's router and experts: the CPU model's :class:`MoeBlock`
+        (its float32 path is plain Paddle, so it runs on any place), its
+        tensors cast to the runner's dtype."""
+        blk = build_moe(lw, self.args, "float32")
+        if self.dtype != "float32":
+            blk.router = blk.router.astype(self.dtype)
+            blk.w_gate_up = [w.astype(self.dtype) for w in blk.w_gate_up]
+            blk.w_down = [w.astype(self.dtype) for w in blk.w_down]
+        return blk
 
     def release(self) -> None:
         """Drop every weight tensor (sleep)."""
@@ -252,7 +269,10 @@ class GPULlama:
             if layer.post_attn_norm is not None:
                 x = k.rms_norm(x, layer.post_attn_norm, eps)[0]
             h, residual = k.rms_norm(x, layer.ffn_norm, eps, residual)
-            x = paddle.matmul(mlp(paddle.matmul(h, layer.w_gate_up)), layer.w_down)
+            if layer.moe is not None:
+                x = layer.moe(h, mlp, None)
+            else:
+                x = paddle.matmul(mlp(paddle.matmul(h, layer.w_gate_up)), layer.w_down)
             if layer.post_ffn_norm is not None:
                 x = k.rms_norm(x, layer.post_ffn_norm, eps)[0]
         if step.sample_rows is None:

@@ -100,8 +100,8 @@ class GPUModelRunner(PagedRunnerBase):
     def __init__(self, config: EngineConfig, device: Device) -> None:
         import paddle
 
-        if config.enable_expert_parallel:  # it has no experts, nor ranks, to split
-            raise ModelLoadError("--enable-expert-parallel: the gpu runner has no mixture-of-experts layers; "
+        if config.enable_expert_parallel:  # it has no ranks to split the experts among
+            raise ModelLoadError("--enable-expert-parallel: the gpu runner has no expert parallelism; "
                                  "use --model-runner cpu")
         from fdx.model.device_sampler import DeviceSampler
         from fdx.model.fused_kernels import FUSED_OPS, probe_kernels

@@ -167,19 +167,6 @@ class PaddleModelRunner(PagedRunnerBase):
 
         return shard_checkpoint(ckpt, self.shard)
 
-    def expert_tokens(self) -> tuple[tuple[int, str, int], ...]:
-        """A mixture of experts' load for ``/metrics``: ``(expert, rank, pairs)``
-        per expert, the (token, slot) pairs routed to it summed over the
-        layers; ``rank``: the rank that holds it under expert parallelism,
-        ``all`` when every rank holds a slice of it (tensor parallel)."""
-        blocks = [layer.moe for layer in self.model.layers if layer.moe is not None]
-        if not blocks:
-            return ()
-        total = sum(b.routed for b in blocks)
-        ep, N = self.config.enable_expert_parallel, self.tensor_parallel_size
-        per = len(total) // N
-        return tuple((e, str(e // per) if ep or N == 1 else "all", int(n)) for e, n in enumerate(total))
-
     def kv_fingerprint(self) -> str:
         """int8 compute writes other K/V values than float32 compute: its
         blocks get their own fingerprint (float32 keeps the shared one)."""

@@ -97,6 +97,8 @@ class PagedRunnerBase(ModelRunner):
     #: the model attends within a config's ``sliding_window`` (else a window
     #: shorter than ``--max-model-len`` is refused)
     honours_sliding_window = False
+    #: tensor-parallel ranks of this runner's group (1: none)
+    tensor_parallel_size = 1
 
     config: EngineConfig
     device: Device
@@ -108,6 +110,19 @@ class PagedRunnerBase(ModelRunner):
     #: the geometry of this process's KV pool and model: the checkpoint's
     #: (set with :attr:`args`), or a tensor-parallel rank's shard of it
     kv_args: Any
+
+    def expert_tokens(self) -> tuple[tuple[int, str, int], ...]:
+        """A mixture of experts' load for ``/metrics``: ``(expert, rank, pairs)``
+        per expert, the (token, slot) pairs routed to it summed over the
+        layers; ``rank``: the rank that holds it under expert parallelism,
+        ``all`` when every rank holds a slice of it (tensor parallel)."""
+        blocks = [layer.moe for layer in self.model.layers if layer.moe is not None]
+        if not blocks:
+            return ()
+        total = sum(b.routed for b in blocks)
+        ep, N = self.config.enable_expert_parallel, self.tensor_parallel_size
+        per = len(total) // N
+        return tuple((e, str(e // per) if ep or N == 1 else "all", int(n)) for e, n in enumerate(total))
 
     # ------------------------------------------------------------------ start-up
 
