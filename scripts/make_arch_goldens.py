@@ -155,34 +155,72 @@ def build(name: str, cfg_cls: type, model_cls: type, extra: dict) -> None:
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump({"bos_token": None, "eos_token": None, "add_bos_token": False}, f)
 
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    out = []
-    for prompt in prompts:
-        ids = list(prompt)
-        toks, lps = [], []
-        with torch.no_grad():
-            for _ in range(N_TOKENS):
-                logits = model(torch.tensor([ids])).logits[0, -1].double()
-                lp = torch.log_softmax(logits, -1)
-                t = int(torch.argmax(lp))
-                toks.append(t)
-                lps.append(float(lp[t]))
-                ids.append(t)
-        out.append({"prompt": prompt, "tokens": toks, "logprobs": lps})
-    with open(os.path.join(folder, "goldens.json"), "w") as f:
-        json.dump({"architecture": model_cls.__name__, "transformers": transformers.__version__,
-                   "torch": torch.__version__, "dtype": "float32", "samples": out}, f, indent=1)
+    write_goldens(model, model_cls, os.path.join(folder, "goldens.json"))
     size = sum(os.path.getsize(os.path.join(folder, x)) for x in os.listdir(folder))
     print(f"{name}: {folder} ({size / 1e6:.2f} MB)")
 
 
+def greedy(model: object, prompt: list[int]) -> dict:
+    """transformers' fp32 greedy tokens (``N_TOKENS``, no EOS stop) and their log-probabilities."""
+    ids = list(prompt)
+    toks, lps = [], []
+    with torch.no_grad():
+        for _ in range(N_TOKENS):
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+            lp = torch.log_softmax(logits, -1)
+            t = int(torch.argmax(lp))
+            toks.append(t)
+            lps.append(float(lp[t]))
+            ids.append(t)
+    return {"prompt": prompt, "tokens": toks, "logprobs": lps}
+
+
+def write_goldens(model: object, model_cls: type, path: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    out = [greedy(model, p) for p in prompts]
+    with open(path, "w") as f:
+        json.dump({"architecture": model_cls.__name__, "transformers": transformers.__version__,
+                   "torch": torch.__version__, "dtype": "float32", "samples": out}, f, indent=1)
+
+
+#: the Gemma config fields llama.cpp fixes (its GGUF does not carry them):
+#: the score scale head_dim ** -0.5, and the layer pattern (Gemma 2: every 2nd
+#: layer global; Gemma 3: every 6th, so all 4 layers here are local)
+LLAMACPP_FIXED = {"gemma2": lambda c: dict(query_pre_attn_scalar=c.head_dim,
+                                           layer_types=[("sliding_attention", "full_attention")[i % 2]
+                                                        for i in range(c.num_hidden_layers)]),
+                  "gemma3": lambda c: dict(query_pre_attn_scalar=c.head_dim,
+                                           layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                                        for i in range(c.num_hidden_layers)])}
+
+
+def llamacpp_goldens(name: str) -> None:
+    """``goldens_llamacpp.json`` beside an existing Gemma folder: transformers'
+    goldens for the same weights under the values llama.cpp fixes
+    (:data:`LLAMACPP_FIXED`), which is what a GGUF of the folder means; the
+    folder's own weights and ``goldens.json`` are left as they are."""
+    cfg_cls, model_cls, _ = models()[name]
+    folder = os.path.join(OUT, name)
+    cfg = cfg_cls.from_pretrained(folder)
+    for k, v in LLAMACPP_FIXED[name](cfg).items():
+        setattr(cfg, k, v)
+    model = model_cls.from_pretrained(folder, config=cfg, dtype=torch.float32).eval()
+    write_goldens(model, model_cls, os.path.join(folder, "goldens_llamacpp.json"))
+    print(f"{name}: {folder}/goldens_llamacpp.json")
+
+
 def main() -> int:
+    """``make_arch_goldens.py [NAME ...]``: build those models (all without
+    names); ``gemma2-llamacpp`` / ``gemma3-llamacpp``: only the goldens of
+    :func:`llamacpp_goldens`, from the folder already there."""
     torch.set_num_threads(1)
     only = set(sys.argv[1:])
     for name, (c, m, extra) in models().items():
         if not only or name in only:
             build(name, c, m, extra)
+        if name in LLAMACPP_FIXED and (not only or name in only or f"{name}-llamacpp" in only):
+            llamacpp_goldens(name)
     return 0
 
 

@@ -28,7 +28,7 @@ and transformers' fp32 greedy tokens and logprobs for 3 token-id prompts x
   and among 16 others;
 * GGUF (written from each folder as llama.cpp's converter does: tests/ggufutil.py):
   the folder's weights and transformers' goldens at F32 (qwen3, qwen2, mistral,
-  qwen3_moe, mixtral, phi3; Gemma against the folder with llama.cpp's fixed
+  qwen3_moe, mixtral, phi3; Gemma against transformers under llama.cpp's fixed
   values), F16/BF16/Q8_0/Q4_K read as ``gguf`` dequantizes them, one real
   ``fdx serve``, and every key or tensor fdx lacks refused, naming it.
 """
@@ -55,8 +55,9 @@ DATA = Path(__file__).parent / "data" / "arch"
 ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "mistral_swa", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral")
 
 
-def goldens(name: str) -> list[dict[str, Any]]:
-    return json.loads((DATA / name / "goldens.json").read_text())["samples"]
+def goldens(name: str, which: str = "goldens") -> list[dict[str, Any]]:
+    """Model ``name``'s transformers goldens (``goldens_llamacpp``: Gemma's, under llama.cpp's fixed values)."""
+    return json.loads((DATA / name / f"{which}.json").read_text())["samples"]
 
 
 def copy_with_config(tmp: Path, name: str, **changes: Any) -> Path:
@@ -429,11 +430,11 @@ def make_runner(name: str, dtype: str, model: Path | None = None) -> Any:
                                          max_model_len=512, dtype=dtype), CPUDevice())
 
 
-def golden_gap(runner: Any, name: str) -> tuple[float, float]:
+def golden_gap(runner: Any, name: str, which: str = "goldens") -> tuple[float, float]:
     """Teacher-forced on ``name``'s goldens: (top-1 agreement, max |logprob - golden|)."""
     same = total = 0
     worst = 0.0
-    for s in goldens(name):
+    for s in goldens(name, which):
         lp = log_softmax(teacher_forced(runner, s["prompt"], s["tokens"]))
         same += sum(int(i) == t for i, t in zip(lp.argmax(-1), s["tokens"]))
         total += len(s["tokens"])
@@ -946,9 +947,10 @@ def test_gguf_gemma_reads_as_llama_cpp_does(gguf_dir: Path, name: str) -> None:
     (Gemma 3) layer global, Gemma 3's local rope base 10000, and the score
     scale ``head_dim ** -0.5`` (its converter writes no
     ``query_pre_attn_scalar``); so does fdx.  The test models differ there
-    (scalar 48, not head_dim 32; Gemma 3's layer 3 global), so their goldens do
-    not apply: the GGUF serves, logit for logit, the HF folder with
-    ``query_pre_attn_scalar`` = head_dim and the class's default layer pattern."""
+    (scalar 48, not head_dim 32; Gemma 3's layer 3 global), so the GGUF means
+    the folder under those fixed values: its weights are the folder's, and it
+    gives transformers' goldens for that config (``goldens_llamacpp.json``,
+    scripts/make_arch_goldens.py ``gemma2-llamacpp``)."""
     import attrs
 
     from fdx.model.loader import load_checkpoint
@@ -966,10 +968,8 @@ def test_gguf_gemma_reads_as_llama_cpp_does(gguf_dir: Path, name: str) -> None:
             if a is not None:
                 np.testing.assert_array_equal(a, b, err_msg=f)
     np.testing.assert_array_equal(g.final_norm, h.final_norm)
-    s = goldens(name)[0]
-    a = teacher_forced(make_runner(name, "float32", path), s["prompt"], s["tokens"])
-    b = teacher_forced(make_runner(name, "float32", same), s["prompt"], s["tokens"])
-    np.testing.assert_allclose(log_softmax(a), log_softmax(b), atol=1e-5)
+    agree, worst = golden_gap(make_runner(name, "float32", path), name, "goldens_llamacpp")
+    assert agree == 1.0 and worst < 1e-3, f"{name} GGUF: top-1 {agree:.3f}, logprobs differ by {worst:.2e}"
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen2", "mistral", "phi3", "qwen3_moe", "mixtral"])
