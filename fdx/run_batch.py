@@ -85,9 +85,9 @@ def parse_job(i: int, line: str, llm: Any) -> Job:
 
 
 def _prepare(job: Job, body: dict[str, Any], llm: Any) -> None:
-    from fdx.server.protocol import ChatCompletionRequest, CompletionRequest, chat_messages, parse_body, sampling_params
-    from fdx.server.serving.chat import chat_options, echo_text
-    from fdx.server.serving.prompts import render_chat
+    from fdx.chat_template import chat_options, echo_text, render_chat
+    from fdx.request_params import sampling_params
+    from fdx.server.protocol import ChatCompletionRequest, CompletionRequest, chat_messages, parse_body
 
     for name in BATCH_REFUSED:
         if body.get(name) not in (None, False):

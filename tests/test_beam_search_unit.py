@@ -7,6 +7,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
+from fdx.beam_search import beam_params
 from fdx.config import make_config
 from fdx.core.errors import RequestError
 from fdx.core.interfaces import ModelOutput
@@ -16,8 +17,8 @@ from fdx.core.request import Request, Status
 from fdx.plugins.schedulers.beam import beam_conflict
 from fdx.plugins.schedulers.v0 import V0Scheduler
 from fdx.plugins.schedulers.v1 import V1Scheduler
-from fdx.server.protocol import CompletionRequest, parse_body, sampling_params
-from fdx.server.serving.beam_search import beam_params
+from fdx.request_params import sampling_params
+from fdx.server.protocol import CompletionRequest, parse_body
 from fdx.testing import check_kv_invariants
 
 import numpy as np

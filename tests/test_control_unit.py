@@ -201,7 +201,7 @@ def _handle(rid: str, index: int, sink: object) -> Any:
 
 
 def test_engine_ids_for_and_api_ids() -> None:
-    from fdx.server.control import api_ids, engine_ids_for
+    from fdx.deploy.request_ids import api_ids, engine_ids_for
 
     s1, s2, s3, s4 = object(), object(), object(), object()
     live = {

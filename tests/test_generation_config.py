@@ -12,7 +12,8 @@ import pytest
 from fdx.config import make_config
 from fdx.core.errors import ConfigError
 from fdx.generation_config import load_generation_defaults, parse_override
-from fdx.server.protocol import ChatCompletionRequest, sampling_params
+from fdx.request_params import sampling_params
+from fdx.server.protocol import ChatCompletionRequest
 
 
 def test_embedded_model_gets_its_model_card_sampling() -> None:

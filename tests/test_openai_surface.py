@@ -236,7 +236,7 @@ def test_continue_final_message_and_add_generation_prompt(server: str, oai: Any)
 
 def test_chat_template_kwargs_reach_the_template() -> None:
     from fdx.model.loader import load_tokenizer
-    from fdx.server.serving.prompts import render_chat
+    from fdx.chat_template import render_chat
 
     tok = copy.copy(load_tokenizer("smollm2"))  # a copy: load_tokenizer is cached and shared with later tests
     tok.chat_template, tok._template = "{{ greeting }}|{% for m in messages %}{{ m.content }}{% endfor %}", None

@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 
 from fdx.core.errors import RequestError
+from fdx.request_params import sampling_params
 from fdx.server.protocol import (
     DEFAULT_ONLY_FIELDS,
     NO_EFFECT_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     parse_body,
-    sampling_params,
 )
 
 openai = pytest.importorskip("openai")
@@ -58,11 +58,16 @@ CASES = [
 ]
 
 
+#: what a request means for the engine, outside the HTTP layer (docs/ARCHITECTURE.md, "Requests")
+REQUEST_MODULES = ("fdx/request_params.py", "fdx/chat_template.py", "fdx/prompt_tokenizer.py", "fdx/beam_search.py",
+                   "fdx/structured_outputs.py", "fdx/tool_calling.py")
+
+
 def _server_code() -> str:
     parts = []
     for p in sorted((ROOT / "fdx").rglob("*.py")):
         if p.parts[-3:-1] == ("fdx", "server") or "serving" in p.parts or "plugins" in p.parts \
-                or p.name in ("protocol.py",):
+                or p.name in ("protocol.py",) or p.relative_to(ROOT).as_posix() in REQUEST_MODULES:
             parts.append(p.read_text())
     text = "\n".join(parts)
     # drop the declarations themselves ("    name: Type = ..." inside the models)
@@ -75,6 +80,7 @@ def test_the_openai_schemas_are_walked() -> None:
     assert {"prompt", "echo", "logprobs", "suffix", "best_of", "logit_bias", "stream", "user"} <= CASES[0][2]
     assert {"messages", "tools", "tool_choice", "response_format", "top_logprobs", "stream",
             "metadata", "store", "service_tier"} <= CASES[1][2]
+    assert all((ROOT / m).is_file() for m in REQUEST_MODULES), REQUEST_MODULES
 
 
 @pytest.mark.parametrize("model,base,fields", CASES, ids=["completions", "chat"])

@@ -7,13 +7,13 @@ import json
 import pytest
 
 from fdx.core.errors import RequestError
+from fdx.request_params import sampling_params
 from fdx.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,
     error_body,
     parse_body,
-    sampling_params,
 )
 
 

@@ -198,7 +198,7 @@ def parse(body: dict[str, Any]) -> Any:
 
 
 def test_request_fields_become_one_spec() -> None:
-    from fdx.server.serving.structured import requested_spec
+    from fdx.structured_outputs import requested_spec
 
     schema = {"type": "object"}
     assert requested_spec(parse({})) is None
@@ -224,7 +224,7 @@ def test_request_fields_become_one_spec() -> None:
     ({"structured_outputs": {}}, "structured_outputs"),
 ])
 def test_request_field_errors_name_the_field(body: dict[str, Any], param: str) -> None:
-    from fdx.server.serving.structured import requested_spec
+    from fdx.structured_outputs import requested_spec
 
     with pytest.raises(RequestError) as ei:
         requested_spec(parse(body))
@@ -233,7 +233,7 @@ def test_request_field_errors_name_the_field(body: dict[str, Any], param: str) -
 
 @pytest.mark.parametrize("lb", [{"x": 1}, {"-1": 1}, {"49152": 1}, {"5": 101}, {"5": -100.5}])
 def test_logit_bias_field_errors(lb: dict[str, Any]) -> None:
-    from fdx.server.serving.structured import logit_bias
+    from fdx.structured_outputs import logit_bias
 
     with pytest.raises(RequestError) as ei:
         logit_bias(parse({"logit_bias": lb}), 49152)

@@ -16,7 +16,7 @@ from fdx.core.hookspecs import Register, hookimpl
 from fdx.core.interfaces import ToolCallDelta, ToolCallStream, ToolParser
 from fdx.plugins.tool_parsers.hermes import HermesToolParser
 from fdx.plugins.tool_parsers.json_calls import CallScanner, parse_calls, value_end
-from fdx.server.serving.tool_calls import JsonCallsStream, NamedCallStream, history, merge, tools_block
+from fdx.tool_calling import JsonCallsStream, NamedCallStream, history, merge, tools_block
 
 TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2], '
         '"note": "a } and a \\" inside"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
@@ -183,7 +183,7 @@ def test_tool_parser_plugin_kind_on_a_fresh_manager() -> None:
 
 def test_required_schema_rebases_each_tools_local_refs() -> None:
     from fdx.server.protocol import ToolSpec
-    from fdx.server.serving.tool_calls import required_schema
+    from fdx.tool_calling import required_schema
 
     a = {"$defs": {"T": {"type": "string"}}, "type": "object", "properties": {"t": {"$ref": "#/$defs/T"},
                                                                             "me": {"$ref": "#"}}}

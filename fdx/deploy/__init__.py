@@ -9,7 +9,11 @@
 * :mod:`fdx.deploy.launcher` -- the foreground supervisor that runs a
   deployment's processes;
 * :mod:`fdx.deploy.affinity` -- prefix-affine, load-aware routing, shared
-  by the dp replicas and the splitwise router.
+  by the dp replicas and the splitwise router;
+* :mod:`fdx.deploy.request_ids` -- the API's request ids <-> the engine
+  requests of their choices, over a front end's live handles;
+* :mod:`fdx.deploy.status_board` -- how a launched child reports its
+  start-up to the launcher and notices it gone.
 
 The built-in deployments (``single``, ``dp``, ``splitwise``) live in
 ``fdx/plugins/deployments/`` and register as any third-party one does.

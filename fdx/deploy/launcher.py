@@ -3,7 +3,7 @@
 Order: make the per-run IPC directory -> start the API process (it binds the
 ZMQ sockets at once) -> when the socket files exist, start the engine
 process.  The API process reports through files in the run directory
-(:class:`fdx.server.api_proc.StatusBoard`).  Each child gets the config on
+(:class:`fdx.deploy.status_board.StatusBoard`).  Each child gets the config on
 an inherited pipe (``--config-fd``), never in argv; the engine's copy has
 no API keys, and the launcher blanks a key given on its own command line
 (:func:`hide_secrets_in_argv`), so ``ps`` shows no key.
@@ -53,8 +53,8 @@ import attrs
 from fdx.config import EngineConfig
 from fdx.core.ipc import make_run_dir, write_config
 from fdx.deploy.deployment import EngineProcess
+from fdx.deploy.status_board import FAILED_FILE, READY_FILE
 from fdx.logs import setup_logging
-from fdx.server.api_proc import FAILED_FILE, READY_FILE
 
 log = logging.getLogger("fdx.serve")
 

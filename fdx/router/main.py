@@ -23,8 +23,8 @@ from typing import Any, Sequence
 import attrs
 
 from fdx.core.errors import ConfigError
+from fdx.deploy.status_board import watch_parent
 from fdx.router.config import RouterConfig
-from fdx.server.api_proc import watch_parent
 
 
 def build_parser(prog: str = "fdx router") -> argparse.ArgumentParser:

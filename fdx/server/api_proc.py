@@ -8,66 +8,18 @@ Loads the plugins, asks the deployment (``--deployment``,
 ZMQ sockets before any heavy import, so the launcher can start the engines
 as soon as the socket files exist; the deployment's front end
 (:class:`fdx.deploy.frontend.EngineFrontend`) then serves the app.  It runs
-the FastAPI app under uvicorn.  It reports to the launcher through files in the
-run directory (see :class:`StatusBoard`); it exits when told (SIGTERM/SIGINT,
-handled by uvicorn: the lifespan shutdown sends ``Shutdown`` to the engine)
-or when the launcher disappears.
+the FastAPI app under uvicorn.  It reports to the launcher through files
+in the run directory (:class:`fdx.deploy.status_board.StatusBoard`); it
+exits when told (SIGTERM/SIGINT, handled by uvicorn: the lifespan shutdown
+sends ``Shutdown`` to the engine) or when the launcher disappears.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
-import time
 from typing import Any
-
-READY_FILE = "ready"
-FAILED_FILE = "failed"
-
-
-class StatusBoard:
-    """Start-up status for the launcher, as files in the run directory.
-    ``ready`` holds JSON (engine pid, url); ``failed`` a one-line message.
-    Each is written at most once, atomically."""
-
-    def __init__(self, run_dir: str) -> None:
-        self.dir = run_dir
-        self._lock = threading.Lock()
-        self._written: set[str] = set()
-
-    def _write(self, name: str, text: str) -> None:
-        with self._lock:
-            if name in self._written:
-                return
-            self._written.add(name)
-            tmp = os.path.join(self.dir, f".{name}.tmp")
-            try:
-                with open(tmp, "w", encoding="utf-8") as f:
-                    f.write(text)
-                os.replace(tmp, os.path.join(self.dir, name))
-            except OSError:
-                pass  # run dir removed: the launcher is shutting down
-
-    def ready(self, info: dict[str, Any]) -> None:
-        self._write(READY_FILE, json.dumps(info))
-
-    def failed(self, message: str) -> None:
-        if READY_FILE not in self._written:
-            self._write(FAILED_FILE, " ".join(message.split()))
-
-
-def watch_parent(parent_pid: int, server: Any) -> None:
-    """Thread body: ask the uvicorn ``server`` to exit once ``parent_pid``
-    (the launcher) is gone, so no orphan keeps serving."""
-    from fdx.core.ipc import pid_alive
-
-    while not server.should_exit:
-        if not pid_alive(parent_pid):
-            server.should_exit = True
-            return
-        time.sleep(1.0)
 
 
 def main() -> None:
@@ -76,6 +28,7 @@ def main() -> None:
     from fdx.config import make_config
     from fdx.core.plugins import get_plugins
     from fdx.deploy.deployment import create_deployment
+    from fdx.deploy.status_board import StatusBoard, watch_parent
     from fdx.logs import setup_logging
 
     values, run_dir, parent_pid = child_args(sys.argv[1:])

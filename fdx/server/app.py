@@ -52,8 +52,8 @@ from fdx.server.protocol import (
     validation_error,
 )
 from fdx.server.serving import OpenAIServing, routes
-from fdx.server.serving.structured import warm_grammar
 from fdx.server.serving.tokenize import add_tokenize_routes
+from fdx.structured_outputs import warm_grammar
 
 log = logging.getLogger("fdx.server")
 
@@ -171,7 +171,7 @@ def create_app(
             return
         serving.set_tokenizer(tok, proc)
         log.info("tokenizer loaded (vocab %d)", tok.vocab_size)
-        await asyncio.to_thread(warm_grammar, serving)
+        await asyncio.to_thread(warm_grammar, config, tok.vocab_size)
         maybe_serving()
 
     @asynccontextmanager

@@ -53,14 +53,13 @@ The guard (:func:`check_guard`, run before any argument is read):
   (:func:`resolve_weights_path`; none by default: 403).
 
 Request ids: users abort by the id the API returned (``cmpl-...`` /
-``chatcmpl-...``).  A request with ``n > 1`` (or several prompts) runs as
-engine requests ``<id>-<choice index>``; :func:`engine_ids_for` maps the
-user's id to all of them and the reply groups them back under that id.
+``chatcmpl-...``); :mod:`fdx.deploy.request_ids` maps it to the engine
+requests ``<id>-<choice index>`` of an ``n > 1`` (or several prompts)
+request, and the reply groups them back under that id.
 """
 
 from __future__ import annotations
 
-import collections
 import hmac
 import ipaddress
 import logging
@@ -75,6 +74,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from starlette.responses import JSONResponse, Response
 
 from fdx.core.errors import RequestError
+from fdx.deploy.request_ids import api_ids, engine_ids_for, group_aborted
 from fdx.server.protocol import ErrorDetail, error_body, error_responses, loads_object, openapi_body
 
 log = logging.getLogger("fdx.server")
@@ -297,64 +297,6 @@ def clean_message(message: str, replace: dict[str, str] | None = None) -> str:
 
 
 # --------------------------------------------------------------------------
-# request-id mapping (OpenAI-level id <-> engine request ids)
-# --------------------------------------------------------------------------
-
-
-def _live(client: Any) -> dict[str, Any]:
-    return dict(getattr(client, "_live", {}) or {})
-
-
-def engine_ids_for(client: Any, rid: str) -> list[str]:
-    """Engine ids of the live request the API returned as ``rid``: ``rid``
-    itself, or ``rid-<k>`` for its choice ``k`` (n > 1 / several prompts).
-    Falls back to ``[rid]`` so an id only the engine knows is still tried."""
-    out = []
-    for eid, h in _live(client).items():
-        if eid == rid:
-            out.append(eid)
-            continue
-        idx = getattr(getattr(h, "tag", None), "index", None)
-        if isinstance(idx, int) and eid == f"{rid}-{idx}":
-            out.append(eid)
-    return out or [rid]
-
-
-def api_ids(client: Any) -> dict[str, str]:
-    """engine id -> id the API returned, for every live request.  A choice
-    ``rid-<k>`` maps to ``rid`` when its siblings are still live or k > 0
-    (an n > 1 request whose other choices all ended keeps ``rid-0``).
-    Siblings are the handles sharing one sink queue (one HTTP request)."""
-    live = _live(client)
-    per_sink = collections.Counter(id(getattr(h, "sink", h)) for h in live.values())
-    out = {}
-    for eid, h in live.items():
-        idx = getattr(getattr(h, "tag", None), "index", None)
-        suffix = f"-{idx}"
-        grouped = isinstance(idx, int) and (idx > 0 or per_sink[id(getattr(h, "sink", h))] > 1)
-        out[eid] = eid[: -len(suffix)] if grouped and eid.endswith(suffix) else eid
-    return out
-
-
-def _group(aborted: list[dict[str, Any]], owner: dict[str, str]) -> list[dict[str, Any]]:
-    """Merge engine-level abort entries into one entry per API id."""
-    groups: dict[str, list[dict[str, Any]]] = {}
-    for a in aborted:
-        eid = str(a.get("request_id"))
-        groups.setdefault(owner.get(eid, eid), []).append(a)
-    out = []
-    for rid, items in groups.items():
-        entry: dict[str, Any] = {
-            "request_id": rid,
-            "output_token_count": sum(int(i.get("output_token_count", 0)) for i in items),
-        }
-        if len(items) > 1 or items[0].get("request_id") != rid:
-            entry["choices"] = items
-        out.append(entry)
-    return out
-
-
-# --------------------------------------------------------------------------
 # argument parsing
 # --------------------------------------------------------------------------
 
@@ -555,14 +497,14 @@ def add_control_routes(app: FastAPI, client: Any, config: Any = None) -> None:
         if abort_all:
             owner = api_ids(client)
             res = await call(request, "abort_requests", {"abort_all": True})
-            return success({"aborted": _group(res.get("aborted", []), owner), "not_found": []})
+            return success({"aborted": group_aborted(res.get("aborted", []), owner), "not_found": []})
         asked = list(dict.fromkeys(req_ids or []))
         owner = {}
         for rid in asked:
             for eid in engine_ids_for(client, rid):
                 owner.setdefault(eid, rid)
         res = await call(request, "abort_requests", {"req_ids": list(owner)})
-        aborted = _group(res.get("aborted", []), owner)
+        aborted = group_aborted(res.get("aborted", []), owner)
         done = {a["request_id"] for a in aborted}
         return success({"aborted": aborted, "not_found": [r for r in asked if r not in done]})
 
@@ -686,5 +628,5 @@ def add_control_routes(app: FastAPI, client: Any, config: Any = None) -> None:
           "vLLM: forget the prefix cache", None)
 
 
-__all__ = ["add_control_routes", "api_ids", "check_body", "check_guard", "clean_message", "engine_ids_for",
-           "is_control_path", "resolve_weights_path", "TIMEOUTS", "VLLM_PATHS"]
+__all__ = ["add_control_routes", "check_body", "check_guard", "clean_message", "is_control_path",
+           "resolve_weights_path", "TIMEOUTS", "VLLM_PATHS"]

@@ -674,7 +674,7 @@ class GlobalQueueClient:
         return {rid: r.handle for rid, r in self.pending.items()}
 
     @property
-    def _live(self) -> dict[str, RequestHandle]:  # read by fdx.server.control's id mapping
+    def _live(self) -> dict[str, RequestHandle]:  # read by fdx.deploy.request_ids
         return self.live_requests()
 
     def num_waiting(self) -> int:

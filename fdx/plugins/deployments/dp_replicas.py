@@ -243,7 +243,7 @@ class ReplicaSet:
         return out
 
     @property
-    def _live(self) -> dict[str, RequestHandle]:  # read by fdx.server.control's id mapping
+    def _live(self) -> dict[str, RequestHandle]:  # read by fdx.deploy.request_ids
         return self.live_requests()
 
     def num_waiting(self) -> int:

@@ -10,14 +10,15 @@ import attrs
 from starlette.requests import Request
 from starlette.responses import Response
 
+from fdx import structured_outputs, tool_calling
+from fdx.chat_template import chat_options, echo_text
 from fdx.core.errors import RequestError
 from fdx.core.interfaces import ToolCallStream
 from fdx.core.messages import TokenLogprob
 from fdx.output_processor import OutputEvent
 from fdx.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest, chat_messages, parse_body
-from fdx.server.serving import structured, tool_calls
 from fdx.server.serving.generation import ChoiceResult, Generation, Prompt, json_logprob
-from fdx.server.serving.tool_calls import ToolCalling, merge, new_call_id
+from fdx.tool_calling import ToolCalling, merge, new_call_id
 
 if TYPE_CHECKING:
     from fdx.server.serving.endpoints import OpenAIServing
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 class ChatEndpoint:
     """Renders chat choices; with tools, each choice's text goes through its
-    tool-call stream (content and ``tool_calls``, see ``tool_calls.py``)."""
+    tool-call stream (content and ``tool_calls``, see ``fdx/tool_calling.py``)."""
 
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
@@ -133,27 +134,6 @@ class ChatEndpoint:
         return {"content": content}
 
 
-def echo_text(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
-    """vLLM's chat ``echo``: the last message's content when that message is
-    the assistant's (a continued final message), else nothing."""
-    if not req.echo or not messages or messages[-1].get("role") != "assistant":
-        return ""
-    return str(messages[-1].get("content") or "")
-
-
-def chat_options(req: ChatCompletionRequest) -> tuple[bool, bool, dict[str, Any]]:
-    """``(add_generation_prompt, continue_final_message, template variables)``
-    of a request (vLLM's semantics: setting both flags true is a 400; a
-    continued final message gets no generation prompt)."""
-    cont = bool(req.continue_final_message)
-    explicit_add = "add_generation_prompt" in req.model_fields_set and bool(req.add_generation_prompt)
-    if cont and explicit_add:
-        raise RequestError("'continue_final_message' and 'add_generation_prompt' cannot both be true", 400,
-                           param="continue_final_message")
-    add_gen = req.add_generation_prompt if req.add_generation_prompt is not None else True
-    return add_gen and not cont, cont, dict(req.chat_template_kwargs or {})
-
-
 @attrs.define
 class Rendered:
     """One conversation of a chat request, rendered and encoded."""
@@ -174,7 +154,7 @@ async def render(serving: OpenAIServing, req: ChatCompletionRequest) -> Rendered
     param_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     mml = serving.client.max_model_len
     add_gen, cont, template_vars = chat_options(req)
-    messages, calling = tool_calls.prepare(serving, req, messages, template_vars)
+    messages, calling = tool_calling.prepare(serving.config, serving.tokenizer, req, messages, template_vars)
     try:
         tok = await serving.prompts.encode_chat(messages, add_gen, mml - (explicit or 1), cont, template_vars)
     except RequestError:
@@ -213,7 +193,8 @@ async def chat(serving: OpenAIServing, request: Request, arrival: float) -> Resp
     r = await render(serving, req)
     max_tokens = r.explicit if r.explicit is not None else _default_max_tokens(serving, r.num_tokens)
     params = serving.params(req, max_tokens, num_lp)
-    params = await structured.constrain(serving, req, params, r.calling.spec if r.calling else None)
+    params = await structured_outputs.constrain(serving.config, serving.tokenizer.vocab_size, req, params,
+                                                r.calling.spec if r.calling else None)
     serving.check_length(r.num_tokens, max_tokens, r.param)
     return await serving.generate(request, "chatcmpl", req, [Prompt(r.ids, None)], params, arrival,
                                   ChatEndpoint(r.calling, [echo_text(req, r.messages)]))
@@ -241,7 +222,7 @@ async def chat_batch(serving: OpenAIServing, request: Request, arrival: float) -
     r0 = rendered[0]
     max_tokens = r0.explicit if r0.explicit is not None else _default_max_tokens(serving, longest)
     params = serving.params(batch, max_tokens, num_lp)
-    params = await structured.constrain(serving, batch, params)
+    params = await structured_outputs.constrain(serving.config, serving.tokenizer.vocab_size, batch, params)
     serving.check_length(longest, max_tokens, r0.param)
     prompts = [Prompt(r.ids, None) for r in rendered]
     echoes = [echo_text(c, r.messages) for c, r in zip(convs, rendered)]

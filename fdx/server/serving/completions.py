@@ -12,8 +12,8 @@ from starlette.responses import Response
 from fdx.core.errors import RequestError
 from fdx.core.messages import TokenLogprob
 from fdx.output_processor import OutputEvent
+from fdx import structured_outputs
 from fdx.server.protocol import CompletionRequest, parse_body
-from fdx.server.serving import structured
 from fdx.server.serving.generation import ChoiceResult, Generation, Prompt, json_logprob
 
 if TYPE_CHECKING:
@@ -153,7 +153,8 @@ async def completions(serving: OpenAIServing, request: Request, arrival: float) 
         raise RequestError("'suffix' is not supported", 400, param="suffix")
     max_tokens = req.max_tokens if req.max_tokens is not None else min(16, serving.defaults.max_tokens or 16)
     params = serving.params(req, max_tokens, req.logprobs)
-    params = await structured.constrain(serving, req, params)  # response_format / guided_* / logit_bias
+    # response_format / guided_* / logit_bias
+    params = await structured_outputs.constrain(serving.config, serving.tokenizer.vocab_size, req, params)
     prompts = await _prompts(serving, req, max_tokens)
     for p in prompts:
         serving.check_length(len(p.ids), max_tokens, "max_tokens")

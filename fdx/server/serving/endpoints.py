@@ -14,16 +14,16 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from fdx.beam_search import beam_params
 from fdx.config import EngineConfig
 from fdx.core.errors import ModelLoadError, RequestError
 from fdx.core.messages import ALL_LOGPROBS, MAX_ALL_LOGPROBS_PROMPT, KVTransferParams, SamplingParams
+from fdx.deploy.frontend import EngineFrontend, EngineUnavailable
 from fdx.generation_config import GenerationDefaults, load_generation_defaults
 from fdx.output_processor import OutputProcessor
-from fdx.deploy.frontend import EngineFrontend, EngineUnavailable
-from fdx.server.protocol import sampling_params
-from fdx.server.serving.beam_search import beam_params
+from fdx.prompt_tokenizer import PromptTokenizer
+from fdx.request_params import sampling_params
 from fdx.server.serving.generation import Endpoint, Generation, Prompt, respond
-from fdx.server.serving.prompts import PromptTokenizer
 from fdx.tracing import RequestTrace, config_tracer, refused_span
 
 log = logging.getLogger("fdx.server")

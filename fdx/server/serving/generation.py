@@ -3,7 +3,7 @@
 :class:`Generation` submits a request's ``len(prompts) * n`` engine
 requests (choice ``j`` of prompt ``p`` has index ``p * n + j`` and seed
 ``seed + j``; a beam search: one engine request per prompt, whose ``n``
-beams are its choices, :mod:`~fdx.server.serving.beam_search`), all feeding one sink queue, and turns what arrives into
+beams are its choices, :mod:`fdx.beam_search`), all feeding one sink queue, and turns what arrives into
 batches of :class:`~fdx.output_processor.OutputEvent` through the shared
 :class:`~fdx.output_processor.OutputProcessor` (the same one ``fdx.LLM``
 uses).  :func:`respond` builds the reply from that one event stream: SSE
@@ -30,11 +30,11 @@ import attrs
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from fdx.beam_search import BeamChoices, beam_events
 from fdx.core.errors import RequestError
 from fdx.core.messages import ALL_LOGPROBS, KVTransferParams, RequestOutput, SamplingParams, TokenLogprob
 from fdx.output_processor import ChoiceState, OutputEvent, OutputProcessor, Usage, choice_params
 from fdx.server.protocol import error_body
-from fdx.server.serving.beam_search import BeamChoices, beam_events
 from fdx.server.sse import EventStreamResponse
 
 if TYPE_CHECKING:

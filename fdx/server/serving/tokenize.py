@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 from fdx.core.errors import RequestError
+from fdx.chat_template import render_chat
 from fdx.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -22,7 +23,6 @@ from fdx.server.protocol import (
     openapi_body,
     parse_body,
 )
-from fdx.server.serving.prompts import render_chat
 
 if TYPE_CHECKING:
     from fdx.server.serving.endpoints import OpenAIServing

@@ -18,16 +18,15 @@ import asyncio
 import ctypes
 import functools
 import gc
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
 
+from fdx.chat_template import render_chat
+
 if TYPE_CHECKING:
     from fdx.core.interfaces import Tokenizer
-
-log = logging.getLogger("fdx.server")
 
 #: texts up to this many characters are tokenized inline (a thread hop costs more)
 INLINE_CHARS = 8192
@@ -77,8 +76,8 @@ class PromptTokenizer:
     async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, limit: int,
                           continue_final_message: bool = False,
                           template_vars: dict[str, Any] | None = None) -> Tokenized:
-        """Render the chat template (see :func:`render_chat`), then encode
-        it (no BOS added)."""
+        """Render the chat template (see :func:`fdx.chat_template.render_chat`),
+        then encode it (no BOS added)."""
         size = sum(len(m.get("content") or "") for m in messages)
         return await self._run(size, self._encode_chat, messages, add_generation_prompt, limit,
                                continue_final_message, template_vars or {})
@@ -113,30 +112,3 @@ class PromptTokenizer:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         n = len(ids)
         return Tokenized(ids if n <= limit else None, n)
-
-
-def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                continue_final_message: bool = False, template_vars: dict[str, Any] | None = None) -> str:
-    """The chat template rendered over ``messages`` (vLLM's semantics).
-
-    ``continue_final_message``: the prompt ends inside the last message
-    (rendered without a generation prompt, cut right after that message's
-    content), so the model continues it, e.g. a prefilled assistant answer.
-    Raises :class:`ValueError` when the template does not show the last
-    message's content.  ``template_vars`` (``chat_template_kwargs``) are
-    extra template variables; the fixed ones (``messages``, ...) win.
-    """
-    extra = {k: v for k, v in (template_vars or {}).items() if k not in ("messages", "add_generation_prompt")}
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt and
-                                         not continue_final_message, **extra)
-    if not continue_final_message:
-        return text
-    final = messages[-1].get("content") or ""
-    core = final.strip()
-    if not core or core not in text:
-        raise ValueError("continue_final_message is set, but the last message's content does not appear in the "
-                         "rendered chat (an empty last message cannot be continued)")
-    at = text.rindex(core)
-    keep = final.lstrip()  # the template kept the message's trailing spaces: keep them too
-    end = at + len(keep) if text[at:at + len(keep)] == keep else at + len(core)
-    return text[:end]

@@ -1,5 +1,7 @@
-"""Beam search at the API edge (vLLM's ``use_beam_search``, ``n``,
-``length_penalty``, ``early_stopping``; docs/OPENAI_API.md, "Beam search").
+"""Beam search at the request edge (vLLM's ``use_beam_search``, ``n``,
+``length_penalty``, ``early_stopping``; docs/OPENAI_API.md, "Beam search"):
+the request's fields -> the engine's beam params, and one engine request's
+beams -> its ``n`` choices' events.
 
 :func:`beam_params` checks a request's fields and turns them into the
 engine's :class:`~fdx.core.messages.SamplingParams` (``beam_width = n``).

@@ -1,5 +1,6 @@
 """Tool calling in chat completions: ``tools``, ``tool_choice``,
-``parallel_tool_calls``.
+``parallel_tool_calls`` (what they mean for the prompt, the grammar and the
+reply; ``fdx/server/serving/chat.py`` serves them).
 
 * **The prompt.**  When the model's chat template reads ``tools`` it gets
   them as a template variable; otherwise (the embedded SmolLM2) a system
@@ -35,8 +36,8 @@ from fdx.core.messages import StructuredOutput
 from fdx.plugins.tool_parsers.json_calls import CallScanner, parse_calls
 
 if TYPE_CHECKING:
+    from fdx.config import EngineConfig
     from fdx.server.protocol import ChatCompletionRequest, ToolSpec
-    from fdx.server.serving.endpoints import OpenAIServing
 
 #: the tool parser of this process, by name
 _PARSERS: dict[str, ToolParser] = {}
@@ -50,14 +51,14 @@ TOOLS_PROMPT = (
 )
 
 
-def tool_parser(serving: OpenAIServing) -> ToolParser:
+def tool_parser(config: EngineConfig) -> ToolParser:
+    """The process's ``--tool-call-parser`` (created on first use)."""
     from fdx.core.plugins import get_plugins
 
-    name = serving.config.tool_call_parser
+    name = config.tool_call_parser
     p = _PARSERS.get(name)
     if p is None:
-        p = _PARSERS[name] = get_plugins(serving.config.disable_plugins).create("tool_parser", name,
-                                                                               config=serving.config)
+        p = _PARSERS[name] = get_plugins(config.disable_plugins).create("tool_parser", name, config=config)
     return p
 
 
@@ -191,7 +192,7 @@ def required_schema(tools: list[ToolSpec], parallel: bool) -> dict[str, Any]:
     return schema
 
 
-def prepare(serving: OpenAIServing, req: ChatCompletionRequest, messages: list[dict[str, Any]],
+def prepare(config: EngineConfig, tokenizer: Any, req: ChatCompletionRequest, messages: list[dict[str, Any]],
             template_vars: dict[str, Any]) -> tuple[list[dict[str, Any]], ToolCalling | None]:
     """The messages to render (tools shown, history written back) and how the
     output is read; ``template_vars`` gains ``tools`` when the template reads them."""
@@ -209,7 +210,7 @@ def prepare(serving: OpenAIServing, req: ChatCompletionRequest, messages: list[d
     if choice == "none":
         return messages, None
     parallel = req.parallel_tool_calls is not False
-    calling = ToolCalling("auto", parallel, tool_parser(serving))
+    calling = ToolCalling("auto", parallel, tool_parser(config))
     if choice == "required":
         calling.mode = "required"
         calling.spec = (StructuredOutput("json", json.dumps(required_schema(tools, parallel), ensure_ascii=False)),
@@ -223,7 +224,7 @@ def prepare(serving: OpenAIServing, req: ChatCompletionRequest, messages: list[d
         params = tool.function.parameters if tool.function.parameters is not None else {"type": "object"}
         calling.mode, calling.name = "named", name
         calling.spec = (StructuredOutput("json", json.dumps(params, ensure_ascii=False)), "tools")
-    template = getattr(serving.tokenizer, "chat_template", None) or ""
+    template = getattr(tokenizer, "chat_template", None) or ""
     if "tools" in template:
         template_vars.setdefault("tools", [function_json(t) for t in tools])
     else:

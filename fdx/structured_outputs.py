@@ -7,7 +7,7 @@ The request fields -- OpenAI's ``response_format`` (``json_object``,
 :class:`~fdx.core.messages.StructuredOutput` on the request's
 :class:`~fdx.core.messages.SamplingParams` (at most one constraint per
 request; ``tool_choice`` ``required`` or a named function brings its own,
-see ``tool_calls.py``).  Before anything reaches the engine the spec is
+see ``fdx/tool_calling.py``).  Before anything reaches the engine the spec is
 compiled by the grammar backend (``--grammar-backend``, created once in this
 process) in a worker thread, so a bad schema, regex or grammar is a 400
 naming the field, never an engine error; the backend caches what it
@@ -28,8 +28,8 @@ from fdx.core.errors import RequestError
 from fdx.core.messages import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
+    from fdx.config import EngineConfig
     from fdx.core.interfaces import GrammarBackend
-    from fdx.server.serving.endpoints import OpenAIServing
 
 log = logging.getLogger("fdx.server")
 
@@ -37,12 +37,11 @@ log = logging.getLogger("fdx.server")
 _BACKENDS: dict[tuple[str, str | None, int], GrammarBackend] = {}
 
 
-def grammar_backend(serving: OpenAIServing) -> GrammarBackend:
+def grammar_backend(cfg: EngineConfig, vocab_size: int) -> GrammarBackend:
     """The API process's grammar backend (created on first use)."""
     from fdx.core.plugins import get_plugins
 
-    cfg = serving.config
-    key = (cfg.grammar_backend, cfg.model, int(serving.tokenizer.vocab_size))
+    key = (cfg.grammar_backend, cfg.model, int(vocab_size))
     backend = _BACKENDS.get(key)
     if backend is None:
         backend = get_plugins(cfg.disable_plugins).create("grammar_backend", cfg.grammar_backend, config=cfg,
@@ -51,17 +50,17 @@ def grammar_backend(serving: OpenAIServing) -> GrammarBackend:
     return backend
 
 
-def warm_grammar(serving: OpenAIServing) -> None:
+def warm_grammar(config: EngineConfig, vocab_size: int) -> None:
     """The backend's one-time warm-up (llguidance: its tokenizer, ~0.5 s
     holding the GIL) at start-up, so the first structured request does not
     stall every stream of this process; a failure is logged (a structured
     request then reports it)."""
-    if not serving.config.grammar_backend:
+    if not config.grammar_backend:
         return
     try:
-        grammar_backend(serving).warm()
+        grammar_backend(config, vocab_size).warm()
     except Exception:  # noqa: BLE001
-        log.warning("grammar backend %r failed to warm up", serving.config.grammar_backend, exc_info=True)
+        log.warning("grammar backend %r failed to warm up", config.grammar_backend, exc_info=True)
 
 
 def _schema_text(schema: Any, param: str) -> str:
@@ -145,9 +144,9 @@ def logit_bias(req: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
-async def check_spec(serving: OpenAIServing, spec: StructuredOutput, param: str) -> None:
+async def check_spec(config: EngineConfig, vocab_size: int, spec: StructuredOutput, param: str) -> None:
     """Compile ``spec`` (in a worker thread; cached by the backend): a bad one is a 400 naming ``param``."""
-    backend = grammar_backend(serving)
+    backend = grammar_backend(config, vocab_size)
     try:
         await asyncio.to_thread(backend.matcher, spec)
     except ValueError as exc:
@@ -155,11 +154,11 @@ async def check_spec(serving: OpenAIServing, spec: StructuredOutput, param: str)
     except ImportError as exc:  # the backend's package is not installed: say so
         raise RequestError(str(exc), 500, param=param) from None
     except Exception:  # noqa: BLE001 - a backend bug fails this request only
-        log.exception("grammar backend %r failed to compile a %s spec", serving.config.grammar_backend, spec.kind)
+        log.exception("grammar backend %r failed to compile a %s spec", config.grammar_backend, spec.kind)
         raise RequestError(f"the grammar backend failed on '{param}'", 500, param=param) from None
 
 
-async def constrain(serving: OpenAIServing, req: Any, params: SamplingParams,
+async def constrain(config: EngineConfig, vocab_size: int, req: Any, params: SamplingParams,
                     tool_spec: tuple[StructuredOutput, str] | None = None) -> SamplingParams:
     """``params`` with the request's structured output (checked) and ``logit_bias``."""
     found = requested_spec(req)
@@ -167,9 +166,9 @@ async def constrain(serving: OpenAIServing, req: Any, params: SamplingParams,
         raise RequestError(f"'{found[1]}' cannot be combined with tool_choice 'required' or a named function", 400,
                            param=found[1])
     found = found or tool_spec
-    bias = logit_bias(req, serving.tokenizer.vocab_size)
+    bias = logit_bias(req, vocab_size)
     if found is None and not bias:
         return params
     if found is not None:
-        await check_spec(serving, *found)
+        await check_spec(config, vocab_size, *found)
     return attrs.evolve(params, structured=found[0] if found else None, logit_bias=bias)
