@@ -11,6 +11,6 @@
 * :mod:`fdx.deploy.affinity` -- prefix-affine, load-aware routing, shared
   by the dp replicas and the splitwise router.
 
-The built-in deployments (``single``, ``dp``, ``splitwise``) live in
+The built-in deployments (``single``, ``dp``, ``splitwise``, ``dp+splitwise``) live in
 ``fdx/plugins/deployments/`` and register as any third-party one does.
 """
