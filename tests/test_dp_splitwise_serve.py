@@ -45,7 +45,15 @@ def reference() -> Iterator[str]:
 def dps() -> Iterator[dict[str, Any]]:
     with start_server("--deployment", "dp+splitwise", "--data-parallel-size", "2", "--splitwise-handoff-timeout",
                       "600", *COMMON, timeout=600) as (base, proc):
+        # the router is healthy with one P and one D up: wait for all four
+        _wait(lambda: _all_serving(base), 300, f"not every instance came up: {_health(base)}")
         yield {"router": base, "proc": proc}
+
+
+def _all_serving(router: str) -> bool:
+    h = _health(router)
+    return len(h["engines"]) == 4 and all(e["state"] == "serving" for e in h["engines"]) and \
+        all(i["up"] for i in h["prefill"] + h["decode"])
 
 
 def _health(router: str) -> dict[str, Any]:
@@ -140,7 +148,7 @@ def test_sigkill_of_one_decode_instance_under_streams(dps: dict[str, Any]) -> No
     assert not any(pid_alive(pid) for pid in killed)
     _wait(lambda: metric_value(survivor, "fdx:kv_blocks_used") == 0, 60, "the survivor still holds KV blocks")
     # the deployment starts the dead instance again; every engine serves again, and requests do
-    _wait(lambda: _healthy(dead) and all(e["state"] == "serving" for e in _health(router)["engines"]), 300,
+    _wait(lambda: _healthy(dead) and _all_serving(router), 300,
           "the killed decode instance did not come back")
     assert "the decode0 child" in read_log(proc, 400_000)
     for p in _prompts(4, seed=317, lo=16, hi=64):

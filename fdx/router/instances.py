@@ -63,6 +63,7 @@ class Instance:
     engine_pid: int | None = None
     misconfigured: str | None = None
     probe_failures: int = 0
+    #: requests routed to it (for a P: prompts it was picked to prefill)
     given: int = 0
     flights: set[Flight] = attrs.field(factory=set)
     #: its ``/health``'s ``engines`` (name, pid, state, rank_pids), as last read
@@ -300,6 +301,7 @@ class InstancePool:
         flight.target.given += 1
         if flight.prefill is not None:
             flight.prefill.flights.add(flight)
+            flight.prefill.given += 1
 
     def handed_off(self, flight: Flight) -> None:
         flight.handed_off = True
