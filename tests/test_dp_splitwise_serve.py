@@ -9,7 +9,9 @@ and the router, as managed children.
 * the requests land on both P and both D: each instance's own
   ``fdx:splitwise_handoffs_total`` (P: KV sent, D: KV inserted) grew;
 * a pause through the router reaches every instance (each one's own
-  ``/v1/is_paused``), the reply lists each, and a resume serves again;
+  ``/v1/is_paused``), the reply lists each, and a resume serves again; a
+  sleep (KV cache) and wakeup too; an update_weights every instance
+  refuses answers their 403 with each one's reply;
 * SIGKILL of one D instance under a few streams: every stream ends (done,
   or a 5xx error event / status), the other D's streams finish, the dead
   instance is started again and the deployment serves again.
@@ -100,7 +102,33 @@ def test_greedy_parity_over_both_prefill_and_both_decode(dps: dict[str, Any], re
     decode = _urls(router, "decode")
     assert sum(_handoffs(u) - before[u] for u in decode) == N_PARITY + 3
     assert all(metric_value(u, "fdx:splitwise_recomputed_prompt_tokens_total") == 0 for u in decode)
-    assert all(i["given"] > 0 for i in _health(router)["prefill"] + _health(router)["decode"])
+    h = _health(router)
+    assert all(i["given"] > 0 for i in h["prefill"] + h["decode"])
+    print("handoffs per instance:", {u: _handoffs(u) - before[u] for u in insts},
+          "given:", {i["url"]: i["given"] for i in h["prefill"] + h["decode"]})
+
+
+def test_sleep_and_a_refused_call_report_every_instance(dps: dict[str, Any]) -> None:
+    router = dps["router"]
+    insts = sorted(_urls(router, "prefill") + _urls(router, "decode"))
+    r = httpx.post(router + "/v1/sleep?tags=kv_cache", timeout=300)
+    try:
+        assert r.status_code == 200, r.text
+        res = r.json()["result"]
+        assert res["sleeping"] == ["kv_cache"] and sorted(e["url"] for e in res["instances"]) == insts
+        assert all(e["reply"]["result"]["sleeping"] == ["kv_cache"] for e in res["instances"]), res
+        assert httpx.get(router + "/is_sleeping", timeout=30).json() == {"is_sleeping": True}
+    finally:
+        r = httpx.post(router + "/v1/wakeup?tags=kv_cache", timeout=300)
+    assert r.status_code == 200 and r.json()["result"]["sleeping"] == [], r.text
+    assert all(httpx.get(u + "/v1/is_paused", timeout=30).json()["result"]["sleeping"] == [] for u in insts)
+    # every instance refuses (no --allowed-weights-dir): the router answers that status and lists each reply
+    r = httpx.post(router + "/v1/update_weights", json={"path": "/tmp"}, timeout=120)
+    assert r.status_code == 403, r.text
+    body = r.json()
+    assert body["error"]["code"] == 403 and "4 of 4 instances failed" in body["error"]["message"]
+    assert sorted((e["url"], e["status_code"]) for e in body["result"]["instances"]) == [(u, 403) for u in insts]
+    assert _complete(router, _prompts(1, seed=318)[0], 4)["usage"]["completion_tokens"] == 4
 
 
 def test_pause_reaches_every_instance(dps: dict[str, Any]) -> None:
@@ -145,11 +173,14 @@ def test_sigkill_of_one_decode_instance_under_streams(dps: dict[str, Any]) -> No
     assert len(ok) + len(failed) == N_STREAMS, [o for o in outs if o not in ok and o not in failed]
     assert all(o.get("error", {}).get("code", o.get("status")) in (500, 502, 503, 504) for o in failed), failed
     assert ok, "no stream finished on the surviving decode instance"
+    print(f"after SIGKILL of {dead}: {len(ok)} streams finished, {len(failed)} ended with a 5xx, "
+          f"last one {max(o['ended'] for o in outs) - t_kill:.1f}s after the kill")
     assert not any(pid_alive(pid) for pid in killed)
     _wait(lambda: metric_value(survivor, "fdx:kv_blocks_used") == 0, 60, "the survivor still holds KV blocks")
     # the deployment starts the dead instance again; every engine serves again, and requests do
     _wait(lambda: _healthy(dead) and _all_serving(router), 300,
           "the killed decode instance did not come back")
+    print(f"every engine serving again {time.monotonic() - t_kill:.1f}s after the kill")
     assert "the decode0 child" in read_log(proc, 400_000)
     for p in _prompts(4, seed=317, lo=16, hi=64):
         assert _complete(router, p, 4)["usage"]["completion_tokens"] == 4
