@@ -148,8 +148,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         return RelayResponse(pool, plan, upstream, metrics, span)
 
     app.add_api_route("/v1/completions", generate, methods=["POST"])
-    add_control_routes(app, pool, config.control_api_key or config.api_key)  # fdx.router.control
     app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
+    add_control_routes(app, pool, config.control_api_key or config.api_key)  # fdx.router.control
     return app
 
 

@@ -68,8 +68,6 @@ class Instance:
     flights: set[Flight] = attrs.field(factory=set)
     #: its ``/health``'s ``engines`` (name, pid, state, rank_pids), as last read
     engines: list[dict[str, Any]] = attrs.field(factory=list)
-    #: its launcher's pid (its ``/health``), as last read
-    launcher_pid: int | None = None
 
     @property
     def kv_addr(self) -> str | None:
@@ -173,8 +171,6 @@ class InstancePool:
         data = _json(body)
         if isinstance(data.get("engines"), list):
             inst.engines = data["engines"]
-        if isinstance(data.get("launcher_pid"), int):
-            inst.launcher_pid = data["launcher_pid"]
         if status != 200:
             msg = ((data.get("error") or {}).get("message") if isinstance(data.get("error"), dict) else None)
             self.mark_down(inst, f"/health answered {status}" + (f": {msg}" if msg else ""))

@@ -42,7 +42,7 @@ from typing import Any
 
 import attrs
 
-from fdx.config import EngineConfig
+from fdx.config import DP_SPLITWISE, EngineConfig
 from fdx.logs import setup_logging
 from fdx.deploy.launcher import RestartPolicy, child_config_json, describe_exit, signal_child, spawn_child, wait_child
 
@@ -58,7 +58,7 @@ def is_managed(config: EngineConfig) -> bool:
     or ``dp+splitwise`` deployment)."""
     from fdx.deploy.deployment import deployment_name
 
-    return deployment_name(config) in ("splitwise", "dp+splitwise")
+    return deployment_name(config) in ("splitwise", DP_SPLITWISE)
 
 
 def _free_port(host: str) -> int:
@@ -94,7 +94,7 @@ def topology_children(config: EngineConfig) -> list[Child]:
             port = _free_port(config.host)
             # each instance is a ``single`` deployment (a dp+splitwise rank k of its role: dp_rank k)
             cfg = config.replace(splitwise_role=role, port=port, num_prefill=0, num_decode=0, deployment=None,
-                                 data_parallel_size=1, dp_rank=k if config.deployment == "dp+splitwise" else 0)
+                                 data_parallel_size=1, dp_rank=k if config.deployment == DP_SPLITWISE else 0)
             url = f"http://{config.host}:{port}"
             urls[role].append(url)
             kids.append(Child(f"{role}{k}", "fdx.router.topology", child_config_json(cfg, engine=False),
