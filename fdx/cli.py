@@ -74,11 +74,13 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     k = p.add_argument_group("components (chosen by name; see `fdx plugins`)")
     k.add_argument("--deployment",
                    help="deployment plugin: how fdx serve lays out its processes (default: single; dp with "
-                        "--scheduler dp; splitwise with --num-prefill/--num-decode; see `fdx plugins`)")
+                        "--scheduler dp; splitwise with --num-prefill/--num-decode; dp+splitwise: --data-parallel-size "
+                        "prefill and decode instances behind the router; see `fdx plugins`)")
     k.add_argument("--scheduler", help="scheduler plugin (default v1; dp: --data-parallel-size replicas)")
     k.add_argument("--data-parallel-size", type=int,
                    help="with --scheduler dp: engine processes (replicas) behind the one API server, each "
-                        "with its own batch policy, KV cache and --num-threads threads (default 1)")
+                        "with its own batch policy, KV cache and --num-threads threads (default 1); with "
+                        "--deployment dp+splitwise: prefill and decode instances of each role")
     k.add_argument("--tensor-parallel-size", "-tp", type=int,
                    help="split the model over N ranks (worker processes) on this host (or --nnodes hosts), "
                         "Megatron-style: each "

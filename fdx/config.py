@@ -241,6 +241,8 @@ def make_config(**kwargs: Any) -> EngineConfig:
             kwargs["generation_config"] = os.path.abspath(os.path.expanduser(kwargs["generation_config"]))
     if kwargs.get("splitwise_role") and not kwargs.get("kv_connector"):
         kwargs["kv_connector"] = "zmq"
+    if kwargs.get("deployment") == DP_SPLITWISE:  # its instances run the splitwise scheduler
+        kwargs.setdefault("scheduler", "splitwise")
     if isinstance(kwargs.get("disable_plugins"), list):
         kwargs["disable_plugins"] = tuple(kwargs["disable_plugins"])
     if isinstance(kwargs.get("allowed_weights_dirs"), str):  # FDX_ALLOWED_WEIGHTS_DIRS=dir1:dir2
@@ -258,8 +260,11 @@ def make_config(**kwargs: Any) -> EngineConfig:
         cfg = EngineConfig(**kwargs)
     except TypeError as exc:
         raise ConfigError(str(exc)) from None
-    if cfg.data_parallel_size > 1 and cfg.scheduler != "dp":
-        raise ConfigError(f"--data-parallel-size {cfg.data_parallel_size} needs --scheduler dp")
+    if cfg.deployment == DP_SPLITWISE:
+        _check_dp_splitwise(cfg)
+    elif cfg.data_parallel_size > 1 and cfg.scheduler != "dp":
+        raise ConfigError(f"--data-parallel-size {cfg.data_parallel_size} needs --scheduler dp (replicas behind one "
+                          f"API server) or --deployment {DP_SPLITWISE} (that many prefill and decode instances)")
     cfg = _check_nodes(cfg)
     if cfg.dp_backend not in ("local", "redis"):
         raise ConfigError(f"--dp-backend must be local or redis, got {cfg.dp_backend!r}")
@@ -277,7 +282,7 @@ def make_config(**kwargs: Any) -> EngineConfig:
         raise ConfigError("--splitwise-role and --kv-connector need --scheduler splitwise")
     if cfg.splitwise_local_scheduler in ("splitwise", "dp"):
         raise ConfigError("--splitwise-local-scheduler must name a batch policy (v1, v0, ...)")
-    if cfg.num_prefill or cfg.num_decode:
+    if (cfg.num_prefill or cfg.num_decode) and cfg.deployment != DP_SPLITWISE:
         if cfg.scheduler != "splitwise" or cfg.splitwise_role is not None:
             raise ConfigError("--num-prefill/--num-decode need --scheduler splitwise and no --splitwise-role")
         if not (cfg.num_prefill and cfg.num_decode):
@@ -294,6 +299,30 @@ def make_config(**kwargs: Any) -> EngineConfig:
             f"--max-num-batched-tokens ({cfg.max_num_batched_tokens}) must be >= --block-size ({cfg.block_size})"
         )
     return cfg
+
+
+#: the deployment of several prefill and decode instances behind the router
+#: (fdx/plugins/deployments/dp_splitwise.py), whose flags are checked here
+DP_SPLITWISE = "dp+splitwise"
+
+
+def _check_dp_splitwise(cfg: EngineConfig) -> None:
+    """``--deployment dp+splitwise``: splitwise instances, no role, no
+    replicas inside an instance; one-line errors naming the choices."""
+    if cfg.scheduler != "splitwise":
+        raise ConfigError(f"--deployment {DP_SPLITWISE} runs --scheduler splitwise instances, got --scheduler "
+                          f"{cfg.scheduler}; for replicas of one engine use --deployment dp (--scheduler dp)")
+    if cfg.splitwise_role is not None:
+        raise ConfigError(f"--deployment {DP_SPLITWISE} starts its own prefill and decode instances: drop "
+                          f"--splitwise-role {cfg.splitwise_role} (or serve one instance with --deployment single)")
+    if cfg.dp_backend != "local":
+        raise ConfigError(f"--deployment {DP_SPLITWISE} runs on one machine: --dp-backend must be local")
+
+
+def dp_splitwise_counts(cfg: EngineConfig) -> tuple[int, int]:
+    """``(prefill, decode)`` instances of ``--deployment dp+splitwise``:
+    ``--num-prefill``/``--num-decode`` when given, else ``--data-parallel-size`` each."""
+    return cfg.num_prefill or cfg.data_parallel_size, cfg.num_decode or cfg.data_parallel_size
 
 
 def _check_nodes(cfg: EngineConfig) -> EngineConfig:

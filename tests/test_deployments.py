@@ -5,6 +5,7 @@ prompts through a real ``fdx serve --deployment round_robin``."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ def test_builtin_deployments_register_through_the_hook() -> None:
     from fdx.core.plugins import get_plugins
 
     names = set(get_plugins().registries["deployment"].names())
-    assert {"single", "dp", "splitwise"} <= names
+    assert {"single", "dp", "splitwise", "dp+splitwise"} <= names
 
 
 def test_an_unknown_deployment_lists_the_choices() -> None:
@@ -40,7 +41,50 @@ def test_an_unknown_deployment_lists_the_choices() -> None:
                        timeout=120)
     assert r.returncode != 0
     line = r.stderr.strip().splitlines()[-1]
-    assert "nope" in line and all(n in line for n in ("single", "dp", "splitwise")), r.stderr[-1500:]
+    assert "nope" in line and all(n in line for n in ("single", "dp", "splitwise", "dp+splitwise")), \
+        r.stderr[-1500:]
+
+
+def test_dp_splitwise_lays_out_prefill_and_decode_ranks() -> None:
+    from fdx.config import make_config
+    from fdx.core.plugins import get_plugins
+    from fdx.deploy.deployment import create_deployment
+    from fdx.router.topology import topology_children
+
+    cfg = make_config(deployment="dp+splitwise", data_parallel_size=2, port=18000, num_threads=1)
+    assert cfg.scheduler == "splitwise"  # implied
+    dep = create_deployment(cfg, get_plugins())
+    assert (dep.config.num_prefill, dep.config.num_decode) == (2, 2)
+    kids = topology_children(dep.config)
+    assert [k.name for k in kids] == ["prefill0", "prefill1", "decode0", "decode1", "router"]
+    inst = [json.loads(k.config_json) for k in kids[:4]]
+    assert [(c["splitwise_role"], c["dp_rank"]) for c in inst] == [("prefill", 0), ("prefill", 1), ("decode", 0),
+                                                                   ("decode", 1)]
+    # each instance is a single deployment of one engine (no recursion into dp+splitwise)
+    assert all(c["deployment"] is None and c["data_parallel_size"] == 1 and c["num_prefill"] == c["num_decode"] == 0
+               for c in inst)
+    router = json.loads(kids[4].config_json)
+    assert router["prefill"] == [k.url for k in kids[:2]] and router["decode"] == [k.url for k in kids[2:4]]
+    # the splitwise flags set the counts apart
+    dep = create_deployment(make_config(deployment="dp+splitwise", data_parallel_size=2, num_decode=3), get_plugins())
+    assert (dep.config.num_prefill, dep.config.num_decode) == (2, 3)
+    # an explicit --deployment splitwise runs its instances as single deployments too
+    kids = topology_children(make_config(deployment="splitwise", scheduler="splitwise", num_prefill=1, num_decode=1))
+    assert all(json.loads(k.config_json)["deployment"] is None for k in kids[:2])
+
+
+@pytest.mark.parametrize("flags,words", [
+    (("--deployment", "dp+splitwise", "--scheduler", "v1"), ("--scheduler splitwise", "--deployment dp")),
+    (("--deployment", "dp+splitwise", "--splitwise-role", "decode"), ("--splitwise-role", "--deployment single")),
+    (("--deployment", "dp+splitwise", "--dp-backend", "redis", "--redis-url", "redis://127.0.0.1:1"), ("local",)),
+    (("--scheduler", "splitwise", "--num-prefill", "1", "--num-decode", "1", "--data-parallel-size", "2"),
+     ("--scheduler dp", "--deployment dp+splitwise")),
+])
+def test_a_bad_dp_splitwise_combination_is_one_line(flags: tuple[str, ...], words: tuple[str, ...]) -> None:
+    r = subprocess.run(serve_command(*flags, "--port", "1"), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), r.stderr[-1500:]
 
 
 def test_a_third_party_deployment_serves_the_parity_prompts(tmp_path: Path) -> None:

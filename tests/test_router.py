@@ -142,6 +142,20 @@ def test_managed_topology_config() -> None:
     assert router["prefill"] == [k.url for k in kids[:2]] and router["decode"] == [kids[2].url]
 
 
+def test_control_replies_merge_over_the_instances() -> None:
+    from fdx.router.control import merge
+
+    assert merge("pause", [{"is_paused": True, "num_aborted": 2}, {"is_paused": True, "num_aborted": 1}]) == {
+        "is_paused": True, "num_aborted": 3}
+    assert merge("is_paused", [{"is_paused": True, "sleeping": []}, {"is_paused": False, "sleeping": ["weight"]}]) \
+        == {"is_paused": False, "sleeping": ["weight"]}
+    got = merge("abort_requests", [{"aborted": [{"request_id": "a"}], "not_found": ["b"]},
+                                   {"aborted": [], "not_found": ["a", "b"]}])
+    assert got == {"aborted": [{"request_id": "a"}], "not_found": ["b"]}
+    assert merge("update_weights", [{"version": "v2", "took": 1.0}, {"version": "v2", "took": 2.0}]) == {
+        "version": "v2"}
+
+
 # ----------------------------------------------------------------------------- real processes
 
 

@@ -15,6 +15,6 @@
 * :mod:`fdx.deploy.status_board` -- how a launched child reports its
   start-up to the launcher and notices it gone.
 
-The built-in deployments (``single``, ``dp``, ``splitwise``) live in
+The built-in deployments (``single``, ``dp``, ``splitwise``, ``dp+splitwise``) live in
 ``fdx/plugins/deployments/`` and register as any third-party one does.
 """

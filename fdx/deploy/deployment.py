@@ -2,7 +2,8 @@
 
 A deployment (``fdx_register_deployments``, chosen with ``--deployment``;
 by default ``single``, ``dp`` under ``--scheduler dp``, ``splitwise`` with
-``--num-prefill``/``--num-decode``, ``tp-node`` with ``--node-rank K > 0``) declares:
+``--num-prefill``/``--num-decode``, ``tp-node`` with ``--node-rank K > 0``;
+``dp+splitwise`` only by name) declares:
 
 * :meth:`Deployment.engines` -- the engine processes to run, each with its
   own IPC channel pair and config.  The launcher (:mod:`fdx.deploy.launcher`)

@@ -5,7 +5,10 @@ Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions``
 instance's answer), ``GET /health`` (200 while at least one P and one D
 are up, else 503 with the OpenAI error envelope; the body lists every
 instance: url, role, up, in_flight, kv_connector, the reason it is down),
-``GET /metrics`` (:class:`fdx.router.metrics.RouterMetrics`).  With an API
+``GET /metrics`` (:class:`fdx.router.metrics.RouterMetrics`), the control
+routes, each sent to every instance (:mod:`fdx.router.control`).  ``/health``
+also lists every engine process of the deployment under ``engines`` (each
+instance's own list: name, pid, state).  With an API
 key (``--api-key`` / ``FDX_API_KEY``) every ``/v1/*`` route needs
 ``Authorization: Bearer KEY``; the client's header is passed on to the
 instances (which run with the same key).  Errors are OpenAI envelopes.
@@ -25,6 +28,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from fdx.router.control import add_control_routes, instance_name
 from fdx.router.instances import InstancePool
 from fdx.router.metrics import CONTENT_TYPE, RouterMetrics
 from fdx.router.proxy import FORWARD_HEADERS, RelayResponse, plan_request
@@ -98,7 +102,10 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         body = {"router_pid": os.getpid(), "launcher_pid": os.getppid(),
-                "prefill": [i.describe() for i in pool.prefill], "decode": [i.describe() for i in pool.decode]}
+                "prefill": [i.describe() for i in pool.prefill], "decode": [i.describe() for i in pool.decode],
+                # every engine process of the deployment, as each instance's /health lists its own
+                "engines": [{**e, "name": f"{instance_name(i)} {e['name']}", "instance": instance_name(i),
+                             "role": i.role, "url": i.url} for i in pool.instances for e in i.engine_health()]}
         p, d = pool.up("prefill"), pool.up("decode")
         if p and d:
             return JSONResponse({"status": "ok", **body})
@@ -142,6 +149,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     app.add_api_route("/v1/completions", generate, methods=["POST"])
     app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
+    add_control_routes(app, pool, config.control_api_key or config.api_key)  # fdx.router.control
     return app
 
 

@@ -36,6 +36,8 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    #: the instances' ``--control-api-key`` (``None``: ``api_key``), checked before a control call fans out
+    control_api_key: str | None = None
     #: seconds between two /health probes of every instance
     probe_interval: float = attrs.field(default=1.0, validator=_positive)
     #: seconds a probe (or an info / metrics read) may take

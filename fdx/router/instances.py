@@ -63,8 +63,11 @@ class Instance:
     engine_pid: int | None = None
     misconfigured: str | None = None
     probe_failures: int = 0
+    #: requests routed to it (for a P: prompts it was picked to prefill)
     given: int = 0
     flights: set[Flight] = attrs.field(factory=set)
+    #: its ``/health``'s ``engines`` (name, pid, state, rank_pids), as last read
+    engines: list[dict[str, Any]] = attrs.field(factory=list)
 
     @property
     def kv_addr(self) -> str | None:
@@ -74,6 +77,13 @@ class Instance:
     def in_flight(self) -> int:
         return len(self.flights)
 
+    def engine_health(self) -> list[dict[str, Any]]:
+        """Its engines as its ``/health`` last listed them, ``unavailable``
+        while the instance is down."""
+        return [{"name": str(e.get("name", "engine")), "pid": e.get("pid"),
+                 "state": e.get("state") if self.up else "unavailable", "rank_pids": e.get("rank_pids") or []}
+                for e in self.engines if isinstance(e, dict)]
+
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"url": self.url, "role": self.role, "up": self.up,
                                "splitwise": self.splitwise, "in_flight": self.in_flight}
@@ -82,6 +92,8 @@ class Instance:
             out["kv_addr"] = self.info.get("kv_addr")
         if self.engine_pid is not None:
             out["engine_pid"] = self.engine_pid
+        out["given"] = self.given
+        out["engines"] = self.engine_health()
         if not self.up:
             out["reason"] = self.misconfigured or self.reason
         return out
@@ -157,6 +169,8 @@ class InstancePool:
             return
         inst.probe_failures = 0
         data = _json(body)
+        if isinstance(data.get("engines"), list):
+            inst.engines = data["engines"]
         if status != 200:
             msg = ((data.get("error") or {}).get("message") if isinstance(data.get("error"), dict) else None)
             self.mark_down(inst, f"/health answered {status}" + (f": {msg}" if msg else ""))
@@ -283,6 +297,7 @@ class InstancePool:
         flight.target.given += 1
         if flight.prefill is not None:
             flight.prefill.flights.add(flight)
+            flight.prefill.given += 1
 
     def handed_off(self, flight: Flight) -> None:
         flight.handed_off = True

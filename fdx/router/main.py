@@ -37,6 +37,9 @@ def build_parser(prog: str = "fdx router") -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("FDX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* and send it to the instances "
                         "(default $FDX_API_KEY)")
+    p.add_argument("--control-api-key", default=os.environ.get("FDX_CONTROL_API_KEY"),
+                   help="the key the control routes (sent to every instance) need, the instances' own "
+                        "--control-api-key (default --api-key; $FDX_CONTROL_API_KEY)")
     p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes (default 1)")
     p.add_argument("--probe-timeout", type=float, default=3.0, help="seconds a health probe may take (default 3)")
     p.add_argument("--connect-timeout", type=float, default=3.0,
@@ -50,7 +53,8 @@ def build_parser(prog: str = "fdx router") -> argparse.ArgumentParser:
 def config_from_argv(argv: Sequence[str]) -> RouterConfig:
     args = build_parser().parse_args(list(argv))
     return RouterConfig(prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
-                        api_key=args.api_key or None, probe_interval=args.probe_interval,
+                        api_key=args.api_key or None,
+                        control_api_key=args.control_api_key or None, probe_interval=args.probe_interval,
                         probe_timeout=args.probe_timeout, connect_timeout=args.connect_timeout,
                         log_level=args.log_level, otlp_traces_endpoint=args.otlp_traces_endpoint)
 

@@ -1,4 +1,5 @@
-"""``fdx serve --scheduler splitwise --num-prefill N --num-decode M``: a splitwise topology on one machine.
+"""``fdx serve --scheduler splitwise --num-prefill N --num-decode M``: a splitwise topology on one machine
+(also ``--deployment dp+splitwise --data-parallel-size N``: N of each, every rank an instance).
 
 ``fdx serve`` (:mod:`fdx.cli`) hands such a config to :func:`run_topology`
 (any other to :func:`fdx.deploy.launcher.serve`), which stays in the
@@ -41,7 +42,7 @@ from typing import Any
 
 import attrs
 
-from fdx.config import EngineConfig
+from fdx.config import DP_SPLITWISE, EngineConfig
 from fdx.logs import setup_logging
 from fdx.deploy.launcher import RestartPolicy, child_config_json, describe_exit, signal_child, spawn_child, wait_child
 
@@ -53,10 +54,11 @@ POLL_S = 0.2
 
 
 def is_managed(config: EngineConfig) -> bool:
-    """Whether ``config`` asks for this managed topology (the ``splitwise`` deployment)."""
+    """Whether ``config`` asks for this managed topology (the ``splitwise``
+    or ``dp+splitwise`` deployment)."""
     from fdx.deploy.deployment import deployment_name
 
-    return deployment_name(config) == "splitwise"
+    return deployment_name(config) in ("splitwise", DP_SPLITWISE)
 
 
 def _free_port(host: str) -> int:
@@ -90,13 +92,15 @@ def topology_children(config: EngineConfig) -> list[Child]:
     for role, n in (("prefill", config.num_prefill), ("decode", config.num_decode)):
         for k in range(n):
             port = _free_port(config.host)
-            cfg = config.replace(splitwise_role=role, port=port, num_prefill=0, num_decode=0)
+            # each instance is a ``single`` deployment (a dp+splitwise rank k of its role: dp_rank k)
+            cfg = config.replace(splitwise_role=role, port=port, num_prefill=0, num_decode=0, deployment=None,
+                                 data_parallel_size=1, dp_rank=k if config.deployment == DP_SPLITWISE else 0)
             url = f"http://{config.host}:{port}"
             urls[role].append(url)
             kids.append(Child(f"{role}{k}", "fdx.router.topology", child_config_json(cfg, engine=False),
                               RestartPolicy(config.max_engine_restarts, config.restart_window), url))
     rc = RouterConfig(prefill=urls["prefill"], decode=urls["decode"], host=config.host, port=config.port,
-                      api_key=config.api_key, max_request_bytes=config.max_request_bytes,
+                      api_key=config.api_key, control_api_key=config.control_api_key, max_request_bytes=config.max_request_bytes,
                       log_level=config.log_level, otlp_traces_endpoint=config.otlp_traces_endpoint)
     kids.append(Child("router", "fdx.router", config_json(rc),
                       RestartPolicy(config.max_engine_restarts, config.restart_window),
@@ -139,8 +143,9 @@ def run_topology(config: EngineConfig) -> int:
             if not ready:
                 if _healthy(router.url or ""):
                     ready = True
-                    log.info("fdx serve (splitwise, %d prefill + %d decode) is ready on %s (model %s)",
-                             config.num_prefill, config.num_decode, router.url, config.model_name)
+                    log.info("fdx serve (%s, %d prefill + %d decode) is ready on %s (model %s)",
+                             config.deployment or "splitwise", config.num_prefill, config.num_decode, router.url,
+                             config.model_name)
                 elif time.monotonic() - t_start > START_TIMEOUT_S:
                     _error(f"the splitwise topology was not ready after {START_TIMEOUT_S:.0f}s")
                     return 1
