@@ -25,7 +25,12 @@
    Per concurrency: output tok/s and TTFT p50 of each, and the ratios
    against ``TP=1 x2`` (and ``TP=2 x1 / TP=1 x1`` at c=1: the scaling).
 
-3. **``--moe``**: the same four rows on a random Qwen3-MoE (12 layers,
+3. **``--engine``**: the model runner alone, driven step by step in one
+   process per config (no API process, no scheduler): one stream's median
+   decode step for ``TP=1 x1``, ``TP=1 x2`` and ``TP=2 x1``.  Against the
+   served rows it shows what the server around the engine costs.
+
+4. **``--moe``**: the same four rows on a random Qwen3-MoE (12 layers,
    hidden 512, 8 and 4 heads, 8 experts of width 512, top-2, vocabulary
    49,152), with dp replaced by ``EP=2 x1``: two ranks with
    ``--enable-expert-parallel`` (each 4 whole experts); ``TP=2 x1`` then
@@ -184,6 +189,65 @@ if rank == 0:
 """
 
 
+# ---------------------------------------------------------------- the engine alone
+
+_ENGINE = r"""
+import json, os, statistics, sys, time
+import numpy as np
+model, dtype, tp, threads, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+from fdx.config import make_config
+from fdx.core.interfaces import ScheduledBatch, ScheduledSeq
+from fdx.core.messages import SamplingParams
+from fdx.core.plugins import get_plugins
+from fdx.core.request import Request
+from fdx.model.runner import PaddleModelRunner
+cfg = make_config(model=model, dtype=dtype, tensor_parallel_size=tp, num_threads=threads * tp, num_kv_blocks=64,
+                  max_model_len=1024)
+dev = get_plugins(()).create("device", "cpu")
+dev.configure_env(threads)
+r = PaddleModelRunner(cfg, dev)
+prompt = [int(t) for t in np.random.default_rng(0).integers(600, 40000, 128)]
+req = Request("a", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+              eos_token_ids=r.eos_token_ids, max_model_len=r.max_model_len)
+req.block_ids = list(range(-(-(len(prompt) + n) // r.block_size)))
+times = []
+while req.finish_reason is None:
+    s = ScheduledSeq(req, req.num_tokens - req.num_computed_tokens)
+    t0 = time.perf_counter()
+    out = r.execute(ScheduledBatch([s]))
+    times.append(time.perf_counter() - t0)
+    req.num_computed_tokens += s.num_new_tokens
+    req.finish_reason = req.append_token(int(out.token_ids[0])) or None
+print(json.dumps({"prefill_ms": times[0] * 1e3, "decode_ms": statistics.median(times[8:]) * 1e3}))
+os._exit(0)
+"""
+
+#: ``--engine``: (ranks, threads a rank) of each row
+ENGINE_CONFIGS = {"TP=1 x1": (1, 1), "TP=1 x2": (1, 2), "TP=2 x1": (2, 1)}
+
+
+def engine_rows(model: str, opts: argparse.Namespace) -> int:
+    """The model runner driven directly (no API process, no scheduler): one
+    stream's median decode step of each config, each in its own process."""
+    print(f"the engine alone ({opts.dtype}, a 128-token prompt, {opts.output_len} greedy tokens, "
+          f"median decode step over {opts.repeat} alternating rounds):")
+    got: dict[str, list[float]] = {}
+    for rep in range(opts.repeat):
+        for name, (tp, threads) in ENGINE_CONFIGS.items() if rep % 2 == 0 else reversed(ENGINE_CONFIGS.items()):
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+            out = subprocess.run([sys.executable, "-c", _ENGINE, model, opts.dtype, str(tp), str(threads),
+                                  str(opts.output_len)], env=env, capture_output=True, text=True, timeout=600)
+            if out.returncode:
+                raise RuntimeError(f"{name}: {out.stderr[-800:]}")
+            got.setdefault(name, []).append(json.loads(out.stdout.strip().splitlines()[-1])["decode_ms"])
+    ms = {k: statistics.median(v) for k, v in got.items()}
+    for name, m in ms.items():
+        print(f"  {name:8} {m:6.2f} ms a step  {1e3 / m:7.1f} tok/s  ({ms['TP=1 x1'] / m:4.2f}x TP=1 x1, "
+              f"{ms['TP=1 x2'] / m:4.2f}x TP=1 x2)")
+    print(f"load average: {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
+    return 0
+
+
 def allreduce_us(backend: str, n: int, iters: int) -> tuple[float, float]:
     """Microseconds per all-reduce of ``n`` floats between 2 ranks, and rank 0's seconds to join the group."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -224,6 +288,8 @@ def main() -> int:
     p.add_argument("--allreduce-only", action="store_true")
     p.add_argument("--gloo", action="store_true", help="also serve TP=2 over the gloo backend (TP=2 gloo x1)")
     p.add_argument("--moe", action="store_true", help="a random Qwen3-MoE; expert parallelism in dp's place")
+    p.add_argument("--engine", action="store_true",
+                   help="only the model runner driven directly, one stream, per config (no server)")
     opts = p.parse_args()
     configs = dict(CONFIGS)
     if opts.gloo:
@@ -231,6 +297,8 @@ def main() -> int:
 
     if opts.moe:
         return serve_rows(bench_moe_model(), MOE_CONFIGS, opts)
+    if opts.engine:
+        return engine_rows(bench_model(), opts)
     print("all-reduce, 2 ranks (one process each, 1 thread), microseconds per call:")
     for n, iters in ((2304, 2000), (576 * 64, 500)):
         shm, _ = allreduce_us("shm", n, iters)
