@@ -124,6 +124,7 @@ def test_fewer_gpus_than_ranks_is_refused() -> None:
     with pytest.raises(Exception, match=r"gpu:1\.\.gpu:2 on this node\), but 2 GPU\(s\) are visible"):
         check_rank_devices(cfg, TwoGPUs(1), "gpu:1")
     check_rank_devices(cfg.replace(device="cuda"), TwoGPUs(0), "gpu:0")  # gpu:0 and gpu:1: fine
+    check_rank_devices(cfg.replace(device="cuda"), TwoGPUs(1), "gpu:1")  # rank 1, on its own device
     with pytest.raises(Exception, match="nccl on CUDA GPUs"):
         check_rank_devices(cfg.replace(device="cuda", tp_backend="gloo"), TwoGPUs(0), "gpu:0")
 

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from fdx.config import EngineConfig
+from fdx.config import EngineConfig, split_device
 from fdx.core.errors import ModelLoadError
 from fdx.core.interfaces import Device
 from fdx.model.packed_weights import bf16_bits_to_f32
@@ -112,7 +112,7 @@ def check_rank_devices(config: EngineConfig, device: Device, place: str) -> None
     if not place.startswith("gpu") or config.tp_backend != "nccl":
         raise ModelLoadError(f"--tensor-parallel-size {N}: the gpu runner joins its ranks over nccl on CUDA GPUs "
                              f"(or gloo on the CPU place); {place} with --tp-backend {config.tp_backend} is neither")
-    base = int(getattr(device, "index", 0))
+    base = split_device(config.device)[1] or 0  # rank 0's device (a worker's own is base + its rank on the node)
     count = device._count() if hasattr(device, "_count") else 0
     if count < base + per:
         raise ModelLoadError(f"--tensor-parallel-size {N}: the gpu runner puts each rank on its own device "
