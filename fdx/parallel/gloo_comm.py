@@ -76,6 +76,10 @@ class GlooComm:
         return {}
 
     @classmethod
+    def _first_call(cls, world: int) -> None:
+        """A collective made while joining, under the join's timer (gloo: none needed)."""
+
+    @classmethod
     def join(cls, rank: int, world: int, store: str, timeout: float, device_id: int | None = None) -> GlooComm:
         """Join the group whose TCP store is ``store`` (``HOST:PORT``, rank 0's host);
         blocks until every rank joined.  ``device_id``: nccl's device of this rank."""
@@ -95,6 +99,7 @@ class GlooComm:
         late.start()
         try:
             dist.init_parallel_env()
+            cls._first_call(world)
         finally:
             late.cancel()
         log.info("%s group joined as rank %d of %d in %.1f s (store %s)", cls.backend, rank, world,
@@ -181,6 +186,19 @@ class NcclComm(GlooComm):
         """Paddle's launcher names this rank's GPU in ``FLAGS_selected_gpus``
         (``init_parallel_env`` sets the place from it)."""
         return {"FLAGS_selected_gpus": str(device_id or 0)}
+
+    @classmethod
+    def _first_call(cls, world: int) -> None:
+        """NCCL makes its communicator at the first collective (seconds): make it
+        here, under the join's timer, not inside the first step's watchdog window."""
+        import paddle
+        import paddle.distributed as dist
+
+        x = paddle.ones([1], dtype="float32")
+        dist.all_reduce(x)
+        paddle.device.synchronize()
+        if float(x) != world:
+            raise GroupBroken(f"nccl: the first all-reduce gave {float(x)}, not {world}")
 
     def _sync(self) -> None:
         """NCCL's calls return once queued on the device: wait for them (inside the watchdog)."""
