@@ -87,6 +87,11 @@ def test_gpu_runner_at_tp2_over_gloo_matches_one_rank(random_llama: str) -> None
         assert len(blocks_two[0]) == len(blocks_one[0])
         two.write_kv_blocks([0], blocks_two)
         assert two.read_kv_blocks([0]) == blocks_two
+        # sleep and wake-up act on every rank: the weights come back from each rank's shard
+        two.release(["weight", "kv_cache"])
+        two.restore(["weight", "kv_cache"])
+        again = greedy_with_logprobs(two, PROMPTS[:1], 24)
+        assert [t for t, _ in again[0]] == [t for t, _ in want[0]]
     finally:
         two.close()
 
