@@ -91,9 +91,11 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
                         "--tensor-parallel-size ranks (the number of experts must divide; attention stays "
                         "tensor-parallel); without it each expert is split as the dense MLP. A dense model "
                         "refuses it; harmless at size 1 (see docs/PARALLELISM.md)")
-    k.add_argument("--tp-backend", choices=("auto", "shm", "gloo"),
-                   help="the collectives between the tensor-parallel ranks: shm (shared memory, one host), gloo "
-                        "(Paddle's, any hosts), auto (default: shm on one node, gloo across --nnodes)")
+    k.add_argument("--tp-backend", choices=("auto", "shm", "gloo", "nccl"),
+                   help="the collectives between the tensor-parallel ranks: shm (shared memory, one host; the cpu "
+                        "runner's), gloo (Paddle's, any hosts, host tensors), nccl (Paddle's, the gpu runner on "
+                        "CUDA GPUs), auto (default: cpu runner: shm on one node, gloo across --nnodes; gpu runner: "
+                        "nccl on GPUs, gloo on the CPU place)")
     k.add_argument("--nnodes", type=int,
                    help="hosts the --tensor-parallel-size ranks span, tp/nnodes each (default 1; Paddle's launcher "
                         "conventions; every node runs the same fdx serve command with its --node-rank)")

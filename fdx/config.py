@@ -103,8 +103,10 @@ class EngineConfig:
     data_parallel_size: int = attrs.field(default=1, validator=_positive)
     #: ranks one model is split over (tensor parallelism, fdx/parallel/); 1: in-process
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
-    #: the collectives between the ranks: ``shm`` (one host, fdx/csrc/tp_comm.cc), ``gloo``
-    #: (Paddle's, any hosts); ``auto``: shm on one node, gloo across nodes (resolved by make_config)
+    #: the collectives between the ranks: ``shm`` (one host, fdx/csrc/tp_comm.cc; the cpu runner's),
+    #: ``gloo`` (Paddle's, any hosts), ``nccl`` (Paddle's, the gpu runner on GPUs); ``auto`` (resolved
+    #: by make_config): the cpu runner shm on one node, gloo across nodes; the gpu runner nccl on
+    #: GPUs, gloo on the CPU place
     tp_backend: str = "auto"
     #: hosts the ranks span (Paddle's launcher conventions: ``--nnodes``, ``--node-rank``,
     #: ``--master-addr``/``--master-port``); node 0 runs the API and rank 0, the others a
@@ -327,10 +329,18 @@ def dp_splitwise_counts(cfg: EngineConfig) -> tuple[int, int]:
 
 def _check_nodes(cfg: EngineConfig) -> EngineConfig:
     """The tensor-parallel backend and the several-hosts flags: one-line errors; ``auto`` resolved."""
-    if cfg.tp_backend not in ("auto", "shm", "gloo"):
+    if cfg.tp_backend not in ("auto", "shm", "gloo", "nccl"):
         raise ConfigError(f"--tp-backend {cfg.tp_backend!r}: choose auto, shm (the ranks of one host over shared "
-                          "memory) or gloo (Paddle's, ranks on any hosts)")
+                          "memory), gloo (Paddle's, ranks on any hosts) or nccl (Paddle's, the gpu runner on GPUs)")
     tp, n = cfg.tensor_parallel_size, cfg.nnodes
+    dev = split_device(cfg.device)[0]
+    gpu_runner = cfg.model_runner == "gpu" or (not cfg.model_runner and dev != "cpu")  # an accelerator's default
+    if tp > 1 and gpu_runner and cfg.tp_backend == "shm":
+        raise ConfigError("--tp-backend shm: shared memory is the cpu runner's all-reduce; the gpu runner's ranks use "
+                          "nccl on GPUs or gloo on the CPU place (or auto)")
+    if tp > 1 and cfg.tp_backend == "nccl" and (not gpu_runner or dev == "cpu"):
+        raise ConfigError(f"--tp-backend nccl: NCCL joins the gpu runner's ranks on CUDA GPUs, not the "
+                          f"{cfg.model_runner or dev} runner on --device {cfg.device}; use gloo or shm (or auto)")
     if cfg.node_rank >= n:
         raise ConfigError(f"--node-rank {cfg.node_rank} must be below --nnodes {n}")
     if n > 1:
@@ -347,7 +357,8 @@ def _check_nodes(cfg: EngineConfig) -> EngineConfig:
             raise ConfigError(f"--nnodes {n}: several hosts run one tensor-parallel group; --scheduler "
                               f"{cfg.scheduler} over several nodes is not supported")
     if cfg.tp_backend == "auto":
-        cfg = attrs.evolve(cfg, tp_backend="gloo" if n > 1 else "shm")
+        pick = ("gloo" if dev == "cpu" else "nccl") if gpu_runner else "gloo" if n > 1 else "shm"
+        cfg = attrs.evolve(cfg, tp_backend=pick)
     return cfg
 
 

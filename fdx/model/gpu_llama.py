@@ -31,6 +31,14 @@ A mixture-of-experts layer (Qwen3-MoE, Mixtral) is the CPU model's own
 the runner's dtype: its float32 path is plain Paddle (router, top-k, one
 gate/up and down matmul per expert over its rows), so it runs on any place.
 
+Tensor parallelism (``comm``, :mod:`fdx.model.tp_runner`): ``args`` is the
+rank's local geometry (:mod:`fdx.parallel.sharding`), the embedding
+vocab-parallel (this rank's rows, zeros for other ids, summed over the
+ranks), one all-reduce after o and one after down (the row-parallel partial
+sums), and rank 0 gathers the ranks' logit columns before the device
+sampler (the others return ``None``).  The all-reduce and the gather are
+``comm``'s: Paddle's nccl on GPUs, gloo on the CPU place.
+
 Gemma (``ModelArgs.gemma_fields``) adds, as the CPU model does: the
 embedding scale (in the weights' dtype, as transformers), the sandwich
 norms, GeGLU, the windowed layers' own rope tables (Gemma 3) and the final
@@ -124,10 +132,16 @@ def rope_tables(args: ModelArgs, max_pos: int, local: bool = False) -> tuple[np.
 class GPULlama:
     """Weights + forward on one Paddle place.  Not thread-safe."""
 
-    def __init__(self, args: ModelArgs, max_pos: int, dtype: str, kernels: Kernels) -> None:
+    def __init__(self, args: ModelArgs, max_pos: int, dtype: str, kernels: Kernels, comm: Any = None,
+                 vocab_start: int = 0, vocab_size: int | None = None) -> None:
+        """``comm``: tensor parallelism (see the module docstring); ``vocab_start``
+        is this rank's first vocabulary row, ``vocab_size`` the full vocabulary."""
         import paddle
 
         self.args = args
+        self.comm = comm
+        self.vocab_start = vocab_start
+        self.full_vocab = vocab_size or args.vocab_size
         self.dtype = dtype
         self.kernels = kernels
         self.max_pos = max_pos
@@ -243,7 +257,14 @@ class GPULlama:
         eps = a.rms_eps
         H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
         T = step.num_tokens
-        x = F.embedding(step.ids, self.embed)
+        comm = self.comm
+        if comm is None:
+            x = F.embedding(step.ids, self.embed)
+        else:  # vocab-parallel: the rows of this rank's ids, zeros elsewhere; the sum completes them
+            local = step.ids - self.vocab_start
+            mine = paddle.logical_and(local >= 0, local < a.vocab_size)
+            x = F.embedding(paddle.where(mine, local, paddle.zeros_like(local)), self.embed)
+            x = comm.all_reduce(x * mine.astype(x.dtype).unsqueeze(1))
         if a.embed_scale is not None:  # Gemma: sqrt(hidden_size) in the weights' dtype, as transformers
             x = x * paddle.to_tensor(a.embed_scale, dtype="float32").astype(x.dtype)
         mlp = k.swiglu if a.mlp_act == "silu" else geglu
@@ -266,6 +287,8 @@ class GPULlama:
             paddle.scatter_(cache, step.write_rows + half, v.reshape([T * KV, D]), overwrite=True)
             o = self._attention(step, q, cache, half, window)
             x = paddle.matmul(o, layer.w_o)
+            if comm is not None:  # row-parallel o: sum the ranks' partial products
+                x = comm.all_reduce(x)
             if layer.post_attn_norm is not None:
                 x = k.rms_norm(x, layer.post_attn_norm, eps)[0]
             h, residual = k.rms_norm(x, layer.ffn_norm, eps, residual)
@@ -273,6 +296,8 @@ class GPULlama:
                 x = layer.moe(h, mlp, None)
             else:
                 x = paddle.matmul(mlp(paddle.matmul(h, layer.w_gate_up)), layer.w_down)
+            if comm is not None:  # row-parallel down, or each rank's slice of every expert
+                x = comm.all_reduce(x)
             if layer.post_ffn_norm is not None:
                 x = k.rms_norm(x, layer.post_ffn_norm, eps)[0]
         if step.sample_rows is None:
@@ -286,9 +311,12 @@ class GPULlama:
         else:
             logits = paddle.matmul(h, self.embed, transpose_y=True)
         logits = logits if logits.dtype == paddle.float32 else logits.astype("float32")
-        if a.final_softcap is not None:
+        if a.final_softcap is not None:  # element-wise: per vocabulary shard too
             logits = paddle.tanh(logits / a.final_softcap) * a.final_softcap
-        return logits
+        if comm is None:
+            return logits
+        full = comm.gather(logits)  # vocab-parallel: rank 0 gets every rank's columns (float32)
+        return full[:, : self.full_vocab] if full is not None else None
 
     def _attention(self, step: GPUStep, q: Any, cache: Any, half: int, window: int = 0) -> Any:
         """``[T, H*D]`` attention output of every token row."""

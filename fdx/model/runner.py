@@ -13,20 +13,18 @@ Invariants (from :class:`fdx.core.interfaces.ModelRunner`):
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from fdx.config import EngineConfig
-from fdx.core.errors import FdxError, ModelLoadError
+from fdx.core.errors import ModelLoadError
 from fdx.core.interfaces import Device
-from fdx.model.runner_base import PagedRunnerBase, StepLayout
+from fdx.model.runner_base import StepLayout
+from fdx.model.tp_runner import TensorParallelRunner
 
 if TYPE_CHECKING:
-    from fdx.parallel.gloo_comm import GlooComm
-    from fdx.parallel.group import RankGroup, RankLink
-    from fdx.parallel.sharding import TensorShard
-    from fdx.parallel.shm_comm import ShmComm
+    from fdx.parallel.group import RankLink
 
 log = logging.getLogger("fdx.model")
 
@@ -67,11 +65,12 @@ def resolve_compute(requested: str, ops: Any, args: Any) -> str:
     return "float32"
 
 
-class PaddleModelRunner(PagedRunnerBase):
+class PaddleModelRunner(TensorParallelRunner):
     """The ``cpu`` runner: float32 KV, :class:`LlamaModel` in int8, bfloat16 or
     float32 compute (``--dtype``; C++ ops where the device has them), the NumPy
     sampler.  What it shares with the ``gpu`` runner is in
-    :class:`PagedRunnerBase`."""
+    :class:`~fdx.model.runner_base.PagedRunnerBase` and, for tensor
+    parallelism, :class:`~fdx.model.tp_runner.TensorParallelRunner`."""
 
     #: the C++ ops read int32 block tables
     table_dtype = np.int32
@@ -100,19 +99,7 @@ class PaddleModelRunner(PagedRunnerBase):
         requested_compute(config.dtype)  # an unknown name fails before the checkpoint opens
         self.dtype = "float32"  # the KV pool's dtype
         ckpt = self._open_checkpoint(config)
-        #: tensor parallelism: ranks, this rank's shard, rank 0's group, this rank's collectives
-        self.tensor_parallel_size = world = int(config.tensor_parallel_size)
-        self.shard: TensorShard | None = None
-        self.group: RankGroup | None = None
-        self.comm: ShmComm | GlooComm | None = None
-        ep = bool(config.enable_expert_parallel)
-        if world > 1 or ep:
-            from fdx.parallel.sharding import check_divisible, make_shard
-
-            check_divisible(self.args, world, ep)  # an indivisible model, or experts asked of a dense one, fail here
-        if world > 1:
-            self.shard = make_shard(self.args, link.rank if link else 0, world, ep)
-            self.kv_args = self.shard.local
+        self._take_shard(config, link)  # tensor parallelism: this rank's geometry (fdx.model.tp_runner)
 
         ops = None
         if device.attention_backend() == "native":
@@ -133,9 +120,7 @@ class PaddleModelRunner(PagedRunnerBase):
             self.model.load(ckpt, progress=self.shard is None)
         del ckpt
         self.caches: list[Any] | None = self._allocate()
-        if self.group is not None:
-            self.group.wait_ready()
-            self.rank_pids = tuple(self.group.pids[1:])
+        self._group_ready()
         self.sampler = Sampler(self.vocab_size, config.max_logprobs, seed=config.seed)
         log.info(
             "model %s (%s) on %s: %d KV blocks x %d tokens, attention=%s, compute=%s",
@@ -143,53 +128,12 @@ class PaddleModelRunner(PagedRunnerBase):
             self.attention_impl, self.compute,
         )
 
-    def _join_group(self, ckpt: Any, link: RankLink | None, on_layer: Callable[[], None] | None) -> Any:
-        """Rank 0: start the other ranks (they load while this one does);
-        a worker: join the group's collectives.  Returns this rank's shard of ``ckpt``."""
-        from fdx.parallel.group import RankGroup, worker_comm
-        from fdx.parallel.sharding import shard_checkpoint
-
-        assert self.shard is not None
-        if link is None:
-            cfg = self.config.replace(num_kv_blocks=self.num_kv_blocks)  # every rank sizes its pool alike
-            self.group = RankGroup.start(cfg, self.config.rank_threads or 1)
-            self.comm = self.group.comm
-            self.group.start_progress(self.args.num_layers, self.source.name)
-            on_layer = self.group.on_layer
-        else:
-            self.comm = worker_comm(link)
-        return shard_checkpoint(ckpt, self.shard, on_layer)
-
-    def _my_part(self, ckpt: Any) -> Any:
-        if self.shard is None:
-            return ckpt
-        from fdx.parallel.sharding import shard_checkpoint
-
-        return shard_checkpoint(ckpt, self.shard)
-
-    def kv_fingerprint(self) -> str:
+    def _kv_extra(self) -> str:
         """int8 compute writes other K/V values than float32 compute: its
         blocks get their own fingerprint (float32 keeps the shared one)."""
-        base = super().kv_fingerprint()
-        extra = ("" if self.compute == "float32" else f"|compute={self.compute}") + (
-            f"|tp={self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else "")  # a block is N shards
-        if not extra:
-            return base
-        import hashlib
-
-        return hashlib.sha256(f"{base}{extra}".encode()).hexdigest()[:32]
+        return "" if self.compute == "float32" else f"|compute={self.compute}"
 
     # ------------------------------------------------------------------ step
-
-    def _forward(self, layout: StepLayout) -> Any:
-        if self.group is None:
-            return self.forward_shard(layout)
-        self.group.send(("step", layout))
-        try:
-            return self.forward_shard(layout)
-        except Exception as exc:  # noqa: BLE001 - a rank died, hung or failed (the other ranks are inside
-            self.group.fatal(exc)  # this step's collectives): the supervisor restarts the whole group
-            raise
 
     def forward_shard(self, layout: StepLayout) -> Any:
         """This rank's forward of the step (every rank runs it; only rank 0's returns logits)."""
@@ -224,64 +168,3 @@ class PaddleModelRunner(PagedRunnerBase):
 
     def _block_rows(self, ids: np.ndarray) -> np.ndarray:
         return np.stack([ids, ids + self.num_kv_blocks], axis=1)[:, :, None]
-
-    # ------------------------------------------------------------------ every rank (tensor parallelism)
-    # Rank 0 sends the call to the workers first, does its own part, then
-    # collects theirs: the ranks work at the same time, in the order of the steps.
-
-    def _on_all(self, method: str, *args: Any) -> Any:
-        assert self.group is not None
-        self.group.send(("call", method, args))
-        try:
-            mine = getattr(super(), method)(*args)
-        finally:
-            theirs = self.group.collect(method)
-        return mine, theirs
-
-    def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
-        """With tensor parallelism a block's bytes are the ranks' shards in rank order."""
-        if self.group is None:
-            return super().read_kv_blocks(block_ids)
-        mine, theirs = self._on_all("read_kv_blocks", list(block_ids))
-        return [b"".join(parts) for parts in zip(mine, *theirs)]
-
-    def write_kv_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
-        if self.group is None:
-            return super().write_kv_blocks(block_ids, payloads)
-        n, N = self.bytes_per_block, self.tensor_parallel_size
-        for p in payloads:
-            if len(p) != n * N:
-                raise FdxError(f"KV payload has {len(p)} bytes, expected {n * N} ({N} shards of {n})")
-        ids = list(block_ids)
-        self.group.send_each([("call", "write_kv_blocks", (ids, [bytes(p[r * n : (r + 1) * n]) for p in payloads]))
-                              for r in range(1, N)])
-        try:
-            super().write_kv_blocks(ids, [p[:n] for p in payloads])
-        finally:
-            self.group.collect("write_kv_blocks")
-
-    def copy_kv_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
-        if self.group is not None:
-            self.group.send(("cast", "copy_kv_blocks", (list(pairs),)))
-        super().copy_kv_blocks(pairs)
-
-    def release(self, tags: Sequence[str]) -> None:
-        if self.group is None:
-            return super().release(tags)
-        self._on_all("release", list(tags))
-
-    def restore(self, tags: Sequence[str]) -> None:
-        if self.group is None:
-            return super().restore(tags)
-        self._on_all("restore", list(tags))
-
-    def load_weights(self, path: str, version: str) -> None:
-        if self.group is None:
-            return super().load_weights(path, version)
-        self._on_all("load_weights", path, version)
-
-    def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-

@@ -1,7 +1,14 @@
-"""The ``gloo`` collective backend: all-reduce and gather between
-tensor-parallel ranks on any hosts, through Paddle's own collectives
-(``paddle.distributed`` over a ProcessGroupGloo; ``--tp-backend gloo``, the
-pick of ``auto`` across ``--nnodes``).
+"""Paddle's collective backends: all-reduce and gather between
+tensor-parallel ranks on any hosts, through ``paddle.distributed``:
+
+* ``gloo`` (:class:`GlooComm`; a ProcessGroupGloo over host tensors): the
+  ``cpu`` runner's pick of ``auto`` across ``--nnodes``, and the ``gpu``
+  runner's on the CPU place;
+* ``nccl`` (:class:`NcclComm`; a ProcessGroupNCCL over device tensors): the
+  ``gpu`` runner's on CUDA GPUs, each rank on its own device
+  (``FLAGS_selected_gpus``).  **Untested here** (no GPU in the test
+  machines): it runs the very code path gloo's tests cover, with the
+  backend's name, the device id and a device synchronize swapped in.
 
 Every rank calls :meth:`GlooComm.join` with Paddle's launcher variables set
 (``PADDLE_TRAINER_ID``, ``PADDLE_TRAINERS_NUM``, ``PADDLE_TRAINER_ENDPOINTS``,
@@ -18,6 +25,9 @@ Invariants (as :mod:`fdx.parallel.shm_comm`):
 * a stopped or unreachable peer: gloo would wait its own 30 s, so a watchdog
   armed around each collective ends this process after ``timeout`` seconds
   with one line naming the collective -- never a hang past ``--step-timeout``.
+  NCCL waits forever for a dead *or* stopped peer, on the device: its
+  collective synchronizes the device inside the watchdog's window, so the
+  same watchdog ends the rank.
 """
 
 from __future__ import annotations
@@ -61,26 +71,39 @@ class GlooComm:
         threading.Thread(target=self._watch, name="fdx-gloo-watchdog", daemon=True).start()
 
     @classmethod
-    def join(cls, rank: int, world: int, store: str, timeout: float) -> GlooComm:
+    def _device_env(cls, device_id: int | None) -> dict[str, str]:
+        """Launcher variables of this backend's device (gloo: none)."""
+        return {}
+
+    @classmethod
+    def _first_call(cls, world: int) -> None:
+        """A collective made while joining, under the join's timer (gloo: none needed)."""
+
+    @classmethod
+    def join(cls, rank: int, world: int, store: str, timeout: float, device_id: int | None = None) -> GlooComm:
         """Join the group whose TCP store is ``store`` (``HOST:PORT``, rank 0's host);
-        blocks until every rank joined."""
+        blocks until every rank joined.  ``device_id``: nccl's device of this rank."""
         host, port = store.rsplit(":", 1)
         eps = [f"{host}:{int(port) + r}" for r in range(world)]
-        os.environ.update(PADDLE_DISTRI_BACKEND="gloo", PADDLE_TRAINER_ID=str(rank),
+        os.environ.update(PADDLE_DISTRI_BACKEND=cls.backend, PADDLE_TRAINER_ID=str(rank),
                           PADDLE_TRAINERS_NUM=str(world), PADDLE_TRAINER_ENDPOINTS=",".join(eps),
-                          PADDLE_CURRENT_ENDPOINT=eps[rank], PADDLE_RANK_IN_NODE=str(rank))
+                          PADDLE_CURRENT_ENDPOINT=eps[rank], PADDLE_RANK_IN_NODE=str(rank),
+                          **cls._device_env(device_id))
         import paddle.distributed as dist
 
         t0 = time.monotonic()
-        late = threading.Timer(JOIN_TIMEOUT, _give_up, (f"tensor-parallel rank {rank}: the gloo group (store {store}) "
-                                                       f"was not complete within {JOIN_TIMEOUT:g} s; ending this rank",))
+        late = threading.Timer(JOIN_TIMEOUT, _give_up, (f"tensor-parallel rank {rank}: the {cls.backend} group (store "
+                                                       f"{store}) was not complete within {JOIN_TIMEOUT:g} s; ending "
+                                                       "this rank",))
         late.daemon = True
         late.start()
         try:
             dist.init_parallel_env()
+            cls._first_call(world)
         finally:
             late.cancel()
-        log.info("gloo group joined as rank %d of %d in %.1f s (store %s)", rank, world, time.monotonic() - t0, store)
+        log.info("%s group joined as rank %d of %d in %.1f s (store %s)", cls.backend, rank, world,
+                 time.monotonic() - t0, store)
         return cls(rank, world, timeout)
 
     # ------------------------------------------------------------------ the watchdog
@@ -97,18 +120,23 @@ class GlooComm:
         self._what = what
         self._since = time.monotonic()
         try:
-            return fn(*args)
-        except RuntimeError as exc:
+            out = fn(*args)
+            self._sync()  # nccl: the collective has really completed (a hang stays inside the watchdog's window)
+            return out
+        except (RuntimeError, OSError) as exc:
             first = (str(exc).strip().splitlines() or ["error"])[-1][:300]
-            self._error = f"tensor-parallel {what} failed on rank {self.rank} (gloo: {first}; a peer died)"
+            self._error = f"tensor-parallel {what} failed on rank {self.rank} ({self.backend}: {first}; a peer died)"
             raise GroupBroken(self._error) from None
         finally:
             self._since = None
 
+    def _sync(self) -> None:
+        """gloo's collectives return once done: nothing to wait for."""
+
     # ------------------------------------------------------------------ collectives
 
     def all_reduce(self, x: Any) -> Any:
-        """The sum over ranks of ``x`` (a float32 Paddle tensor), in place."""
+        """The sum over ranks of ``x`` (a Paddle tensor: float32 on the host for gloo), in place."""
         import paddle.distributed as dist
 
         if not x.is_contiguous():
@@ -144,3 +172,41 @@ class GlooComm:
 
     def close(self) -> None:
         pass
+
+
+class NcclComm(GlooComm):
+    """This rank's side of an NCCL group: :class:`GlooComm`'s calls, invariants
+    and watchdog over device tensors (``--tp-backend nccl``, the ``gpu``
+    runner's pick of ``auto`` on CUDA GPUs).  Untested without GPUs."""
+
+    backend = "nccl"
+
+    @classmethod
+    def _device_env(cls, device_id: int | None) -> dict[str, str]:
+        """Paddle's launcher names this rank's GPU in ``FLAGS_selected_gpus``
+        (``init_parallel_env`` sets the place from it)."""
+        return {"FLAGS_selected_gpus": str(device_id or 0)}
+
+    @classmethod
+    def _first_call(cls, world: int) -> None:
+        """NCCL makes its communicator at the first collective (seconds): make it
+        here, under the join's timer, not inside the first step's watchdog window."""
+        import paddle
+        import paddle.distributed as dist
+
+        x = paddle.ones([1], dtype="float32")
+        dist.all_reduce(x)
+        paddle.device.synchronize()
+        if float(x) != world:
+            raise GroupBroken(f"nccl: the first all-reduce gave {float(x)}, not {world}")
+
+    def _sync(self) -> None:
+        """NCCL's calls return once queued on the device: wait for them (inside the watchdog)."""
+        import paddle
+
+        paddle.device.synchronize()
+
+
+def paddle_comm(backend: str) -> type[GlooComm]:
+    """The class of Paddle backend ``backend`` (``gloo`` or ``nccl``)."""
+    return NcclComm if backend == "nccl" else GlooComm

@@ -6,8 +6,8 @@ Start-up (rank 0, :meth:`RankGroup.start`): create the shared-memory segment
 across ``--nnodes``), start this node's workers; the other nodes' agents
 (:mod:`fdx.parallel.node`) say hello and are told how to start theirs.  Each
 worker joins with its rank and the group's id (a worker of an older group is
-ignored) and is sent the engine config; ``gloo``: every rank then joins
-Paddle's group (:mod:`fdx.parallel.gloo_comm`).  Every rank then loads only its shard
+ignored) and is sent the engine config; ``gloo`` or ``nccl``: every rank
+then joins Paddle's group (:mod:`fdx.parallel.gloo_comm`).  Every rank then loads only its shard
 straight from the checkpoint; rank 0 shows one progress bar summing all
 ranks' layers and waits for every worker's ``ready`` (or its error, or its
 exit, or ``--tp-start-timeout``), naming the rank that failed.
@@ -55,7 +55,7 @@ class RankLink:
 
     rank: int
     world: int
-    #: ``shm`` or ``gloo`` (:mod:`fdx.parallel.gloo_comm`)
+    #: ``shm``, ``gloo`` or ``nccl`` (:mod:`fdx.parallel.gloo_comm`)
     backend: str
     #: shm: the segment's name and floats per slot
     shm_name: str
@@ -64,7 +64,7 @@ class RankLink:
     ctrl_addr: str
     #: the group's id: a worker of an older group (rank 0 restarted) is ignored
     group_id: str
-    #: gloo: the group's TCP store, ``HOST:PORT``
+    #: gloo, nccl: the group's TCP store, ``HOST:PORT``
     store: str
     #: seconds a collective waits for a peer before the group counts as broken
     timeout: float
@@ -96,12 +96,13 @@ def die_with_parent() -> None:
         pass
 
 
-def worker_comm(link: RankLink) -> Any:
-    """A worker's collectives: the group's shm segment, or its place in the gloo group."""
-    if link.backend == "gloo":
-        from fdx.parallel.gloo_comm import GlooComm
+def worker_comm(link: RankLink, device_id: int | None = None) -> Any:
+    """A worker's collectives: the group's shm segment, or its place in Paddle's
+    gloo or nccl group (``device_id``: nccl's device of this rank)."""
+    if link.backend != "shm":
+        from fdx.parallel.gloo_comm import paddle_comm
 
-        return GlooComm.join(link.rank, link.world, link.store, link.timeout)
+        return paddle_comm(link.backend).join(link.rank, link.world, link.store, link.timeout, device_id)
     return ShmComm.attach(link.shm_name, link.rank, link.world, link.slot_elems, link.timeout)
 
 
@@ -122,7 +123,8 @@ class RankGroup:
         self.world = world = int(config.tensor_parallel_size)
         self.timeout = 0.8 * float(config.step_timeout)
         self.start_timeout = float(config.tp_start_timeout)
-        self.backend = "gloo" if config.tp_backend == "gloo" or config.nnodes > 1 else "shm"  # auto: resolved here too
+        b = config.tp_backend  # auto (resolved by make_config): resolved here too
+        self.backend = b if b in ("gloo", "nccl") else "gloo" if config.nnodes > 1 else "shm"
         self.nnodes, self.per_node = int(config.nnodes), int(config.ranks_per_node)
         self.group_id = uuid.uuid4().hex[:12]
         self._dir = tempfile.mkdtemp(prefix="fdx-tp-")
@@ -137,7 +139,7 @@ class RankGroup:
         else:
             self.ctrl_addr = f"ipc://{self._dir}/ctrl"
             self._ctrl.bind(self.ctrl_addr)
-            self.store = f"127.0.0.1:{_free_port()}" if self.backend == "gloo" else ""
+            self.store = f"127.0.0.1:{_free_port()}" if self.backend != "shm" else ""
         self.comm: Any = ShmComm.create(world, self.timeout) if self.backend == "shm" else None
         #: rank -> its routing id on the control socket, and its pid
         self._ids: dict[int, bytes] = {}
@@ -162,10 +164,11 @@ class RankGroup:
     # ------------------------------------------------------------------ start-up
 
     @classmethod
-    def start(cls, config: Any, threads: int) -> RankGroup:
+    def start(cls, config: Any, threads: int, device_id: int | None = None) -> RankGroup:
         """Start this node's workers (ranks 1..per-node-1), let the other nodes'
         agents start theirs, send every rank ``config`` as it joins (they start
-        loading at once); gloo: join the group's collectives."""
+        loading at once); gloo, nccl: join the group's collectives (nccl on
+        device ``device_id``)."""
         g = cls(config)
         g._config = config
         try:
@@ -183,10 +186,10 @@ class RankGroup:
                                          f"{g.start_timeout:g} s" + (f" (is node {missing[0] // g.per_node}'s fdx "
                                                                      f"serve --node-rank running?)"
                                                                      if missing[0] >= g.per_node else ""))
-            if g.backend == "gloo":
-                from fdx.parallel.gloo_comm import GlooComm
+            if g.backend != "shm":
+                from fdx.parallel.gloo_comm import paddle_comm
 
-                g.comm = GlooComm.join(0, g.world, g.store, g.timeout)
+                g.comm = paddle_comm(g.backend).join(0, g.world, g.store, g.timeout, device_id)
         except BaseException:
             g.close()
             raise

@@ -1,8 +1,10 @@
 """A tensor-parallel worker: ranks 1..N-1 (``python -m fdx.parallel.worker``,
 started by :class:`fdx.parallel.group.RankGroup`).
 
-It builds the same model runner as rank 0, holding its own shard, then
-obeys rank 0's messages in order:
+It builds the same model runner as rank 0 (the config's: ``cpu`` or
+``gpu``, :data:`RUNNERS`), holding its own shard, on its own device where
+the device is an accelerator (:func:`rank_device`: ``gpu:base+r`` for the
+node's ``r``-th rank), then obeys rank 0's messages in order:
 
 * ``("step", layout)``: the same forward as rank 0 (the collectives keep the
   ranks in lock step; its logits stay with rank 0);
@@ -29,6 +31,36 @@ from fdx.parallel.group import RankLink, die_with_parent
 
 #: runner methods rank 0 may call on a worker
 CALLS = frozenset({"release", "restore", "load_weights", "read_kv_blocks", "write_kv_blocks", "copy_kv_blocks"})
+#: the model runners that split (``--model-runner`` name -> module, class)
+RUNNERS = {"cpu": ("fdx.model.runner", "PaddleModelRunner"), "gpu": ("fdx.model.gpu_runner", "GPUModelRunner")}
+
+
+def rank_device(plugins: Any, config: Any, rank: int) -> Any:
+    """Rank ``rank``'s device: the config's; an accelerator's (a device with
+    an index) at ``index + rank % ranks_per_node`` -- one device per rank of a node."""
+    from fdx.config import split_device
+
+    name, index = split_device(config.device)
+    device = plugins.create("device", name)
+    if hasattr(device, "index"):
+        device = plugins.create("device", name, index=(index or 0) + rank % config.ranks_per_node)
+    return device
+
+
+def build_runner(config: Any, link: RankLink, on_layer: Any) -> Any:
+    """The config's model runner, as worker rank ``link.rank``."""
+    import importlib
+
+    from fdx.core.plugins import get_plugins
+
+    plugins = get_plugins(config.disable_plugins)
+    device = rank_device(plugins, config, link.rank)
+    name = config.model_runner or device.default_runner
+    if name not in RUNNERS:
+        raise ValueError(f"the {name} model runner cannot split (tensor-parallel runners: {', '.join(RUNNERS)})")
+    device.configure_env(link.threads)
+    module, cls = RUNNERS[name]
+    return getattr(importlib.import_module(module), cls)(config, device, link=link, on_layer=on_layer)
 
 
 def main(argv: list[str]) -> int:
@@ -70,13 +102,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=getattr(logging, str(config.log_level).upper(), logging.INFO),
                         format=f"%(asctime)s %(levelname)s %(name)s [tp rank {link.rank}] %(message)s")
     try:
-        from fdx.core.plugins import get_plugins
-        from fdx.model.runner import PaddleModelRunner
-
-        plugins = get_plugins(config.disable_plugins)
-        device = plugins.create("device", config.device.split(":")[0])
-        device.configure_env(link.threads)
-        runner = PaddleModelRunner(config, device, link=link, on_layer=lambda: send("progress", 1))
+        runner = build_runner(config, link, lambda: send("progress", 1))
     except Exception as exc:  # noqa: BLE001 - rank 0 reports it, naming this rank
         send("error", f"{type(exc).__name__}: {exc}")
         logging.getLogger("fdx.parallel").error("start-up failed:\n%s", traceback.format_exc())
