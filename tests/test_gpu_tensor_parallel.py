@@ -69,6 +69,44 @@ def _runner(model: str, tp: int, **kw: Any) -> Any:
     return GPUModelRunner(cfg, CPUDevice())
 
 
+_MOE_CHECK = """
+import json, sys
+sys.path.insert(0, sys.argv[3])
+from test_gpu_tensor_parallel import PROMPTS, _runner, greedy_with_logprobs
+model, ep = sys.argv[1], sys.argv[2] == "ep"
+one = _runner(model, 1)
+want = greedy_with_logprobs(one, PROMPTS, 16)
+del one
+two = _runner(model, 2, enable_expert_parallel=ep)
+held = two.model.layers[0].moe.num_experts
+got = greedy_with_logprobs(two, PROMPTS, 16)
+two.close()
+print(json.dumps({"want": want, "got": got, "held": held, "experts": two.args.num_experts}))
+"""
+
+
+@pytest.mark.parametrize(("name", "ep"), [("qwen3_moe", False), ("mixtral", True)])
+def test_gpu_runner_moe_at_tp2_and_ep2_matches_one_rank(name: str, ep: bool) -> None:
+    """A mixture of experts on the gpu runner: each expert's width split over
+    2 ranks (Megatron), or the experts split whole (``--enable-expert-parallel``),
+    gives one rank's greedy tokens, logprobs within 1e-4.  In its own process:
+    rank 0 joins Paddle's gloo group once per process."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    out = subprocess.run([sys.executable, "-c", _MOE_CHECK, str(here / "data" / "arch" / name), "ep" if ep else "tp",
+                          str(here)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["held"] == (r["experts"] // 2 if ep else r["experts"])
+    for w, g in zip(r["want"], r["got"]):
+        assert [t for t, _ in w] == [t for t, _ in g], (name, ep)
+        assert max(abs(a - b) for (_, a), (_, b) in zip(w, g)) < 1e-4, (name, ep)
+
+
 def test_gpu_runner_at_tp2_over_gloo_matches_one_rank(random_llama: str) -> None:
     one = _runner(random_llama, 1)
     want = greedy_with_logprobs(one, PROMPTS, 24)

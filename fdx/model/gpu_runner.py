@@ -134,9 +134,6 @@ class GPUModelRunner(TensorParallelRunner):
                  on_layer: Callable[[], None] | None = None) -> None:
         import paddle
 
-        if config.enable_expert_parallel:  # it has no ranks to split the experts among
-            raise ModelLoadError("--enable-expert-parallel: the gpu runner has no expert parallelism; "
-                                 "use --model-runner cpu")
         from fdx.model.device_sampler import DeviceSampler
         from fdx.model.fused_kernels import FUSED_OPS, probe_kernels
         from fdx.model.gpu_llama import GPULlama
