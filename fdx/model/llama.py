@@ -348,7 +348,7 @@ class LlamaModel:
             return self._pack_layer(lw, i)
         w_qkv = np.concatenate([lw.wq, lw.wk, lw.wv], axis=0).T
         b_qkv = qkv_bias(lw, a)
-        moe = build_moe(lw, a, self.mode) if a.num_experts else None
+        moe = build_moe(lw, a, self.mode, self.ops) if a.num_experts else None
         t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
 
         def fuse(*names: str) -> tuple[paddle.Tensor, int] | None:
@@ -404,7 +404,7 @@ class LlamaModel:
             return _to_paddle(pack_float(np.concatenate([getattr(lw, n) for n in names], axis=0)))
 
         t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
-        moe = build_moe(lw, a, self.mode) if a.num_experts else None
+        moe = build_moe(lw, a, self.mode, self.ops) if a.num_experts else None
         return Layer(
             attn_norm=t(lw.attn_norm), w_qkv=None, b_qkv=t(b_qkv) if b_qkv is not None else None, w_o=None,
             ffn_norm=t(lw.ffn_norm), w_gate_up=None, w_down=None, moe=moe,

@@ -71,6 +71,8 @@ class MoeBlock:
     p_router: PackedWeight | None = None
     p_gate_up: list[PackedWeight] = attrs.field(factory=list)
     p_down: list[PackedWeight] = attrs.field(factory=list)
+    #: the native ``fdx_moe`` op (fdx/csrc/moe.cc), or ``None``: the pure-Paddle path
+    op: Any | None = None
     #: (token, slot) pairs routed to each of the ``num_routed`` experts so far
     routed: np.ndarray = attrs.field(init=False, default=attrs.Factory(
         lambda self: np.zeros(self.num_routed, dtype=np.int64), takes_self=True))
@@ -83,7 +85,26 @@ class MoeBlock:
     def __call__(self, h: paddle.Tensor, swiglu: Callable[[paddle.Tensor], paddle.Tensor],
                  qgemm: Any | None) -> paddle.Tensor:
         """The block's output ``[T, hidden]`` for the normed hidden states ``h``
-        (``qgemm``: the packed modes' op, ``None`` in float32)."""
+        (``qgemm``: the packed modes' op, ``None`` in float32): one
+        ``fdx_moe`` call where the native ops are loaded, else the pure-Paddle
+        path (:meth:`grouped`)."""
+        if self.op is None:
+            return self.grouped(h, swiglu, qgemm)
+        if qgemm is not None:
+            assert self.p_router is not None
+            kind, router = self.p_router.kind, self.p_router.data
+            gate_up, down = [p.data for p in self.p_gate_up], [p.data for p in self.p_down]
+        else:
+            assert self.router is not None
+            kind, router, gate_up, down = 0, self.router, self.w_gate_up, self.w_down
+        out, ids = self.op(h, router, gate_up, down, kind, self.num_routed, self.top_k, self.renormalize, self.first)
+        self.routed += np.bincount(ids.numpy().reshape(-1), minlength=self.num_routed)
+        return out
+
+    def grouped(self, h: paddle.Tensor, swiglu: Callable[[paddle.Tensor], paddle.Tensor],
+                qgemm: Any | None) -> paddle.Tensor:
+        """The pure-Paddle path (no native ops): the same routing and sums,
+        a loop over the experts (never over tokens)."""
 
         def linear(x: paddle.Tensor, w: paddle.Tensor | None, p: PackedWeight | None) -> paddle.Tensor:
             if qgemm is not None:
@@ -134,13 +155,14 @@ class MoeBlock:
         return out
 
 
-def build_moe(lw: LayerWeights, args: ModelArgs, mode: str) -> MoeBlock:
+def build_moe(lw: LayerWeights, args: ModelArgs, mode: str, ops: Any | None = None) -> MoeBlock:
     """A layer's :class:`MoeBlock` in compute mode ``mode`` (``float32``,
-    ``int8``: the float weights quantized to Q8_0, ``bfloat16``: rounded)."""
+    ``int8``: the float weights quantized to Q8_0, ``bfloat16``: rounded);
+    ``ops``: the native op module (its ``fdx_moe`` runs the block)."""
     assert lw.router is not None and lw.e_gate is not None and lw.e_up is not None and lw.e_down is not None
     first = args.local_experts[0] if args.local_experts is not None else 0
     blk = MoeBlock(top_k=args.num_experts_per_tok, renormalize=args.norm_topk_prob, num_routed=args.num_experts,
-                   first=first)
+                   first=first, op=getattr(ops, "fdx_moe", None))
     gate_up = [np.concatenate([g, u], axis=0) for g, u in zip(lw.e_gate, lw.e_up)]  # [2 * width, hidden]
     if mode == "float32":
         t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
