@@ -331,3 +331,29 @@ PD_BUILD_OP(fdx_moe)
     .SetKernelFn(PD_KERNEL(Moe))
     .SetInferShapeFn(PD_INFER_SHAPE(MoeShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(MoeDtype));
+
+// fdx_fgemm(x [M, K], w [K, N]) -> x @ w in float32 through fdx::fgemm: the
+// row-invariant float32 GEMM, for the rest of a float32 mixture-of-experts
+// model's matmuls (fdx/model/llama.py), so its tokens keep their bits in
+// any batch as the experts' do.
+std::vector<paddle::Tensor> FGemm(const paddle::Tensor& x, const paddle::Tensor& w) {
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && w.dtype() == paddle::DataType::FLOAT32, "x and w must be float32");
+  PD_CHECK(x.shape().size() == 2 && w.shape().size() == 2 && x.shape()[1] == w.shape()[0], "x [M, K] and w [K, N]");
+  const int64_t M = x.shape()[0], K = x.shape()[1], N = w.shape()[1];
+  auto out = paddle::empty({M, N}, paddle::DataType::FLOAT32, x.place());
+  if (M > 0) fdx::fgemm(x.data<float>(), w.data<float>(), out.data<float>(), M, K, N);
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> FGemmShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w) {
+  return {{x[0], w[1]}};
+}
+
+std::vector<paddle::DataType> FGemmDtype(const paddle::DataType& x, const paddle::DataType& w) { return {x}; }
+
+PD_BUILD_OP(fdx_fgemm)
+    .Inputs({"x", "w"})
+    .Outputs({"out"})
+    .SetKernelFn(PD_KERNEL(FGemm))
+    .SetInferShapeFn(PD_INFER_SHAPE(FGemmShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(FGemmDtype));

@@ -7,12 +7,17 @@ Per layer: router logits ``h @ W_router^T`` ``[T, E]`` -> softmax over the
 token's output is ``sum_j w_j * SwiGLU_{e_j}(h)``, the experts' SwiGLU the
 dense MLP's (one gate|up matmul, ``swiglu``, one down matmul).
 
-No per-token Python: the step's ``T * k`` (token, slot) pairs are sorted by
-expert (one stable ``argsort``), each expert with rows runs one gate|up and
-one down matmul over all of them, the outputs are weighted, put back in
-(token, slot) order with one ``index_select`` and the ``k`` slots added in
-slot order.  The Python loop is over the experts (at most ``E`` iterations
-a layer), never over tokens.
+One native call.  With the native ops loaded, the whole block -- router
+GEMM, softmax, top-k and its normalisation, the pairs grouped by expert,
+each held expert's gate|up GEMM, SwiGLU and down GEMM over all its rows,
+the weighted slot sums -- is one ``fdx_moe`` call (fdx/csrc/moe.cc), which
+also returns every token's picked experts for the load count.  Without
+them (:meth:`MoeBlock.grouped`): the step's ``T * k`` (token, slot) pairs
+are sorted by expert (one stable ``argsort``), each expert with rows runs
+one gate|up and one down matmul over all of them, the outputs are weighted,
+put back in (token, slot) order with one ``index_select`` and the ``k``
+slots added in slot order -- a Python loop over the experts, never over
+tokens.
 
 Expert parallelism (``ModelArgs.local_experts``, fdx/parallel/sharding.py).
 A rank holds experts ``[first, first + n)`` only; the router is whole, so
@@ -26,15 +31,16 @@ Load.  :attr:`MoeBlock.routed` counts the (token, slot) pairs routed to
 each expert, every step's tokens included, for ``/metrics``
 (``fdx:moe_expert_tokens``).
 
-Batch invariance.  In the packed modes (int8, bfloat16) every matmul, the
-router's included, is ``fdx_qgemm``, whose result for a row does not depend
-on the other rows of the call (fdx/csrc/qgemm.cc); softmax, top-k, SwiGLU,
-the weighting and the slot sums are row-wise.  So a token's output is the
-same bits whichever tokens share its step or its experts.  In float32 the
-matmuls are Paddle's (MKL), whose result for a row changes with the row
-count (measured: a row alone differs from the same row among 2..80), as
-the dense float32 path's does; float32 is the parity mode, not a
-batch-invariant one.
+Batch invariance.  ``fdx_moe`` computes every token from its own row only:
+in the packed modes (int8, bfloat16) every GEMM, the router's included, is
+``fdx_qgemm``'s kernel, whose result for a row does not depend on the other
+rows of the call (fdx/csrc/qgemm.cc); in float32 the GEMMs are moe.cc's own
+fma chains, one per element in input order, whatever the row count;
+softmax, top-k, SwiGLU, the weighting and the slot sums are row-wise.  So a
+token's output is the same bits whichever tokens share its step or its
+experts, in all three modes, and with both kernel sets.  (The pure-Paddle
+fallback's float32 matmuls are MKL's, whose result for a row changes with
+the row count.)
 """
 
 from __future__ import annotations
