@@ -82,6 +82,7 @@ class MoeBlock:
     #: (token, slot) pairs routed to each of the ``num_routed`` experts so far
     routed: np.ndarray = attrs.field(init=False, default=attrs.Factory(
         lambda self: np.zeros(self.num_routed, dtype=np.int64), takes_self=True))
+    _op_args: tuple[Any, ...] | None = attrs.field(init=False, default=None, repr=False)
 
     @property
     def num_experts(self) -> int:
@@ -96,13 +97,13 @@ class MoeBlock:
         path (:meth:`grouped`)."""
         if self.op is None:
             return self.grouped(h, swiglu, qgemm)
-        if qgemm is not None:
-            assert self.p_router is not None
-            kind, router = self.p_router.kind, self.p_router.data
-            gate_up, down = [p.data for p in self.p_gate_up], [p.data for p in self.p_down]
-        else:
-            assert self.router is not None
-            kind, router, gate_up, down = 0, self.router, self.w_gate_up, self.w_down
+        if self._op_args is None:  # the weights never change after load: their lists are built once
+            if self.p_router is not None:
+                self._op_args = (self.p_router.data, [p.data for p in self.p_gate_up], [p.data for p in self.p_down],
+                                 self.p_router.kind)
+            else:
+                self._op_args = (self.router, self.w_gate_up, self.w_down, 0)
+        router, gate_up, down, kind = self._op_args
         out, ids = self.op(h, router, gate_up, down, kind, self.num_routed, self.top_k, self.renormalize, self.first)
         self.routed += np.bincount(ids.numpy().reshape(-1), minlength=self.num_routed)
         return out
