@@ -296,8 +296,8 @@ def bench_moe(args: argparse.Namespace) -> None:
     width = (blk.p_gate_up[0].n_out if packed else int(blk.w_gate_up[0].shape[1])) // 2
     rng = np.random.default_rng(0)
     pack = pack_bf16 if runner.compute == "bfloat16" else pack_float
-    dense_gu = rng.standard_normal((2 * k * width, H), np.float32) / np.sqrt(H)
-    dense_d = rng.standard_normal((H, k * width), np.float32) / np.sqrt(k * width)
+    dense_gu = (rng.standard_normal((2 * k * width, H), np.float32) / np.sqrt(H)).astype(np.float32)
+    dense_d = (rng.standard_normal((H, k * width), np.float32) / np.sqrt(k * width)).astype(np.float32)
     if packed:
         pg, pd = pack(dense_gu), pack(dense_d)
         pg_t, pd_t = paddle.to_tensor(pg.data), paddle.to_tensor(pd.data)

@@ -118,8 +118,10 @@ void route(const float* z, int E, int k, bool renormalize, float* e, int32_t* id
 
 // ---------------------------------------------------------------- float32 GEMM
 
-constexpr int kFR = 4;  // rows per register tile
+constexpr int kFR = 6;  // rows per register tile (12 sums + 2 weight vectors + a broadcast: AVX2's 16 registers)
 constexpr int kFG = 2;  // column vectors per register tile
+constexpr int kStripRows = 4;      // at most this many rows: the strip kernel (few rows: memory bound)
+constexpr int64_t kStrip = 512;    // columns of a strip (its sums stay in L1, its weights stream by rows)
 
 // R rows x G column vectors from column n0: out[r][n] = fma chain over k in
 // order (acc = fma(x[r][k], w[k][n], acc) from 0); the last vector holds
@@ -146,6 +148,36 @@ void ftile(const float* const* xr, const float* w, int64_t K, int64_t N, int64_t
     }
 }
 
+// Few rows: the sums of R rows x `cols` columns from n0 live in the output
+// rows (L1) while the weights stream one contiguous row segment per k; each
+// element the same chain, acc = fma(x[r][k], w[k][n], acc) from 0.
+void fstrip(int R, const float* const* xr, const float* w, int64_t K, int64_t N, int64_t n0, int64_t cols,
+            float* const* orow) {
+  constexpr int L = v::kLanes;
+  for (int r = 0; r < R; ++r) std::fill(orow[r] + n0, orow[r] + n0 + cols, 0.f);
+  const int64_t full = cols / L * L;
+  const int tail = static_cast<int>(cols - full);
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * N + n0;
+    v::vf xb[kStripRows];
+    for (int r = 0; r < R; ++r) xb[r] = v::set1(xr[r][k]);
+    for (int64_t c = 0; c < full; c += L) {
+      const v::vf wv = v::load(wk + c);
+      for (int r = 0; r < R; ++r) {
+        float* o = orow[r] + n0 + c;
+        v::store(o, v::fmadd(xb[r], wv, v::load(o)));
+      }
+    }
+    if (tail) {
+      const v::vf wv = v::load_first(wk + full, tail);
+      for (int r = 0; r < R; ++r) {
+        float* o = orow[r] + n0 + full;
+        v::store_first(o, v::fmadd(xb[r], wv, v::load_first(o, tail)), tail);
+      }
+    }
+  }
+}
+
 template <int G>
 void ftile_rows(int R, const float* const* xr, const float* w, int64_t K, int64_t N, int64_t n0, int last,
                 float* const* orow) {
@@ -153,6 +185,8 @@ void ftile_rows(int R, const float* const* xr, const float* w, int64_t K, int64_
     case 1: ftile<1, G>(xr, w, K, N, n0, last, orow); break;
     case 2: ftile<2, G>(xr, w, K, N, n0, last, orow); break;
     case 3: ftile<3, G>(xr, w, K, N, n0, last, orow); break;
+    case 4: ftile<4, G>(xr, w, K, N, n0, last, orow); break;
+    case 5: ftile<5, G>(xr, w, K, N, n0, last, orow); break;
     default: ftile<kFR, G>(xr, w, K, N, n0, last, orow); break;
   }
 }
@@ -164,6 +198,19 @@ void ftile_rows(int R, const float* const* xr, const float* w, int64_t K, int64_
 // the columns).
 void fdx::fgemm(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N) {
   constexpr int L = v::kLanes;
+  if (M <= kStripRows) {
+    const int64_t strips = (N + kStrip - 1) / kStrip;
+    const float* xr[kStripRows];
+    float* orow[kStripRows];
+    for (int r = 0; r < M; ++r) {
+      xr[r] = x + r * K;
+      orow[r] = out + r * N;
+    }
+#pragma omp parallel for schedule(static) if (K * N >= (1 << 20) && strips >= 2)
+    for (int64_t t = 0; t < strips; ++t)
+      fstrip(static_cast<int>(M), xr, w, K, N, t * kStrip, std::min<int64_t>(kStrip, N - t * kStrip), orow);
+    return;
+  }
   const int64_t nvec = (N + L - 1) / L, tiles = (nvec + kFG - 1) / kFG;
 #pragma omp parallel for schedule(static) if (M * K * N >= (1 << 21) && tiles >= 2)
   for (int64_t t = 0; t < tiles; ++t) {
