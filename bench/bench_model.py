@@ -22,9 +22,11 @@ figures.
 
 ``--moe`` runs bench_tp's random Qwen3-MoE (hidden 512, 12 layers, 8
 experts of width 512, top 2): decode tok/s at 1 and 16 sequences, and one
-layer's experts (router, grouping, the experts' GEMMs, the weighted sum)
-in GMAC/s against one dense gate/up + down GEMM pair of the same active
-width (top-k x the expert width) over the same tokens.
+layer's experts (router, grouping, the experts' GEMMs, the weighted sum:
+one ``fdx_moe`` call) in GMAC/s against one dense gate/up + down GEMM pair
+of the same active width (top-k x the expert width) over the same tokens,
+and against the block's pure-Paddle path (``MoeBlock.grouped``: one
+``fdx_qgemm`` pair per expert from Python, the path before ``fdx_moe``).
 """
 
 from __future__ import annotations
@@ -294,8 +296,8 @@ def bench_moe(args: argparse.Namespace) -> None:
     width = (blk.p_gate_up[0].n_out if packed else int(blk.w_gate_up[0].shape[1])) // 2
     rng = np.random.default_rng(0)
     pack = pack_bf16 if runner.compute == "bfloat16" else pack_float
-    dense_gu = rng.standard_normal((2 * k * width, H), np.float32) / np.sqrt(H)
-    dense_d = rng.standard_normal((H, k * width), np.float32) / np.sqrt(k * width)
+    dense_gu = (rng.standard_normal((2 * k * width, H), np.float32) / np.sqrt(H)).astype(np.float32)
+    dense_d = (rng.standard_normal((H, k * width), np.float32) / np.sqrt(k * width)).astype(np.float32)
     if packed:
         pg, pd = pack(dense_gu), pack(dense_d)
         pg_t, pd_t = paddle.to_tensor(pg.data), paddle.to_tensor(pd.data)
@@ -322,9 +324,10 @@ def bench_moe(args: argparse.Namespace) -> None:
         macs = T * k * 3 * H * width
         t_moe = timed(lambda h: blk(h, swiglu, qgemm), x)
         t_dense = timed(dense, x)
+        t_py = timed(lambda h: blk.grouped(h, swiglu, qgemm), x)
         print(f"  T={T:4d}: experts {macs / t_moe / 1e9:7.2f} GMAC/s ({t_moe * 1e6:8.1f} us)   dense "
               f"{macs / t_dense / 1e9:7.2f} GMAC/s ({t_dense * 1e6:8.1f} us)   experts / dense "
-              f"{t_dense / t_moe:5.2f}x")
+              f"{t_dense / t_moe:5.2f}x   Paddle-ops path {macs / t_py / 1e9:7.2f} GMAC/s ({t_dense / t_py:5.2f}x dense)")
     blk.routed[:] = saved
 
 

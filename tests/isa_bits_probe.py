@@ -131,6 +131,24 @@ def probe() -> dict[str, np.ndarray]:
             o = ops.fdx_paged_attention(T(qkv), cache, rope, T(meta), T(tables), H, KV, BS, float(D) ** -0.5, window)
             out[f"attention_D{D}_prefill_window{window}"] = o.numpy()
 
+    # the mixture-of-experts op, every mode: routing, grouping, both GEMMs, the sums (and a rank's experts)
+    E, H, F = 8, 128, 64
+    router = (rng.standard_normal((E, H)) / np.sqrt(H)).astype(np.float32)
+    gu = [(rng.standard_normal((2 * F, H)) / np.sqrt(H)).astype(np.float32) for _ in range(E)]
+    dn = [(rng.standard_normal((H, F)) / np.sqrt(F)).astype(np.float32) for _ in range(E)]
+    for mode, kind in (("f32", 0), ("int8", 8), ("bf16", 16)):
+        if kind == 0:
+            conv = lambda w: T(np.ascontiguousarray(w.T))  # noqa: E731
+        else:
+            conv = lambda w, pk=(pack_bf16 if kind == 16 else pack_float): T(pk(w).data)  # noqa: E731
+        r, g, d = conv(router), [conv(w) for w in gu], [conv(w) for w in dn]
+        for M in (1, 7, 40):
+            x = (rng.standard_normal((M, H)) * 2).astype(np.float32)
+            for renorm, first, n in ((True, 0, E), (False, 0, E), (True, 2, 3)):
+                o, ids = ops.fdx_moe(T(x), r, g[first : first + n], d[first : first + n], kind, E, 2, renorm, first)
+                out[f"moe_{mode}_M{M}_renorm{int(renorm)}_first{first}"] = o.numpy()
+                out[f"moe_{mode}_M{M}_renorm{int(renorm)}_first{first}_ids"] = ids.numpy()
+
     # the fused decoder op, int8 (Q4_1 and Q8_0 layers) and bf16, with a prefill then a decode step
     E, H, KV, D, F, BS, NL = 128, 4, 2, 32, 96, 8, 2
     W = (H + 2 * KV) * D

@@ -800,19 +800,15 @@ def test_expert_parallel_gives_the_one_rank_tokens_and_counts_the_experts_load(n
             np.testing.assert_allclose(lps2, lps1, atol=1e-4, err_msg=str(key))
 
 
-#: float32's matmuls are Paddle's (MKL), whose result for a row depends on the row count, the
-#: dense models' as the experts' (docs/MODELS.md): float32 is the parity mode, not batch-invariant
-F32_VARIES = pytest.mark.xfail(strict=True, reason="float32 (MKL) matmuls depend on the step's row count")
-
-
-@pytest.mark.parametrize(("dtype", "tp"), [("int8", 1), ("bfloat16", 1), ("int8", 2),
-                                           pytest.param("float32", 1, marks=F32_VARIES)])
+@pytest.mark.parametrize(("dtype", "tp"), [("int8", 1), ("bfloat16", 1), ("int8", 2), ("float32", 1)])
 def test_moe_batch_invariance(dtype: str, tp: int) -> None:
-    """The packed modes: each golden prompt alone and among 16 others
-    (random lengths, some sampled, other max_tokens: the experts' row groups
-    change size every step) through ``fdx.LLM`` gives bit-identical tokens
-    and logprobs (the chosen token's and the top-2); at TP=2 with expert
-    parallelism too (a rank's experts and the all-reduce are row-wise)."""
+    """Every mode: each golden prompt alone and among 16 others (random
+    lengths, some sampled, other max_tokens: the experts' row groups change
+    size every step) through ``fdx.LLM`` gives bit-identical tokens and
+    logprobs (the chosen token's and the top-2); at TP=2 with expert
+    parallelism too (a rank's experts and the all-reduce are row-wise).
+    float32 too: ``fdx_moe``'s experts and, in a MoE model, every other
+    matmul (``fdx_fgemm``) are row-invariant, unlike MKL's."""
     assert_batch_invariant("qwen3_moe", dtype, tp)
 
 

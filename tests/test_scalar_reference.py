@@ -1,7 +1,7 @@
 """The loaded kernel set against a plain scalar C++ reference of the canonical order.
 
 tests/csrc/scalar_reference.cc computes RMSNorm, SwiGLU, paged attention and
-the fp32 GEMV one float at a time in the order fdx/csrc/simd_math.h defines
+the fp32 GEMV, the float32 GEMM and the float32 mixture-of-experts block one float at a time in the order fdx/csrc/simd_math.h defines
 for every kernel set (16 lanes, one fixed tree); it is built with the ops'
 own flags (fdx/model/native.py) and every output must match the loaded set
 bit for bit.  The int8 and bf16 GEMMs have their exact numpy references in
@@ -102,3 +102,27 @@ def test_qgemv_matches_the_reference(ops: Any, ref: Any, qtype: int) -> None:
     for M in (1, 3, 6):
         x = paddle.to_tensor(rng.standard_normal((M, K)).astype(np.float32))
         _same(ops.fdx_qgemv(x, raw, qtype).numpy(), ref.fdx_ref_qgemv(x, raw, qtype).numpy(), f"qgemv M={M}")
+
+
+def test_fgemm_and_moe_match_the_reference(ops: Any, ref: Any) -> None:
+    """fdx_fgemm (every row tile, column tails of both lane counts) and
+    fdx_moe in float32 (top-2 renormalised, top-3 not, a rank's experts)."""
+    import paddle
+
+    rng = np.random.default_rng(25)
+    for M, K, N in ((1, 64, 8), (3, 96, 1100), (4, 32, 37), (5, 64, 40), (7, 96, 37), (70, 128, 130)):
+        x = paddle.to_tensor(rng.standard_normal((M, K)).astype(np.float32))
+        w = paddle.to_tensor((rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32))
+        _same(ops.fdx_fgemm(x, w).numpy(), ref.fdx_ref_fgemm(x, w).numpy(), f"fgemm M={M} K={K} N={N}")
+    E, H, F = 8, 128, 64
+    t = lambda a: paddle.to_tensor(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
+    router = t(rng.standard_normal((H, E)) / np.sqrt(H))
+    gu = [t(rng.standard_normal((H, 2 * F)) / np.sqrt(H)) for _ in range(E)]
+    dn = [t(rng.standard_normal((F, H)) / np.sqrt(F)) for _ in range(E)]
+    for T in (1, 9, 40):
+        h = t(rng.standard_normal((T, H)) * 2)
+        for k, renorm, first, n in ((2, True, 0, E), (3, False, 0, E), (2, True, 3, 4)):
+            got = ops.fdx_moe(h, router, gu[first : first + n], dn[first : first + n], 0, E, k, renorm, first)
+            want = ref.fdx_ref_moe(h, router, gu[first : first + n], dn[first : first + n], E, k, renorm, first)
+            np.testing.assert_array_equal(got[1].numpy(), want[1].numpy())
+            _same(got[0].numpy(), want[0].numpy(), f"moe T={T} k={k} first={first}")

@@ -60,4 +60,8 @@ void add_rms_norm(const float* x, const float* residual, const float* weight, in
 // out[T, F] = silu(x[:, :F]) * x[:, F:] for x [T, 2F].
 void swiglu(const float* x, int64_t T, int64_t F, float* out);
 
+// moe.cc: out[M, N] = x[M, K] @ w[K, N] in float32 (w row-major); element
+// (m, n) is acc = fma(x[m][k], w[k][n], acc) over k in order from 0.
+void fgemm(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N);
+
 }  // namespace fdx

@@ -17,9 +17,11 @@ A model with per-head q/k RMSNorm (``ModelArgs.qk_norm``, Qwen3) always
 takes the per-layer path: the norm runs between the q/k/v matmul and the
 attention op (which applies RoPE), with the same row-wise RMSNorm op.
 So does a mixture of experts (``ModelArgs.num_experts``, Qwen3-MoE,
-Mixtral): the layer's MLP is a :class:`fdx.model.moe.MoeBlock` (router,
-tokens grouped by expert, one matmul pair per expert), the rest of the
-layer unchanged.
+Mixtral): the layer's MLP is a :class:`fdx.model.moe.MoeBlock` (one
+``fdx_moe`` call: router, tokens grouped by expert, one GEMM pair per
+expert), the rest of the layer unchanged; in float32 its other matmuls
+(q/k/v, o, the head) are ``fdx_fgemm``, so a token's bits do not depend on
+its batch in float32 either.
 
 Gemma (``ModelArgs.gemma_fields``) takes the per-layer path too, with a few
 local additions: the embedding scale, a norm on the attention and on the MLP
@@ -260,8 +262,12 @@ class LlamaModel:
         self.lm_head: paddle.Tensor | None = None  # [hidden, V] when untied
         self.q_lm_head: tuple[paddle.Tensor, int] | None = None
         self.p_lm_head: PackedWeight | None = None
+        #: float32 with experts: every matmul is ``fdx_fgemm`` (fdx/csrc/moe.cc), whose
+        #: rows keep their bits in any batch, as ``fdx_moe``'s experts do (MKL's do not)
+        self.fgemm = (native_ops.fdx_fgemm if mode == "float32" and args.num_experts
+                      and hasattr(native_ops, "fdx_fgemm") else None)
         #: steps with at most this many token rows use the quantized GEMV
-        self.quant_max_rows = QUANT_MAX_ROWS if native_ops is not None else 0
+        self.quant_max_rows = QUANT_MAX_ROWS if native_ops is not None and self.fgemm is None else 0
         #: packed modes: run every layer in one ``fdx_decoder_layers`` call (same
         #: kernels, same bits as the per-layer path, without ~8 op dispatches a
         #: layer); ``False`` keeps the per-layer path (tests compare the two)
@@ -312,8 +318,9 @@ class LlamaModel:
             else:
                 self.p_lm_head = _to_paddle(pack_float(ckpt.lm_head if ckpt.lm_head is not None else ckpt.embed))
             return
-        if ckpt.lm_head is not None:
-            self.lm_head = paddle.to_tensor(np.ascontiguousarray(ckpt.lm_head.T, dtype=np.float32))
+        if ckpt.lm_head is not None or self.fgemm is not None:  # fdx_fgemm: a [hidden, V] copy of a tied head
+            head = ckpt.lm_head if ckpt.lm_head is not None else ckpt.embed
+            self.lm_head = paddle.to_tensor(np.ascontiguousarray(head.T, dtype=np.float32))
         if ckpt.lm_head_raw is not None:
             self.q_lm_head = (paddle.to_tensor(ckpt.lm_head_raw[0]), ckpt.lm_head_raw[1])
 
@@ -348,7 +355,7 @@ class LlamaModel:
             return self._pack_layer(lw, i)
         w_qkv = np.concatenate([lw.wq, lw.wk, lw.wv], axis=0).T
         b_qkv = qkv_bias(lw, a)
-        moe = build_moe(lw, a, self.mode) if a.num_experts else None
+        moe = build_moe(lw, a, self.mode, self.ops) if a.num_experts else None
         t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
 
         def fuse(*names: str) -> tuple[paddle.Tensor, int] | None:
@@ -404,7 +411,7 @@ class LlamaModel:
             return _to_paddle(pack_float(np.concatenate([getattr(lw, n) for n in names], axis=0)))
 
         t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
-        moe = build_moe(lw, a, self.mode) if a.num_experts else None
+        moe = build_moe(lw, a, self.mode, self.ops) if a.num_experts else None
         return Layer(
             attn_norm=t(lw.attn_norm), w_qkv=None, b_qkv=t(b_qkv) if b_qkv is not None else None, w_o=None,
             ffn_norm=t(lw.ffn_norm), w_gate_up=None, w_down=None, moe=moe,
@@ -438,12 +445,15 @@ class LlamaModel:
             raise FdxError(f"{self.mode} compute needs fdx's native CPU ops, which are not loaded")
         qgemv = self.ops.fdx_qgemv if self.ops is not None and T <= self.quant_max_rows else None
         qgemm = self.ops.fdx_qgemm if packed else None
+        fgemm = self.fgemm
 
         def linear(h: paddle.Tensor, w: paddle.Tensor | None, q: tuple[paddle.Tensor, int] | None,
                    p: PackedWeight | None) -> paddle.Tensor:
             if qgemm is not None:
                 assert p is not None
                 return qgemm(h, p.data, p.kind, p.n_out)
+            if fgemm is not None:
+                return fgemm(h, w)
             if q is not None and qgemv is not None:
                 return qgemv(h, q[0], q[1])
             return paddle.matmul(h, w)
@@ -541,7 +551,7 @@ class LlamaModel:
         if self.q_lm_head is not None and self.ops is not None and R <= self.quant_max_rows:
             return self.ops.fdx_qgemv(h, self.q_lm_head[0], self.q_lm_head[1])
         if self.lm_head is not None:
-            return paddle.matmul(h, self.lm_head)
+            return self.fgemm(h, self.lm_head) if self.fgemm is not None else paddle.matmul(h, self.lm_head)
         return paddle.matmul(h, self.embed, transpose_y=True)
 
     # ------------------------------------------------------------------ fallback

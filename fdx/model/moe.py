@@ -7,12 +7,17 @@ Per layer: router logits ``h @ W_router^T`` ``[T, E]`` -> softmax over the
 token's output is ``sum_j w_j * SwiGLU_{e_j}(h)``, the experts' SwiGLU the
 dense MLP's (one gate|up matmul, ``swiglu``, one down matmul).
 
-No per-token Python: the step's ``T * k`` (token, slot) pairs are sorted by
-expert (one stable ``argsort``), each expert with rows runs one gate|up and
-one down matmul over all of them, the outputs are weighted, put back in
-(token, slot) order with one ``index_select`` and the ``k`` slots added in
-slot order.  The Python loop is over the experts (at most ``E`` iterations
-a layer), never over tokens.
+One native call.  With the native ops loaded, the whole block -- router
+GEMM, softmax, top-k and its normalisation, the pairs grouped by expert,
+each held expert's gate|up GEMM, SwiGLU and down GEMM over all its rows,
+the weighted slot sums -- is one ``fdx_moe`` call (fdx/csrc/moe.cc), which
+also returns every token's picked experts for the load count.  Without
+them (:meth:`MoeBlock.grouped`): the step's ``T * k`` (token, slot) pairs
+are sorted by expert (one stable ``argsort``), each expert with rows runs
+one gate|up and one down matmul over all of them, the outputs are weighted,
+put back in (token, slot) order with one ``index_select`` and the ``k``
+slots added in slot order -- a Python loop over the experts, never over
+tokens.
 
 Expert parallelism (``ModelArgs.local_experts``, fdx/parallel/sharding.py).
 A rank holds experts ``[first, first + n)`` only; the router is whole, so
@@ -26,15 +31,16 @@ Load.  :attr:`MoeBlock.routed` counts the (token, slot) pairs routed to
 each expert, every step's tokens included, for ``/metrics``
 (``fdx:moe_expert_tokens``).
 
-Batch invariance.  In the packed modes (int8, bfloat16) every matmul, the
-router's included, is ``fdx_qgemm``, whose result for a row does not depend
-on the other rows of the call (fdx/csrc/qgemm.cc); softmax, top-k, SwiGLU,
-the weighting and the slot sums are row-wise.  So a token's output is the
-same bits whichever tokens share its step or its experts.  In float32 the
-matmuls are Paddle's (MKL), whose result for a row changes with the row
-count (measured: a row alone differs from the same row among 2..80), as
-the dense float32 path's does; float32 is the parity mode, not a
-batch-invariant one.
+Batch invariance.  ``fdx_moe`` computes every token from its own row only:
+in the packed modes (int8, bfloat16) every GEMM, the router's included, is
+``fdx_qgemm``'s kernel, whose result for a row does not depend on the other
+rows of the call (fdx/csrc/qgemm.cc); in float32 the GEMMs are moe.cc's own
+fma chains, one per element in input order, whatever the row count;
+softmax, top-k, SwiGLU, the weighting and the slot sums are row-wise.  So a
+token's output is the same bits whichever tokens share its step or its
+experts, in all three modes, and with both kernel sets.  (The pure-Paddle
+fallback's float32 matmuls are MKL's, whose result for a row changes with
+the row count.)
 """
 
 from __future__ import annotations
@@ -71,9 +77,12 @@ class MoeBlock:
     p_router: PackedWeight | None = None
     p_gate_up: list[PackedWeight] = attrs.field(factory=list)
     p_down: list[PackedWeight] = attrs.field(factory=list)
+    #: the native ``fdx_moe`` op (fdx/csrc/moe.cc), or ``None``: the pure-Paddle path
+    op: Any | None = None
     #: (token, slot) pairs routed to each of the ``num_routed`` experts so far
     routed: np.ndarray = attrs.field(init=False, default=attrs.Factory(
         lambda self: np.zeros(self.num_routed, dtype=np.int64), takes_self=True))
+    _op_args: tuple[Any, ...] | None = attrs.field(init=False, default=None, repr=False)
 
     @property
     def num_experts(self) -> int:
@@ -83,7 +92,26 @@ class MoeBlock:
     def __call__(self, h: paddle.Tensor, swiglu: Callable[[paddle.Tensor], paddle.Tensor],
                  qgemm: Any | None) -> paddle.Tensor:
         """The block's output ``[T, hidden]`` for the normed hidden states ``h``
-        (``qgemm``: the packed modes' op, ``None`` in float32)."""
+        (``qgemm``: the packed modes' op, ``None`` in float32): one
+        ``fdx_moe`` call where the native ops are loaded, else the pure-Paddle
+        path (:meth:`grouped`)."""
+        if self.op is None:
+            return self.grouped(h, swiglu, qgemm)
+        if self._op_args is None:  # the weights never change after load: their lists are built once
+            if self.p_router is not None:
+                self._op_args = (self.p_router.data, [p.data for p in self.p_gate_up], [p.data for p in self.p_down],
+                                 self.p_router.kind)
+            else:
+                self._op_args = (self.router, self.w_gate_up, self.w_down, 0)
+        router, gate_up, down, kind = self._op_args
+        out, ids = self.op(h, router, gate_up, down, kind, self.num_routed, self.top_k, self.renormalize, self.first)
+        self.routed += np.bincount(ids.numpy().reshape(-1), minlength=self.num_routed)
+        return out
+
+    def grouped(self, h: paddle.Tensor, swiglu: Callable[[paddle.Tensor], paddle.Tensor],
+                qgemm: Any | None) -> paddle.Tensor:
+        """The pure-Paddle path (no native ops): the same routing and sums,
+        a loop over the experts (never over tokens)."""
 
         def linear(x: paddle.Tensor, w: paddle.Tensor | None, p: PackedWeight | None) -> paddle.Tensor:
             if qgemm is not None:
@@ -134,13 +162,14 @@ class MoeBlock:
         return out
 
 
-def build_moe(lw: LayerWeights, args: ModelArgs, mode: str) -> MoeBlock:
+def build_moe(lw: LayerWeights, args: ModelArgs, mode: str, ops: Any | None = None) -> MoeBlock:
     """A layer's :class:`MoeBlock` in compute mode ``mode`` (``float32``,
-    ``int8``: the float weights quantized to Q8_0, ``bfloat16``: rounded)."""
+    ``int8``: the float weights quantized to Q8_0, ``bfloat16``: rounded);
+    ``ops``: the native op module (its ``fdx_moe`` runs the block)."""
     assert lw.router is not None and lw.e_gate is not None and lw.e_up is not None and lw.e_down is not None
     first = args.local_experts[0] if args.local_experts is not None else 0
     blk = MoeBlock(top_k=args.num_experts_per_tok, renormalize=args.norm_topk_prob, num_routed=args.num_experts,
-                   first=first)
+                   first=first, op=getattr(ops, "fdx_moe", None))
     gate_up = [np.concatenate([g, u], axis=0) for g, u in zip(lw.e_gate, lw.e_up)]  # [2 * width, hidden]
     if mode == "float32":
         t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731

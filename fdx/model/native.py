@@ -38,7 +38,9 @@ the batch-invariant int8 GEMM over packed blocks, every row count),
 ``fdx_swiglu`` (csrc/small_ops.cc), and ``fdx_decoder_layers``
 (csrc/decoder_layers.cc: every decoder layer of an int8 step in one call,
 through the same kernels, whose plain C++ entry points csrc/kernels.h
-declares).  Both use OpenMP through Paddle's
+declares), and ``fdx_moe`` (csrc/moe.cc: a mixture-of-experts block --
+router, top-k, the grouping by expert, both expert GEMMs and the weighted
+sum -- in one call, for int8, bf16 and float32).  They use OpenMP through Paddle's
 libiomp5 -- the runtime MKL uses -- never libgomp.
 """
 
@@ -61,7 +63,7 @@ CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 #: builds made at install time (``python -m fdx.model.native``), inside the installed package
 PREBUILT = os.path.join(os.path.dirname(CSRC), "_ops")
 BUILD_COMMAND = f"{os.path.basename(sys.executable) or 'python'} -m fdx.model.native"
-SOURCES = ("paged_attention.cc", "qgemv.cc", "qgemm.cc", "small_ops.cc", "decoder_layers.cc")
+SOURCES = ("paged_attention.cc", "qgemv.cc", "qgemm.cc", "small_ops.cc", "decoder_layers.cc", "moe.cc")
 HEADERS = ("simd_math.h", "kernels.h")
 #: plain C libraries beside the op module (ctypes, not Paddle ops): tensor parallelism's collectives
 STANDALONE = ("tp_comm.cc",)

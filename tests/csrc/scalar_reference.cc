@@ -12,6 +12,9 @@
 //   fdx_ref_paged_attention(qkv, kv_cache, rope, meta, tables, H, KV, BS, scale, window) -> out
 //       (kv_cache written in place, as fdx_paged_attention)
 //   fdx_ref_qgemv(x, w, qtype) -> out
+//   fdx_ref_fgemm(x [M, K], w [K, N]) -> out (fdx_fgemm: one fma chain over k per element)
+//   fdx_ref_moe(h, router, gate_up, down, num_experts, top_k, renormalize, first) -> out, ids
+//       (fdx_moe in float32, every (token, slot) pair's expert computed alone)
 
 #include <algorithm>
 #include <cmath>
@@ -206,6 +209,88 @@ std::vector<paddle::Tensor> RefQGemv(const paddle::Tensor& x, const paddle::Tens
     }
   return {out};
 }
+
+namespace {
+
+// a / b, one IEEE division (-freciprocal-math may not share a reciprocal)
+float div_ieee(float a, float b) {
+  asm volatile("" : "+x"(b));
+  return a / b;
+}
+
+// row x [K] @ w [K, N] -> o [N]: acc = fma(x[k], w[k][n], acc) over k in order
+void fgemm_row(const float* x, const float* w, int64_t K, int64_t N, float* o) {
+  for (int64_t n = 0; n < N; ++n) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < K; ++k) acc = std::fma(x[k], w[k * N + n], acc);
+    o[n] = acc;
+  }
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> RefFGemm(const paddle::Tensor& x, const paddle::Tensor& w) {
+  const int64_t M = x.shape()[0], K = x.shape()[1], N = w.shape()[1];
+  auto out = paddle::empty({M, N}, paddle::DataType::FLOAT32, x.place());
+  for (int64_t m = 0; m < M; ++m) fgemm_row(x.data<float>() + m * K, w.data<float>(), K, N, out.data<float>() + m * N);
+  return {out};
+}
+
+std::vector<paddle::Tensor> RefMoe(const paddle::Tensor& h, const paddle::Tensor& router,
+                                   const std::vector<paddle::Tensor>& gate_up, const std::vector<paddle::Tensor>& down,
+                                   int num_experts, int top_k, bool renormalize, int first) {
+  const int64_t T = h.shape()[0], H = h.shape()[1], F2 = gate_up[0].shape()[1], F = F2 / 2;
+  const int E = num_experts, k = top_k, n_held = static_cast<int>(gate_up.size());
+  auto out = paddle::empty({T, H}, paddle::DataType::FLOAT32, h.place());
+  auto ids_t = paddle::empty({T, static_cast<int64_t>(k)}, paddle::DataType::INT32, h.place());
+  std::vector<float> z(E), p(E), w(k), gu(F2), act(F), y(H);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* x = h.data<float>() + t * H;
+    int32_t* ids = ids_t.data<int32_t>() + t * k;
+    fgemm_row(x, router.data<float>(), H, E, z.data());
+    float m = z[0], s = 0.f;
+    for (int i = 1; i < E; ++i) m = std::max(m, z[i]);
+    for (int i = 0; i < E; ++i) s = s + (p[i] = exp_lane(z[i] - m));
+    for (int i = 0; i < E; ++i) p[i] = div_ieee(p[i], s);
+    std::vector<bool> taken(E, false);
+    for (int j = 0; j < k; ++j) {
+      int best = -1;
+      for (int i = 0; i < E; ++i)
+        if (!taken[i] && (best < 0 || p[i] > p[best])) best = i;
+      taken[best] = true;
+      ids[j] = best;
+      w[j] = p[best];
+    }
+    if (renormalize) {
+      float total = w[0];
+      for (int j = 1; j < k; ++j) total = total + w[j];
+      for (int j = 0; j < k; ++j) w[j] = div_ieee(w[j], total);
+    }
+    float* o = out.data<float>() + t * H;
+    for (int j = 0; j < k; ++j) {
+      const int le = ids[j] - first;
+      const bool held = le >= 0 && le < n_held;
+      if (held) {
+        fgemm_row(x, gate_up[le].data<float>(), H, F2, gu.data());
+        for (int64_t i = 0; i < F; ++i) act[i] = (gu[i] / (1.f + exp_lane(0.f - gu[i]))) * gu[F + i];
+        fgemm_row(act.data(), down[le].data<float>(), F, H, y.data());
+      }
+      for (int64_t i = 0; i < H; ++i) {
+        const float term = held ? y[i] * w[j] : 0.f;
+        o[i] = j == 0 ? term : o[i] + term;
+      }
+    }
+  }
+  return {out, ids_t};
+}
+
+PD_BUILD_OP(fdx_ref_fgemm).Inputs({"x", "w"}).Outputs({"out"}).SetKernelFn(PD_KERNEL(RefFGemm));
+
+PD_BUILD_OP(fdx_ref_moe)
+    .Inputs({"h", "router", paddle::Vec("gate_up"), paddle::Vec("down")})
+    .Outputs({"out", "ids"})
+    .Attrs({"num_experts: int", "top_k: int", "renormalize: bool", "first: int"})
+    .SetKernelFn(PD_KERNEL(RefMoe));
 
 PD_BUILD_OP(fdx_ref_add_rms_norm)
     .Inputs({"x", "residual", "weight"})
