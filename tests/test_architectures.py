@@ -52,7 +52,8 @@ from serverutil import start_server
 pytestmark = pytest.mark.slow
 
 DATA = Path(__file__).parent / "data" / "arch"
-ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "mistral_swa", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral")
+ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "mistral_swa", "phi3", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe",
+         "mixtral")
 
 
 def goldens(name: str, which: str = "goldens") -> list[dict[str, Any]]:

@@ -154,6 +154,10 @@ class ModelArgs:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    #: Qwen2-MoE's shared expert: a SwiGLU of this width every token runs
+    #: beside the routed ones, its output scaled by ``sigmoid(h . w_gate)``
+    #: (its ``[hidden]`` gate) and added to theirs; ``0``: none
+    shared_expert_size: int = 0
     #: expert parallelism (a rank's local geometry, :mod:`fdx.parallel.sharding`):
     #: this rank holds experts ``[first, first + count)`` of the ``num_experts``
     #: the router picks from; ``None``: all of them
@@ -174,6 +178,7 @@ class ModelArgs:
                          f" windows={'/'.join(map(str, self.layer_windows))}" if any(self.layer_windows) else "",
                          f" moe={self.num_experts}x{self.moe_intermediate_size}/top{self.num_experts_per_tok}"
                          if self.num_experts else "",
+                         f"+shared{self.shared_expert_size}" if self.shared_expert_size else "",
                          f" experts {self.local_experts[0]}..{sum(self.local_experts) - 1}" if self.local_experts else ""))
         return (
             f"{self.arch} L{self.num_layers} d{self.hidden_size} ff{self.intermediate_size} "
@@ -260,6 +265,12 @@ class WeightNames:
     expert_gate: str = ""
     expert_up: str = ""
     expert_down: str = ""
+    #: Qwen2-MoE's shared expert: its SwiGLU (``[width, hidden]`` gate and up,
+    #: ``[hidden, width]`` down) and its gate (``[1, hidden]``: one logit a token)
+    shared_gate: str = ""
+    shared_up: str = ""
+    shared_down: str = ""
+    shared_expert_gate: str = ""
     #: LongRoPE's factors as tensors (llama.cpp's Phi-3: ``rope_factors_long`` /
     #: ``rope_factors_short``, ``head_dim / 2`` each; model-wide, not per layer)
     rope_long: str = ""
@@ -313,6 +324,8 @@ class LayerRecipe:
     are fields so a new variant is a new value, checked at load.
     ``moe_renormalize``: the top-k router weights always sum to 1 (Mixtral;
     other MoE architectures take it from the config's ``norm_topk_prob``).
+    ``shared_expert``: every MoE layer also has a gated shared expert
+    (Qwen2-MoE: ``ModelArgs.shared_expert_size``).
     ``sandwich_norms``: RMSNorms after attention and after the MLP too
     (Gemma 2/3).  ``embed_scale``: embeddings scaled by ``sqrt(hidden_size)``.
     ``window_pattern`` (non-zero: Gemma 2/3): the config's ``layer_types``
@@ -331,6 +344,7 @@ class LayerRecipe:
     mlp: str = "swiglu"
     rope: str = "neox"
     moe_renormalize: bool = False
+    shared_expert: bool = False
     sandwich_norms: bool = False
     embed_scale: bool = False
     window_pattern: int = 0
@@ -406,7 +420,9 @@ class Architecture:
     so Mixtral and Llama can share llama.cpp's ``llama``.  ``gguf_weights`` is
     ``None`` when fdx reads only its HF folders.  ``gguf_qk_permuted``:
     llama.cpp's converter stores q/k rows in interleaved-pair order (the
-    loader un-permutes them).
+    loader un-permutes them).  ``gguf_moe_renormalize``: llama.cpp
+    renormalises the top-k router weights of this architecture's GGUF
+    (Mixtral, Qwen3-MoE; not Qwen2-MoE), which carries no key saying so.
 
     Invariants: a pure declaration (immutable, no device state, safe to
     share across threads); every field the ``check_*`` methods accept is one
@@ -422,6 +438,7 @@ class Architecture:
     gguf_weights: WeightNames | None = None
     gguf_keys: Mapping[str, FieldRule] = attrs.field(factory=dict)
     gguf_qk_permuted: bool = True
+    gguf_moe_renormalize: bool = True
     description: str = ""
 
     def check_hf_config(self, cfg: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -172,7 +172,9 @@ def check_layer(lw: LayerWeights, a: ModelArgs, i: int, path: str) -> None:
     h, q, kv, ff = a.hidden_size, a.q_size, a.kv_size, a.intermediate_size
     E, f = a.num_experts, a.moe_intermediate_size
     n = a.local_experts[1] if a.local_experts is not None else E  # the experts this rank holds
-    mlp = ((("router", (E, h)), ("e_gate", (n, f, h)), ("e_up", (n, f, h)), ("e_down", (n, h, f))) if E else
+    sf = a.shared_expert_size
+    shared = (("s_gate", (sf, h)), ("s_up", (sf, h)), ("s_down", (h, sf)), ("s_gate_inp", (h,))) if sf else ()
+    mlp = ((("router", (E, h)), ("e_gate", (n, f, h)), ("e_up", (n, f, h)), ("e_down", (n, h, f)), *shared) if E else
            (("w_gate", (ff, h)), ("w_up", (ff, h)), ("w_down", (h, ff))))
     for name, shape in (
         ("wq", (q, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q)), *mlp,

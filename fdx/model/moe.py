@@ -7,6 +7,11 @@ Per layer: router logits ``h @ W_router^T`` ``[T, E]`` -> softmax over the
 token's output is ``sum_j w_j * SwiGLU_{e_j}(h)``, the experts' SwiGLU the
 dense MLP's (one gate|up matmul, ``swiglu``, one down matmul).
 
+Qwen2-MoE adds a shared expert (``ModelArgs.shared_expert_size``): every
+token also runs one more SwiGLU (the same ops, its own width), scaled by
+``sigmoid(h . w)`` of its ``[hidden]`` gate (one more matmul, ``[hidden, 1]``),
+and added after the routed experts' sum (transformers' order).
+
 No per-token Python: the step's ``T * k`` (token, slot) pairs are sorted by
 expert (one stable ``argsort``), each expert with rows runs one gate|up and
 one down matmul over all of them, the outputs are weighted, put back in
@@ -71,6 +76,14 @@ class MoeBlock:
     p_router: PackedWeight | None = None
     p_gate_up: list[PackedWeight] = attrs.field(factory=list)
     p_down: list[PackedWeight] = attrs.field(factory=list)
+    #: the shared expert (Qwen2-MoE): gate|up, down and its gate ``[hidden, 1]``
+    #: (float32), or packed; all ``None`` without one
+    s_gate_up: paddle.Tensor | None = None
+    s_down: paddle.Tensor | None = None
+    s_gate: paddle.Tensor | None = None
+    ps_gate_up: PackedWeight | None = None
+    ps_down: PackedWeight | None = None
+    ps_gate: PackedWeight | None = None
     #: (token, slot) pairs routed to each of the ``num_routed`` experts so far
     routed: np.ndarray = attrs.field(init=False, default=attrs.Factory(
         lambda self: np.zeros(self.num_routed, dtype=np.int64), takes_self=True))
@@ -91,6 +104,16 @@ class MoeBlock:
                 return qgemm(x, p.data, p.kind, p.n_out)
             return paddle.matmul(x, w)
 
+        out = self._routed(h, swiglu, linear)
+        if self.s_gate_up is None and self.ps_gate_up is None:
+            return out
+        shared = linear(swiglu(linear(h, self.s_gate_up, self.ps_gate_up)), self.s_down, self.ps_down)
+        return out + F.sigmoid(linear(h, self.s_gate, self.ps_gate)) * shared
+
+    def _routed(self, h: paddle.Tensor, swiglu: Callable[[paddle.Tensor], paddle.Tensor],
+                linear: Callable[..., paddle.Tensor]) -> paddle.Tensor:
+        """The routed experts' weighted sum ``[T, hidden]``."""
+        qgemm = self.p_router is not None
         T, k = int(h.shape[0]), self.top_k
         probs = F.softmax(linear(h, self.router, self.p_router), axis=-1)
         weights, experts = paddle.topk(probs, k, axis=-1)  # [T, k], highest first
@@ -116,10 +139,10 @@ class MoeBlock:
         for e in np.flatnonzero(counts):
             n = int(counts[e])
             xe = x[start : start + n]
-            pg = self.p_gate_up[e] if qgemm is not None else None
-            pd = self.p_down[e] if qgemm is not None else None
-            wg = self.w_gate_up[e] if qgemm is None else None
-            wd = self.w_down[e] if qgemm is None else None
+            pg = self.p_gate_up[e] if qgemm else None
+            pd = self.p_down[e] if qgemm else None
+            wg = self.w_gate_up[e] if not qgemm else None
+            wd = self.w_down[e] if not qgemm else None
             outs.append(linear(swiglu(linear(xe, wg, pg)), wd, pd))
             start += n
         y = (paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]) * w_sorted
@@ -147,6 +170,9 @@ def build_moe(lw: LayerWeights, args: ModelArgs, mode: str) -> MoeBlock:
         blk.router = t(lw.router.T)
         blk.w_gate_up = [t(w.T) for w in gate_up]
         blk.w_down = [t(w.T) for w in lw.e_down]
+        if lw.s_gate is not None:
+            blk.s_gate_up = t(np.concatenate([lw.s_gate, lw.s_up], axis=0).T)
+            blk.s_down, blk.s_gate = t(lw.s_down.T), t(lw.s_gate_inp.reshape(-1, 1))
         return blk
     pack = pack_bf16 if mode == "bfloat16" else pack_float
 
@@ -157,4 +183,7 @@ def build_moe(lw: LayerWeights, args: ModelArgs, mode: str) -> MoeBlock:
     blk.p_router = p(lw.router)
     blk.p_gate_up = [p(w) for w in gate_up]
     blk.p_down = [p(w) for w in lw.e_down]
+    if lw.s_gate is not None:
+        blk.ps_gate_up = p(np.concatenate([lw.s_gate, lw.s_up], axis=0))
+        blk.ps_down, blk.ps_gate = p(lw.s_down), p(lw.s_gate_inp.reshape(1, -1))
     return blk
