@@ -862,7 +862,7 @@ def assert_batch_invariant(name: str, dtype: str, tp: int) -> None:
 # --------------------------------------------------------------------------
 
 #: the architectures fdx reads from GGUF (Mistral and Mixtral as llama.cpp writes them: ``llama``)
-GGUF_ARCHS = ("qwen3", "qwen2", "mistral", "qwen3_moe", "mixtral", "phi3")
+GGUF_ARCHS = ("qwen3", "qwen2", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "phi3", "llama3")
 
 
 @pytest.fixture(scope="module")
@@ -886,7 +886,7 @@ def test_gguf_float32_matches_transformers(gguf_dir: Path, name: str) -> None:
     transformers' goldens teacher-forced."""
     import attrs
 
-    from fdx.model.arch import LongRopeScaling
+    from fdx.model.arch import FreqFactorRope, LongRopeScaling, rope_inv_freq
     from fdx.model.loader import load_checkpoint
 
     path = arch_gguf(gguf_dir, name)
@@ -900,10 +900,15 @@ def test_gguf_float32_matches_transformers(gguf_dir: Path, name: str) -> None:
         for f in ("short_factor", "long_factor", "attention_factor"):
             np.testing.assert_allclose(getattr(got, f), getattr(want, f), rtol=1e-7)
         expect = attrs.evolve(expect, rope_scaling=got)
+    if name == "llama3":  # llama.cpp's rope_freqs: the llama3 scaling's frequencies, as float32 divisors
+        assert isinstance(g.args.rope_scaling, FreqFactorRope)
+        np.testing.assert_allclose(rope_inv_freq(g.args), rope_inv_freq(h.args), rtol=1e-6)
+        assert not np.allclose(rope_inv_freq(g.args), rope_inv_freq(attrs.evolve(h.args, rope_scaling=None)))
+        expect = attrs.evolve(expect, rope_scaling=g.args.rope_scaling, arch="llama")
     assert g.args == expect
     for lg, lh in zip(g.layers(), h.layers()):
         for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "bq", "bk", "bv", "q_norm", "k_norm",
-                  "router", "e_gate", "e_up", "e_down", "attn_norm", "ffn_norm"):
+                  "router", "e_gate", "e_up", "e_down", "s_gate", "s_up", "s_down", "s_gate_inp", "attn_norm", "ffn_norm"):
             a, b = getattr(lg, f), getattr(lh, f)
             assert (a is None) == (b is None), f
             if a is not None:  # Phi-3's q/k: times the attention factor, float32 in the GGUF

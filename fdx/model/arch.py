@@ -70,6 +70,16 @@ class LongRopeScaling:
 
 
 @attrs.frozen
+class FreqFactorRope:
+    """A rope scaling given as one divisor per rotary frequency (``head_dim / 2``):
+    llama.cpp's ``rope_freqs`` tensor, which its converter writes for a Llama
+    3.x ``rope_scaling`` (``rope_type`` names the scaling it came from)."""
+
+    rope_type: str
+    factors: tuple[float, ...]
+
+
+@attrs.frozen
 class LinearRopeScaling:
     """Position interpolation (``rope_type: linear``): every rotary frequency
     divided by ``factor`` (Gemma 3's global layers)."""
@@ -125,7 +135,7 @@ class ModelArgs:
     tie_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
-    rope_scaling: RopeScaling | LongRopeScaling | LinearRopeScaling | None = None
+    rope_scaling: RopeScaling | LongRopeScaling | LinearRopeScaling | FreqFactorRope | None = None
     sliding_window: int | None = None
     mlp_act: str = "silu"
     embed_scale: float | None = None
@@ -200,6 +210,10 @@ def rope_inv_freq(args: ModelArgs, local: bool = False) -> np.ndarray:
         return inv
     if isinstance(rs, LinearRopeScaling):
         return inv / rs.factor
+    if isinstance(rs, FreqFactorRope):  # llama.cpp's rope_freqs: theta / factor
+        if len(rs.factors) != half:
+            raise ValueError(f"rope frequency factors: {len(rs.factors)} entries, head_dim / 2 = {half}")
+        return inv / np.asarray(rs.factors, dtype=np.float64)
     if isinstance(rs, LongRopeScaling):  # the short factors (see LongRopeScaling)
         if len(rs.short_factor) != half:
             raise ValueError(f"longrope short_factor has {len(rs.short_factor)} entries, head_dim / 2 = {half}")
@@ -275,6 +289,9 @@ class WeightNames:
     #: ``rope_factors_short``, ``head_dim / 2`` each; model-wide, not per layer)
     rope_long: str = ""
     rope_short: str = ""
+    #: llama.cpp's ``rope_freqs`` (a Llama 3.x rope scaling: one divisor per
+    #: rotary frequency, ``head_dim / 2``; model-wide)
+    rope_freqs: str = ""
 
     def layer(self, i: int) -> dict[str, str]:
         """Every field's name in layer ``i`` (per-expert names keep ``{e}``)."""

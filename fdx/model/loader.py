@@ -25,7 +25,8 @@ import attrs
 import numpy as np
 
 from fdx.core.errors import ModelLoadError, PluginError
-from fdx.model.arch import Architecture, LinearRopeScaling, LongRopeScaling, ModelArgs, RopeScaling, WeightNames
+from fdx.model.arch import (Architecture, FreqFactorRope, LinearRopeScaling, LongRopeScaling, ModelArgs, RopeScaling,
+                            WeightNames)
 from fdx.model.source import ModelSource, resolve
 from fdx.model.tokenizer import ModelTokenizer, tokenizer_from_gguf, tokenizer_from_hf
 
@@ -196,7 +197,7 @@ def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm:
     if sandwich:
         per += ["post_attn_norm", "post_ffn_norm"]
     req = {names.embed, names.final_norm}
-    optional = {names.lm_head} | {t for t in (names.rope_long, names.rope_short) if t}
+    optional = {names.lm_head} | {t for t in (names.rope_long, names.rope_short, names.rope_freqs) if t}
     for i in range(n_layers):
         n = names.layer(i)
         req |= {n[f] for f in per}
@@ -334,6 +335,8 @@ def _gguf_extras(g: Any, arch: Architecture, n_layers: int, hidden: int, head_di
     """The :class:`ModelArgs` fields beyond Llama's a GGUF carries, as
     llama.cpp reads them: LongRoPE from the ``rope_factors_*`` tensors and
     ``rope.scaling.attn_factor`` / ``original_context_length`` (Phi-3); the
+    Llama 3.x's rope scaling from ``rope_freqs`` (one divisor per rotary
+    frequency, as llama.cpp applies it); the
     sliding window (``attention.sliding_window``: every layer's, or, for Gemma,
     that of all but every ``window_pattern``-th layer: llama.cpp fixes Gemma 2's
     at 2 and Gemma 3's at 6); a linear rope scaling (Gemma 3's global layers;
@@ -353,6 +356,12 @@ def _gguf_extras(g: Any, arch: Architecture, n_layers: int, hidden: int, head_di
         short, long = (tuple(float(x) for x in g.load(t).reshape(-1)) for t in (names.rope_short, names.rope_long))
         out["rope_scaling"] = LongRopeScaling("longrope", short, long,
                                               float(g.get(f"{ns}.rope.scaling.attn_factor", 1.0)), int(orig))
+    if names is not None and names.rope_freqs and names.rope_freqs in g.tensors:  # Llama 3.x: per-frequency divisors
+        f = g.load(names.rope_freqs).reshape(-1)
+        if f.shape[0] != head_dim // 2 or not np.all(f > 0):
+            raise ModelLoadError(f"{g.path}: tensor {names.rope_freqs!r} must be {head_dim // 2} positive numbers "
+                                 f"(head_dim / 2), got shape {list(f.shape)}")
+        out["rope_scaling"] = FreqFactorRope("llama3", tuple(float(x) for x in f))
     window = g.get(f"{ns}.attention.sliding_window") or None  # 0: none (llama.cpp's Phi-4)
     if rc.window_pattern and window is not None:  # llama.cpp's fixed pattern: every n-th layer global
         out["layer_windows"] = tuple(int(window) if (i + 1) % rc.window_pattern else 0 for i in range(n_layers))

@@ -248,8 +248,10 @@ GGUF_MOE_WEIGHTS = attrs.evolve(
 
 LLAMA = Architecture(
     name="llama", hf_names=("LlamaForCausalLM",), recipe=LayerRecipe(), hf_weights=HF_LLAMA_WEIGHTS,
-    hf_fields=LLAMA_FIELDS, gguf_name="llama", gguf_weights=GGUF_LLAMA_WEIGHTS, gguf_keys=LLAMA_GGUF_KEYS,
-    description="Llama 1/2/3.x (rope_type default or llama3)",
+    hf_fields=LLAMA_FIELDS, gguf_name="llama", gguf_keys=LLAMA_GGUF_KEYS,
+    # llama.cpp's converter writes a Llama 3.x rope scaling as the rope_freqs tensor
+    gguf_weights=attrs.evolve(GGUF_LLAMA_WEIGHTS, rope_freqs="rope_freqs.weight"),
+    description="Llama 1/2/3.x (rope_type default or llama3; GGUF rope_freqs)",
 )
 QWEN2 = Architecture(
     name="qwen2", hf_names=("Qwen2ForCausalLM",), recipe=LayerRecipe(qkv_bias=True),
