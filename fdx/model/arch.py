@@ -53,14 +53,17 @@ class LongRopeScaling:
     rotary frequency divided by its own factor, and cos/sin multiplied by
     ``attention_factor`` (transformers' ``_compute_longrope_parameters``).
 
-    transformers switches from ``short_factor`` to ``long_factor`` once a
-    sequence outgrows ``original_max_position``, re-rotating every cached
-    key; fdx keeps rotated keys in its paged cache, so it serves a longrope
-    checkpoint only while no sequence can outgrow ``original_max_position``
-    (checked at runner start) and uses the short factors alone.  The
-    attention factor scales q and k alike, so the loader folds it into the
-    q/k projection rows (RoPE is linear); :func:`rope_inv_freq` applies the
-    short factors."""
+    transformers picks the factors per forward by the sequence's length:
+    ``long_factor`` once it exceeds ``original_max_position``, for every
+    position, and its generate recomputes the whole sequence when it first
+    does.  The cpu runner does the same per sequence (the step layout's
+    ``long_rope`` rows; a sequence crossing the boundary has its KV
+    recomputed with the long factors in that step: :mod:`fdx.model.runner_base`);
+    the other runners serve only contexts within ``original_max_position``.
+    The attention factor (the same for both sets) scales q and k alike, so
+    the loader folds it into the q/k projection rows (RoPE is linear);
+    :func:`rope_inv_freq` applies the short factors, or with ``long`` the
+    long ones."""
 
     rope_type: str
     short_factor: tuple[float, ...]
@@ -196,10 +199,11 @@ class ModelArgs:
         )
 
 
-def rope_inv_freq(args: ModelArgs, local: bool = False) -> np.ndarray:
+def rope_inv_freq(args: ModelArgs, local: bool = False, long: bool = False) -> np.ndarray:
     """The ``head_dim / 2`` rotary frequencies (float64), rope scaling applied.
     Both runners build their cos/sin tables from this.  ``local``: those of
-    the windowed layers (``rope_local_theta``, unscaled: Gemma 3)."""
+    the windowed layers (``rope_local_theta``, unscaled: Gemma 3); ``long``:
+    LongRoPE's long factors (a sequence past ``original_max_position``)."""
     half = args.head_dim // 2
     theta = args.rope_local_theta if local and args.rope_local_theta is not None else args.rope_theta
     inv = 1.0 / (theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / args.head_dim))
@@ -214,10 +218,12 @@ def rope_inv_freq(args: ModelArgs, local: bool = False) -> np.ndarray:
         if len(rs.factors) != half:
             raise ValueError(f"rope frequency factors: {len(rs.factors)} entries, head_dim / 2 = {half}")
         return inv / np.asarray(rs.factors, dtype=np.float64)
-    if isinstance(rs, LongRopeScaling):  # the short factors (see LongRopeScaling)
-        if len(rs.short_factor) != half:
-            raise ValueError(f"longrope short_factor has {len(rs.short_factor)} entries, head_dim / 2 = {half}")
-        return inv / np.asarray(rs.short_factor, dtype=np.float64)
+    if isinstance(rs, LongRopeScaling):  # the short factors, or the long ones (see LongRopeScaling)
+        factors = rs.long_factor if long else rs.short_factor
+        if len(factors) != half:
+            raise ValueError(f"longrope {'long' if long else 'short'}_factor has {len(factors)} entries, "
+                             f"head_dim / 2 = {half}")
+        return inv / np.asarray(factors, dtype=np.float64)
     if rs.rope_type != "llama3":  # the loader refuses others; this guards new callers
         raise ValueError(f"rope scaling {rs.rope_type!r} is not implemented")
     low_wavelen = rs.original_max_position / rs.low_freq_factor
@@ -230,9 +236,18 @@ def rope_inv_freq(args: ModelArgs, local: bool = False) -> np.ndarray:
     return np.where(medium, mid, scaled)
 
 
-def rope_angles(args: ModelArgs, max_pos: int, local: bool = False) -> np.ndarray:
+def rope_angles(args: ModelArgs, max_pos: int, local: bool = False, long: bool = False) -> np.ndarray:
     """``[max_pos, head_dim / 2]`` rotary angles (float64) of positions ``0..max_pos-1``."""
-    return np.arange(max_pos, dtype=np.float64)[:, None] * rope_inv_freq(args, local)[None, :]
+    return np.arange(max_pos, dtype=np.float64)[:, None] * rope_inv_freq(args, local, long)[None, :]
+
+
+def long_rope_after(args: ModelArgs, max_model_len: int) -> int | None:
+    """``original_max_position`` when a LongRoPE model can see a sequence past
+    it within ``max_model_len`` (its long factors are then in play), else ``None``."""
+    rs = args.rope_scaling
+    if isinstance(rs, LongRopeScaling) and max_model_len > rs.original_max_position:
+        return rs.original_max_position
+    return None
 
 
 # --------------------------------------------------------------------------
