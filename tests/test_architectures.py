@@ -778,7 +778,8 @@ def test_fdx_plugins_lists_the_architectures() -> None:
     out = subprocess.run([sys.executable, "-m", "fdx", "plugins"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     rows = {tuple(ln.split()[:2]) for ln in out.stdout.splitlines()}
-    assert {("architecture", n) for n in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe", "mixtral")} <= rows, out.stdout
+    assert {("architecture", n) for n in ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen3_moe",
+                                          "qwen2_moe", "mixtral")} <= rows, out.stdout
 
 
 # --------------------------------------------------------------------------
@@ -841,7 +842,7 @@ def test_moe_experts_are_read_and_expert_parallel_on_a_dense_model_is_refused(tm
     assert "\n" not in msg and "--enable-expert-parallel" in msg and "mixture-of-experts models only" in msg, msg
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_expert_parallel_gives_the_one_rank_tokens_and_counts_the_experts_load(name: str) -> None:
     """``fdx serve -tp 2 --enable-expert-parallel`` (each rank half the experts,
     whole), and ``-tp 2`` alone (each expert's width halved), give the greedy
@@ -851,7 +852,7 @@ def test_expert_parallel_gives_the_one_rank_tokens_and_counts_the_experts_load(n
     summing to the tokens run x top-k x layers."""
     samples = goldens(name)
     cfg = json.loads((DATA / name / "config.json").read_text())
-    top_k, layers, E = cfg["num_experts_per_tok"], cfg["num_hidden_layers"], cfg["num_local_experts"]
+    top_k, layers, E = cfg["num_experts_per_tok"], cfg["num_hidden_layers"], cfg.get("num_local_experts") or cfg["num_experts"]
     runs = {}
     for tp, ep in (("1", True), ("2", True), ("2", False)):
         with start_server("--model", str(DATA / name), "--dtype", "float32", "--max-model-len", "512",
@@ -890,6 +891,15 @@ def test_moe_batch_invariance(dtype: str, tp: int) -> None:
     and logprobs (the chosen token's and the top-2); at TP=2 with expert
     parallelism too (a rank's experts and the all-reduce are row-wise)."""
     assert_batch_invariant("qwen3_moe", dtype, tp)
+
+
+@pytest.mark.parametrize(("dtype", "tp"), [("int8", 1), ("bfloat16", 1), ("int8", 2)])
+def test_qwen2_moe_shared_expert_batch_invariance(dtype: str, tp: int) -> None:
+    """Qwen2-MoE's shared expert and its sigmoid gate are ``fdx_qgemm`` matmuls
+    and element-wise ops: a prompt's bits are its own alone and among 16
+    others; at TP=2 with expert parallelism (the shared expert whole on rank
+    0, an exact zero from rank 1) too."""
+    assert_batch_invariant("qwen2_moe", dtype, tp)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
@@ -998,7 +1008,7 @@ def test_gguf_float32_matches_transformers(gguf_dir: Path, name: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
-@pytest.mark.parametrize("name", ["qwen3", "qwen2", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe"])
 def test_gguf_float32_file_in_packed_modes_is_the_hf_folder(gguf_dir: Path, name: str, dtype: str) -> None:
     """An F32 GGUF in int8 / bfloat16 gives the HF folder's logits bit for bit
     (the same weights, packed alike), so the folder's packed-mode results hold
@@ -1121,6 +1131,8 @@ GGUF_REFUSALS = [
     ("qwen2", None, {"rope.scaling.type": "yarn"}, "metadata key 'qwen2.rope.scaling.type'", "'none'"),
     ("qwen3_moe", None, {"expert_shared_count": 1}, "metadata key 'qwen3moe.expert_shared_count'", "not implemented"),
     ("mixtral", None, {"expert_gating_func": 2}, "metadata key 'llama.expert_gating_func'", "not implemented"),
+    # llama.cpp's top-k renormalisation switch (written for other MoE architectures): qwen2moe's graph has none
+    ("qwen2_moe", None, {"expert_weights_norm": 1}, "metadata key 'qwen2moe.expert_weights_norm'", "not implemented"),
     # a Qwen3 file labelled qwen2: its q/k norm tensors are not silently dropped
     ("qwen3", "qwen2", {}, "tensor 'blk.0.attn_k_norm.weight'", "not part of fdx's qwen2"),
     # a Qwen3-MoE file labelled qwen3 (dense): refused by its expert count

@@ -108,7 +108,12 @@ class MoeBlock:
         if self.s_gate_up is None and self.ps_gate_up is None:
             return out
         shared = linear(swiglu(linear(h, self.s_gate_up, self.ps_gate_up)), self.s_down, self.ps_down)
-        return out + F.sigmoid(linear(h, self.s_gate, self.ps_gate)) * shared
+        # Paddle's CPU sigmoid takes a scalar path for the elements past the last
+        # full vector (other bits, measured on a [T, 1] input): 16 copies of each
+        # row's gate put every element in a full vector, whatever T
+        g = linear(h, self.s_gate, self.ps_gate)  # [T, 1]
+        gate = F.sigmoid(paddle.expand(g, [int(g.shape[0]), 16]))[:, :1]
+        return out + gate * shared
 
     def _routed(self, h: paddle.Tensor, swiglu: Callable[[paddle.Tensor], paddle.Tensor],
                 linear: Callable[..., paddle.Tensor]) -> paddle.Tensor:
