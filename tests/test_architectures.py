@@ -9,7 +9,9 @@ and again with one of 8 (shorter than two of the prompts: mistral_swa),
 Phi-3 with fused qkv/gate_up weights and longrope scaling, Gemma 2 with
 soft-capping on and a sliding window shorter than two of the prompts,
 Gemma 3 with per-head q/k norm, a local rope base and linear global scaling,
-Qwen3-MoE with 8 experts top-2 and norm_topk_prob, Mixtral with 4 experts top-2),
+Qwen3-MoE with 8 experts top-2 and norm_topk_prob, Qwen2-MoE with 8 experts
+top-2 and a sigmoid-gated shared expert, Mixtral with 4 experts top-2, and
+Phi-3 past its original context of 32: phi3_long, the long factors),
 and transformers' fp32 greedy tokens and logprobs for 3 token-id prompts x
 32 tokens.  No torch here.
 
@@ -28,7 +30,8 @@ and transformers' fp32 greedy tokens and logprobs for 3 token-id prompts x
   and among 16 others;
 * GGUF (written from each folder as llama.cpp's converter does: tests/ggufutil.py):
   the folder's weights and transformers' goldens at F32 (qwen3, qwen2, mistral,
-  qwen3_moe, mixtral, phi3; Gemma against transformers under llama.cpp's fixed
+  qwen3_moe, qwen2_moe, mixtral, phi3, llama3 with llama.cpp's rope_freqs; Gemma
+  against transformers under llama.cpp's fixed
   values), F16/BF16/Q8_0/Q4_K read as ``gguf`` dequantizes them, one real
   ``fdx serve``, and every key or tensor fdx lacks refused, naming it.
 """
