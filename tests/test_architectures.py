@@ -914,15 +914,25 @@ def test_sliding_window_batch_invariance(name: str, dtype: str) -> None:
     assert_batch_invariant(name, dtype, 1)
 
 
-def assert_batch_invariant(name: str, dtype: str, tp: int) -> None:
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_phi3_longrope_batch_invariance(dtype: str) -> None:
+    """Past the original context (32) each row takes its own sequence's
+    factor set: a prompt's bits are its own alone and among 16 others, some
+    of them short, some past 32, some crossing it (and recomputed) in the
+    same steps as it."""
+    assert_batch_invariant("phi3_long", dtype, 1, max_model_len=128, enable_prefix_caching=False)
+
+
+def assert_batch_invariant(name: str, dtype: str, tp: int, **engine: Any) -> None:
     """Each golden prompt of model ``name`` alone and among 16 others gives the
-    very tokens and logprobs (see test_moe_batch_invariance)."""
+    very tokens and logprobs (see test_moe_batch_invariance); ``engine``: more
+    engine options."""
     import random
 
     import fdx
     from fdx import SamplingParams
 
-    llm = fdx.LLM(model=str(DATA / name), dtype=dtype, num_kv_blocks=128, max_model_len=512,
+    llm = fdx.LLM(model=str(DATA / name), dtype=dtype, num_kv_blocks=128, **{"max_model_len": 512, **engine},
                   max_num_seqs=32, max_num_batched_tokens=256, tensor_parallel_size=tp, enable_expert_parallel=tp > 1)
     assert llm.engine.runner.compute == dtype
 
