@@ -1076,7 +1076,7 @@ def test_gguf_gemma_reads_as_llama_cpp_does(gguf_dir: Path, name: str) -> None:
     assert agree == 1.0 and worst < 1e-3, f"{name} GGUF: top-1 {agree:.3f}, logprobs differ by {worst:.2e}"
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen2", "mistral", "phi3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen2", "mistral", "phi3", "qwen3_moe", "qwen2_moe", "mixtral", "llama3"])
 def test_gguf_on_the_gpu_runner_matches_transformers(gguf_dir: Path, name: str) -> None:
     """The ``gpu`` runner (on the CPU place, float32) from the F32 GGUF."""
     from fdx.config import make_config
