@@ -103,6 +103,20 @@ def models() -> dict[str, tuple[type, type, dict]]:
         "qwen3_moe": (t.Qwen3MoeConfig, t.Qwen3MoeForCausalLM, dict(
             head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
             decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0, tie_word_embeddings=False)),
+        # Qwen2-MoE: 8 experts top-2 without norm_topk_prob (the class's default:
+        # the top-k softmax weights kept as they are), a shared expert of width
+        # 96 behind its sigmoid gate, q/k/v biases, every layer sparse
+        "qwen2_moe": (t.Qwen2MoeConfig, t.Qwen2MoeForCausalLM, dict(
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+            norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
+            tie_word_embeddings=False)),
+        # Phi-3 past original_max_position_embeddings (32): the prompt of 37 is
+        # long from the start (the long factors at every position), those of 6
+        # and 19 cross it while generating (transformers then recomputes the
+        # whole sequence with the long factors); max_position_embeddings 4x the
+        # original, so the attention factor is sqrt(1 + ln 4 / ln 32); no window
+        "phi3_long": (t.Phi3Config, t.Phi3ForCausalLM, {
+            **PHI3, "max_position_embeddings": 128, "original_max_position_embeddings": 32, "sliding_window": None}),
         # Mixtral: 4 experts of intermediate_size, top-2 (softmax over the
         # two selected logits), a sliding window as long as the context
         "mixtral": (t.MixtralConfig, t.MixtralForCausalLM, MIXTRAL),

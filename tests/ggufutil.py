@@ -2,8 +2,10 @@
 ``gguf`` package's ``GGUFWriter``, doing what llama.cpp's
 ``convert_hf_to_gguf.py`` does for that architecture:
 
-* ``general.architecture``: ``llama`` for Mistral and Mixtral (its
-  ``LlamaModel`` converts both), ``qwen2``, ``qwen3``, ``qwen3moe``, ``phi3``
+* ``general.architecture``: ``llama`` for Llama, Mistral and Mixtral (its
+  ``LlamaModel`` converts them; a Llama 3.x rope scaling as the
+  ``rope_freqs`` tensor), ``qwen2``, ``qwen3``, ``qwen3moe``, ``qwen2moe``
+  (the shared expert's ``*_shexp`` tensors), ``phi3``
   (fused ``attn_qkv`` / ``ffn_up``, LongRoPE's factors as ``rope_factors_*``
   tensors), ``gemma2`` (every norm weight stored as ``1 + w``; no rope base
   and no ``query_pre_attn_scalar`` written), ``gemma3`` (as Gemma 2, with the
@@ -38,6 +40,7 @@ import numpy as np
 #: HF model_type -> (GGUF architecture, q/k permuted)
 GGUF_ARCH = {
     "qwen2": ("qwen2", False), "qwen3": ("qwen3", False), "qwen3_moe": ("qwen3moe", False),
+    "qwen2_moe": ("qwen2moe", False),
     "mistral": ("llama", True), "mixtral": ("llama", True), "llama": ("llama", True),
     "phi3": ("phi3", False), "gemma2": ("gemma2", False), "gemma3_text": ("gemma3", False),
 }
@@ -54,6 +57,9 @@ _LAYER = {
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    # Qwen2-MoE's shared expert and its gate ([1, hidden], kept as is)
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight", "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight", "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 #: per-expert HF names -> the stacked GGUF tensor
 _EXPERTS = {
@@ -97,10 +103,38 @@ def gguf_tensors(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], s
     if arch in ("gemma2", "gemma3"):  # Gemma2Model / Gemma3Model.modify_tensors: every norm weight stored as 1 + w
         out = {k: t + np.float32(1) if k.endswith("norm.weight") else t for k, t in out.items()}
     rope = cfg.get("rope_parameters") or {}
+    if arch == "llama" and rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors
+        out["rope_freqs.weight"] = llama3_rope_freqs(cfg, rope)
     if arch == "phi3" and rope.get("rope_type") in ("longrope", "su"):  # generate_extra_tensors
         out["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
         out["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
     return cfg, out, arch
+
+
+def llama3_rope_freqs(cfg: dict[str, Any], rope: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` of a Llama 3.x rope scaling: per rotary pair
+    the divisor of its frequency (1 for the short wavelengths, ``factor`` for
+    the long ones, ``1 / ((1 - s) / factor + s)`` between), from float32
+    frequencies as the converter computes them.  The converter reads the
+    original context from the config's top level (default 8192, Llama 3.x's
+    value); the test model keeps it in its rope dict, where transformers reads
+    it, so it is taken from there."""
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    base = float(rope.get("rope_theta", 10000.0))
+    freqs = (1.0 / (np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))).astype(np.float32)
+    factor, lo, hi = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    old = float(rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings", 8192))
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / float(f)
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
 
 
 def write_gguf(folder: Path, path: Path, ftype: str = "F32", arch: str | None = None,
@@ -139,8 +173,10 @@ def write_gguf(folder: Path, path: Path, ftype: str = "F32", arch: str | None = 
     if arch == "llama":
         wr.add_vocab_size(cfg["vocab_size"])
         wr.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen2moe"):
         wr.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch == "qwen2moe":  # Qwen2MoeModel.set_gguf_parameters
+        wr.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters
         orig = cfg["original_max_position_embeddings"]
         scale = cfg["max_position_embeddings"] / orig
@@ -174,7 +210,7 @@ def write_gguf(folder: Path, path: Path, ftype: str = "F32", arch: str | None = 
         t = np.ascontiguousarray(t, dtype=np.float32)
         if raw and name in raw:
             wr.add_tensor(name, raw[name][0], raw_dtype=raw[name][1])
-        elif t.ndim == 1 or name.endswith("ffn_gate_inp.weight") or qt == Q.F32:
+        elif t.ndim == 1 or name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")) or qt == Q.F32:
             wr.add_tensor(name, t)
         elif qt == Q.F16:
             wr.add_tensor(name, t.astype(np.float16))

@@ -53,20 +53,33 @@ class LongRopeScaling:
     rotary frequency divided by its own factor, and cos/sin multiplied by
     ``attention_factor`` (transformers' ``_compute_longrope_parameters``).
 
-    transformers switches from ``short_factor`` to ``long_factor`` once a
-    sequence outgrows ``original_max_position``, re-rotating every cached
-    key; fdx keeps rotated keys in its paged cache, so it serves a longrope
-    checkpoint only while no sequence can outgrow ``original_max_position``
-    (checked at runner start) and uses the short factors alone.  The
-    attention factor scales q and k alike, so the loader folds it into the
-    q/k projection rows (RoPE is linear); :func:`rope_inv_freq` applies the
-    short factors."""
+    transformers picks the factors per forward by the sequence's length:
+    ``long_factor`` once it exceeds ``original_max_position``, for every
+    position, and its generate recomputes the whole sequence when it first
+    does.  The cpu runner does the same per sequence (the step layout's
+    ``long_rope`` rows; a sequence crossing the boundary has its KV
+    recomputed with the long factors in that step: :mod:`fdx.model.runner_base`);
+    the other runners serve only contexts within ``original_max_position``.
+    The attention factor (the same for both sets) scales q and k alike, so
+    the loader folds it into the q/k projection rows (RoPE is linear);
+    :func:`rope_inv_freq` applies the short factors, or with ``long`` the
+    long ones."""
 
     rope_type: str
     short_factor: tuple[float, ...]
     long_factor: tuple[float, ...]
     attention_factor: float
     original_max_position: int
+
+
+@attrs.frozen
+class FreqFactorRope:
+    """A rope scaling given as one divisor per rotary frequency (``head_dim / 2``):
+    llama.cpp's ``rope_freqs`` tensor, which its converter writes for a Llama
+    3.x ``rope_scaling`` (``rope_type`` names the scaling it came from)."""
+
+    rope_type: str
+    factors: tuple[float, ...]
 
 
 @attrs.frozen
@@ -125,7 +138,7 @@ class ModelArgs:
     tie_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
-    rope_scaling: RopeScaling | LongRopeScaling | LinearRopeScaling | None = None
+    rope_scaling: RopeScaling | LongRopeScaling | LinearRopeScaling | FreqFactorRope | None = None
     sliding_window: int | None = None
     mlp_act: str = "silu"
     embed_scale: float | None = None
@@ -154,6 +167,10 @@ class ModelArgs:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    #: Qwen2-MoE's shared expert: a SwiGLU of this width every token runs
+    #: beside the routed ones, its output scaled by ``sigmoid(h . w_gate)``
+    #: (its ``[hidden]`` gate) and added to theirs; ``0``: none
+    shared_expert_size: int = 0
     #: expert parallelism (a rank's local geometry, :mod:`fdx.parallel.sharding`):
     #: this rank holds experts ``[first, first + count)`` of the ``num_experts``
     #: the router picks from; ``None``: all of them
@@ -174,6 +191,7 @@ class ModelArgs:
                          f" windows={'/'.join(map(str, self.layer_windows))}" if any(self.layer_windows) else "",
                          f" moe={self.num_experts}x{self.moe_intermediate_size}/top{self.num_experts_per_tok}"
                          if self.num_experts else "",
+                         f"+shared{self.shared_expert_size}" if self.shared_expert_size else "",
                          f" experts {self.local_experts[0]}..{sum(self.local_experts) - 1}" if self.local_experts else ""))
         return (
             f"{self.arch} L{self.num_layers} d{self.hidden_size} ff{self.intermediate_size} "
@@ -181,10 +199,11 @@ class ModelArgs:
         )
 
 
-def rope_inv_freq(args: ModelArgs, local: bool = False) -> np.ndarray:
+def rope_inv_freq(args: ModelArgs, local: bool = False, long: bool = False) -> np.ndarray:
     """The ``head_dim / 2`` rotary frequencies (float64), rope scaling applied.
     Both runners build their cos/sin tables from this.  ``local``: those of
-    the windowed layers (``rope_local_theta``, unscaled: Gemma 3)."""
+    the windowed layers (``rope_local_theta``, unscaled: Gemma 3); ``long``:
+    LongRoPE's long factors (a sequence past ``original_max_position``)."""
     half = args.head_dim // 2
     theta = args.rope_local_theta if local and args.rope_local_theta is not None else args.rope_theta
     inv = 1.0 / (theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / args.head_dim))
@@ -195,10 +214,16 @@ def rope_inv_freq(args: ModelArgs, local: bool = False) -> np.ndarray:
         return inv
     if isinstance(rs, LinearRopeScaling):
         return inv / rs.factor
-    if isinstance(rs, LongRopeScaling):  # the short factors (see LongRopeScaling)
-        if len(rs.short_factor) != half:
-            raise ValueError(f"longrope short_factor has {len(rs.short_factor)} entries, head_dim / 2 = {half}")
-        return inv / np.asarray(rs.short_factor, dtype=np.float64)
+    if isinstance(rs, FreqFactorRope):  # llama.cpp's rope_freqs: theta / factor
+        if len(rs.factors) != half:
+            raise ValueError(f"rope frequency factors: {len(rs.factors)} entries, head_dim / 2 = {half}")
+        return inv / np.asarray(rs.factors, dtype=np.float64)
+    if isinstance(rs, LongRopeScaling):  # the short factors, or the long ones (see LongRopeScaling)
+        factors = rs.long_factor if long else rs.short_factor
+        if len(factors) != half:
+            raise ValueError(f"longrope {'long' if long else 'short'}_factor has {len(factors)} entries, "
+                             f"head_dim / 2 = {half}")
+        return inv / np.asarray(factors, dtype=np.float64)
     if rs.rope_type != "llama3":  # the loader refuses others; this guards new callers
         raise ValueError(f"rope scaling {rs.rope_type!r} is not implemented")
     low_wavelen = rs.original_max_position / rs.low_freq_factor
@@ -211,9 +236,18 @@ def rope_inv_freq(args: ModelArgs, local: bool = False) -> np.ndarray:
     return np.where(medium, mid, scaled)
 
 
-def rope_angles(args: ModelArgs, max_pos: int, local: bool = False) -> np.ndarray:
+def rope_angles(args: ModelArgs, max_pos: int, local: bool = False, long: bool = False) -> np.ndarray:
     """``[max_pos, head_dim / 2]`` rotary angles (float64) of positions ``0..max_pos-1``."""
-    return np.arange(max_pos, dtype=np.float64)[:, None] * rope_inv_freq(args, local)[None, :]
+    return np.arange(max_pos, dtype=np.float64)[:, None] * rope_inv_freq(args, local, long)[None, :]
+
+
+def long_rope_after(args: ModelArgs, max_model_len: int) -> int | None:
+    """``original_max_position`` when a LongRoPE model can see a sequence past
+    it within ``max_model_len`` (its long factors are then in play), else ``None``."""
+    rs = args.rope_scaling
+    if isinstance(rs, LongRopeScaling) and max_model_len > rs.original_max_position:
+        return rs.original_max_position
+    return None
 
 
 # --------------------------------------------------------------------------
@@ -260,10 +294,19 @@ class WeightNames:
     expert_gate: str = ""
     expert_up: str = ""
     expert_down: str = ""
+    #: Qwen2-MoE's shared expert: its SwiGLU (``[width, hidden]`` gate and up,
+    #: ``[hidden, width]`` down) and its gate (``[1, hidden]``: one logit a token)
+    shared_gate: str = ""
+    shared_up: str = ""
+    shared_down: str = ""
+    shared_expert_gate: str = ""
     #: LongRoPE's factors as tensors (llama.cpp's Phi-3: ``rope_factors_long`` /
     #: ``rope_factors_short``, ``head_dim / 2`` each; model-wide, not per layer)
     rope_long: str = ""
     rope_short: str = ""
+    #: llama.cpp's ``rope_freqs`` (a Llama 3.x rope scaling: one divisor per
+    #: rotary frequency, ``head_dim / 2``; model-wide)
+    rope_freqs: str = ""
 
     def layer(self, i: int) -> dict[str, str]:
         """Every field's name in layer ``i`` (per-expert names keep ``{e}``)."""
@@ -313,6 +356,8 @@ class LayerRecipe:
     are fields so a new variant is a new value, checked at load.
     ``moe_renormalize``: the top-k router weights always sum to 1 (Mixtral;
     other MoE architectures take it from the config's ``norm_topk_prob``).
+    ``shared_expert``: every MoE layer also has a gated shared expert
+    (Qwen2-MoE: ``ModelArgs.shared_expert_size``).
     ``sandwich_norms``: RMSNorms after attention and after the MLP too
     (Gemma 2/3).  ``embed_scale``: embeddings scaled by ``sqrt(hidden_size)``.
     ``window_pattern`` (non-zero: Gemma 2/3): the config's ``layer_types``
@@ -331,6 +376,7 @@ class LayerRecipe:
     mlp: str = "swiglu"
     rope: str = "neox"
     moe_renormalize: bool = False
+    shared_expert: bool = False
     sandwich_norms: bool = False
     embed_scale: bool = False
     window_pattern: int = 0
@@ -406,7 +452,9 @@ class Architecture:
     so Mixtral and Llama can share llama.cpp's ``llama``.  ``gguf_weights`` is
     ``None`` when fdx reads only its HF folders.  ``gguf_qk_permuted``:
     llama.cpp's converter stores q/k rows in interleaved-pair order (the
-    loader un-permutes them).
+    loader un-permutes them).  ``gguf_moe_renormalize``: llama.cpp
+    renormalises the top-k router weights of this architecture's GGUF
+    (Mixtral, Qwen3-MoE; not Qwen2-MoE), which carries no key saying so.
 
     Invariants: a pure declaration (immutable, no device state, safe to
     share across threads); every field the ``check_*`` methods accept is one
@@ -422,6 +470,7 @@ class Architecture:
     gguf_weights: WeightNames | None = None
     gguf_keys: Mapping[str, FieldRule] = attrs.field(factory=dict)
     gguf_qk_permuted: bool = True
+    gguf_moe_renormalize: bool = True
     description: str = ""
 
     def check_hf_config(self, cfg: Mapping[str, Any]) -> tuple[str, str] | None:

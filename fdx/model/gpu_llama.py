@@ -237,6 +237,9 @@ class GPULlama:
             blk.router = blk.router.astype(self.dtype)
             blk.w_gate_up = [w.astype(self.dtype) for w in blk.w_gate_up]
             blk.w_down = [w.astype(self.dtype) for w in blk.w_down]
+            for f in ("s_gate_up", "s_down", "s_gate"):  # Qwen2-MoE's shared expert
+                if getattr(blk, f) is not None:
+                    setattr(blk, f, getattr(blk, f).astype(self.dtype))
         return blk
 
     def release(self) -> None:

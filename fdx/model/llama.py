@@ -75,7 +75,7 @@ import paddle.nn.functional as F
 from paddle.incubate.nn.functional import fused_rms_norm
 
 from fdx.core.errors import FdxError, ModelLoadError
-from fdx.model.arch import ModelArgs, rope_angles
+from fdx.model.arch import ModelArgs, long_rope_after, rope_angles
 from fdx.model.loader import Checkpoint, LayerWeights
 from fdx.model.moe import MoeBlock, build_moe
 from fdx.model.packed_weights import PackedWeight, pack_bf16, pack_float, pack_gguf
@@ -126,6 +126,9 @@ class StepInputs:
     ctx_lens: np.ndarray
     tables_np: np.ndarray
     fallback: dict[str, Any] = attrs.field(factory=dict)
+    #: LongRoPE past its original context: per row, whether it takes the long
+    #: factors (:attr:`fdx.model.runner_base.StepLayout.long_rope`); ``None``: no such model
+    long_rope: np.ndarray | None = None
 
 
 @attrs.define
@@ -174,7 +177,9 @@ def check_layer(lw: LayerWeights, a: ModelArgs, i: int, path: str) -> None:
     h, q, kv, ff = a.hidden_size, a.q_size, a.kv_size, a.intermediate_size
     E, f = a.num_experts, a.moe_intermediate_size
     n = a.local_experts[1] if a.local_experts is not None else E  # the experts this rank holds
-    mlp = ((("router", (E, h)), ("e_gate", (n, f, h)), ("e_up", (n, f, h)), ("e_down", (n, h, f))) if E else
+    sf = a.shared_expert_size
+    shared = (("s_gate", (sf, h)), ("s_up", (sf, h)), ("s_down", (h, sf)), ("s_gate_inp", (h,))) if sf else ()
+    mlp = ((("router", (E, h)), ("e_gate", (n, f, h)), ("e_up", (n, f, h)), ("e_down", (n, h, f)), *shared) if E else
            (("w_gate", (ff, h)), ("w_up", (ff, h)), ("w_down", (h, ff))))
     for name, shape in (
         ("wq", (q, h)), ("wk", (kv, h)), ("wv", (kv, h)), ("wo", (h, q)), *mlp,
@@ -208,11 +213,11 @@ def _to_paddle(p: PackedWeight) -> PackedWeight:
     return PackedWeight(paddle.to_tensor(p.data), p.kind, p.n_out)
 
 
-def rope_table(args: ModelArgs, max_pos: int, local: bool = False) -> np.ndarray:
+def rope_table(args: ModelArgs, max_pos: int, local: bool = False, long: bool = False) -> np.ndarray:
     """``[max_pos, head_dim]``: cos in the first half, sin in the second
     (rope scaling applied: :func:`fdx.model.arch.rope_angles`; ``local``:
-    the windowed layers' base)."""
-    ang = rope_angles(args, max_pos, local)
+    the windowed layers' base; ``long``: LongRoPE's long factors)."""
+    ang = rope_angles(args, max_pos, local, long)
     return np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
 
 
@@ -242,9 +247,21 @@ class LlamaModel:
         self.fused_norm = not paddle.get_device().startswith("cpu") or has_avx512()
         self.scale = args.attn_scale if args.attn_scale is not None else 1.0 / math.sqrt(args.head_dim)
         rt = rope_table(args, max_pos)
+        half = args.head_dim // 2
+        #: LongRoPE past its original context: each row rotated by its own
+        #: factor set before the attention (``_long_cos`` / ``_long_sin``: the
+        #: short then the long table, ``[2 * max_pos, head_dim]``, indexed by
+        #: ``position + max_pos * long``), which then gets an identity table
+        #: (cos 1, sin 0: ``x * 1 - y * 0`` is ``x`` exactly)
+        self.long_rope = long_rope_after(args, max_pos) is not None
+        if self.long_rope:
+            lt = rope_table(args, max_pos, long=True)
+            both = np.concatenate([rt, lt], axis=0)
+            self._long_cos = paddle.to_tensor(np.concatenate([both[:, :half], both[:, :half]], axis=1))
+            self._long_sin = paddle.to_tensor(np.concatenate([-both[:, half:], both[:, half:]], axis=1))
+            rt = np.concatenate([np.ones_like(rt[:, :half]), np.zeros_like(rt[:, half:])], axis=1)
         self.rope = paddle.to_tensor(rt)
         self._no_residual = paddle.zeros([0], dtype="float32")
-        half = args.head_dim // 2
         # fallback tables: x*cos_full + roll(x, half)*sin_signed == rotate_half RoPE
         self._cos_full = paddle.to_tensor(np.concatenate([rt[:, :half], rt[:, :half]], axis=1))
         self._sin_signed = paddle.to_tensor(np.concatenate([-rt[:, half:], rt[:, half:]], axis=1))
@@ -275,6 +292,7 @@ class LlamaModel:
                              and not args.qk_norm  # the op has no q/k norm
                              and not args.gemma_fields  # nor any of Gemma's additions
                              and not args.num_experts  # nor experts (it does tensor parallelism's all-reduces)
+                             and not self.long_rope  # nor per-row rope factors
                              and (comm is None or bool(comm.handle))  # shm's all-reduce only (gloo's handle is 0)
                              and os.environ.get("FDX_FUSED_LAYERS", "1") != "0")  # 0: the per-layer path (tests)
         self._stack: tuple[Any, ...] | None = None
@@ -490,6 +508,7 @@ class LlamaModel:
             k = add_norm(k.reshape([T * KV, D]), None, layer.k_norm)[0].reshape([T, KV * D])
             return paddle.concat([q, k, v], axis=-1)
 
+        long_rope = self._long_rope_fn(step, T) if self.long_rope else None
         comm = self.comm
         if comm is None:
             x = F.embedding(step.ids, self.embed)
@@ -514,6 +533,8 @@ class LlamaModel:
                     qkv = qkv + layer.b_qkv
                 if layer.q_norm is not None:
                     qkv = qk_norm(qkv, layer)
+                if long_rope is not None:
+                    qkv = long_rope(qkv)
                 x = linear(attend(qkv, cache, layer), layer.w_o, layer.q_o, layer.p_o)
                 if comm is not None:  # row-parallel o: sum the ranks' partial products
                     x = comm.all_reduce(x)
@@ -543,6 +564,25 @@ class LlamaModel:
             return logits
         full = comm.gather(logits)  # vocab-parallel: rank 0 gets every rank's columns
         return full[:, : self.full_vocab] if full is not None else None
+
+    def _long_rope_fn(self, step: StepInputs, T: int) -> Callable[[paddle.Tensor], paddle.Tensor]:
+        """LongRoPE past the original context: q and k of each row rotated by
+        its sequence's factor set (rotate_half, as the fallback attention;
+        the attention op then applies the identity table)."""
+        a = self.args
+        H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
+        longs = step.long_rope if step.long_rope is not None else np.zeros(T, dtype=bool)
+        idx = paddle.to_tensor(step.positions.astype(np.int64) + self.max_pos * longs.astype(np.int64))
+        cos = paddle.index_select(self._long_cos, idx).unsqueeze(1)  # [T, 1, D]
+        sin = paddle.index_select(self._long_sin, idx).unsqueeze(1)
+        n_qk, half = (H + KV) * D, D // 2
+
+        def rotate(qkv: paddle.Tensor) -> paddle.Tensor:
+            qk = qkv[:, :n_qk].reshape([T, H + KV, D])
+            qk = qk * cos + paddle.roll(qk, shifts=half, axis=-1) * sin
+            return paddle.concat([qk.reshape([T, n_qk]), qkv[:, n_qk:]], axis=-1)
+
+        return rotate
 
     def _lm_head(self, h: paddle.Tensor, R: int, qgemm: Any) -> paddle.Tensor:
         if qgemm is not None:

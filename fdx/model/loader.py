@@ -25,7 +25,8 @@ import attrs
 import numpy as np
 
 from fdx.core.errors import ModelLoadError, PluginError
-from fdx.model.arch import Architecture, LinearRopeScaling, LongRopeScaling, ModelArgs, RopeScaling, WeightNames
+from fdx.model.arch import (Architecture, FreqFactorRope, LinearRopeScaling, LongRopeScaling, ModelArgs, RopeScaling,
+                            WeightNames)
 from fdx.model.source import ModelSource, resolve
 from fdx.model.tokenizer import ModelTokenizer, tokenizer_from_gguf, tokenizer_from_hf
 
@@ -60,6 +61,12 @@ class LayerWeights:
     e_gate: np.ndarray | None = None
     e_up: np.ndarray | None = None
     e_down: np.ndarray | None = None
+    #: Qwen2-MoE's shared expert (``ModelArgs.shared_expert_size``): gate and up
+    #: ``[width, hidden]``, down ``[hidden, width]``, its gate ``[hidden]``
+    s_gate: np.ndarray | None = None
+    s_up: np.ndarray | None = None
+    s_down: np.ndarray | None = None
+    s_gate_inp: np.ndarray | None = None
     #: GGUF block-quantized rows of the linear weights (same row order as the
     #: fp32 arrays): name -> (uint8 [out, row_bytes], ggml type id)
     raw: dict[str, tuple[np.ndarray, int]] = attrs.field(factory=dict)
@@ -176,9 +183,10 @@ def _refuse(where: str, what: str, key: str, value: Any, reason: str) -> ModelLo
 
 
 def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm: bool,
-                  sandwich: bool = False, num_experts: int = 0) -> tuple[set[str], set[str]]:
+                  sandwich: bool = False, num_experts: int = 0, shared: bool = False) -> tuple[set[str], set[str]]:
     """(required, optional) tensor names of a checkpoint of ``n_layers``."""
-    mlp = (["router"] if num_experts else
+    mlp = (["router", *(["shared_gate", "shared_up", "shared_down", "shared_expert_gate"] if shared else [])]
+           if num_experts else
            [*(["w_gate_up"] if names.w_gate_up else ["w_gate", "w_up"]), "w_down"])
     per = ["attn_norm", *(["wqkv"] if names.wqkv else ["wq", "wk", "wv"]), "wo", "ffn_norm", *mlp]
     opt = ["bq", "bk", "bv"]
@@ -189,7 +197,7 @@ def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm:
     if sandwich:
         per += ["post_attn_norm", "post_ffn_norm"]
     req = {names.embed, names.final_norm}
-    optional = {names.lm_head} | {t for t in (names.rope_long, names.rope_short) if t}
+    optional = {names.lm_head} | {t for t in (names.rope_long, names.rope_short, names.rope_freqs) if t}
     for i in range(n_layers):
         n = names.layer(i)
         req |= {n[f] for f in per}
@@ -200,7 +208,8 @@ def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm:
 
 def _check_tensors(where: str, present: Any, names: WeightNames, args: ModelArgs, ignore: tuple[str, ...] = ()) -> None:
     req, optional = _tensor_names(names, args.num_layers, qkv_bias=args.attention_bias, qk_norm=args.qk_norm,
-                                  sandwich=args.sandwich_norms, num_experts=args.num_experts)
+                                  sandwich=args.sandwich_norms, num_experts=args.num_experts,
+                                  shared=bool(args.shared_expert_size))
     for t in sorted(present):
         if t not in req and t not in optional and not t.endswith(ignore):
             raise ModelLoadError(f"{where}: unsupported tensor {t!r}: not part of fdx's {args.arch} architecture")
@@ -242,13 +251,15 @@ def _gguf_checkpoint(src: ModelSource) -> Checkpoint:
         raise ModelLoadError(f"{src.path}: missing tensor {names.embed!r}")
     vocab = int(g.tensors[names.embed].shape[0])
     moe: dict[str, Any] = {}
-    if n_experts:  # llama.cpp renormalises the top-k weights of both Mixtral (llama) and Qwen3-MoE
+    if n_experts:  # llama.cpp renormalises the top-k weights of Mixtral (llama) and Qwen3-MoE, not Qwen2-MoE's
         k = int(meta("expert_used_count"))
         if not 1 <= k <= n_experts:
             raise ModelLoadError(f"{src.path}: unsupported metadata key '{ns}.expert_used_count' = {k}: "
                                  f"must be between 1 and the number of experts ({n_experts})")
-        moe = dict(num_experts=n_experts, num_experts_per_tok=k, norm_topk_prob=True,
+        moe = dict(num_experts=n_experts, num_experts_per_tok=k, norm_topk_prob=arch.gguf_moe_renormalize,
                    moe_intermediate_size=int(g.get(f"{ns}.expert_feed_forward_length") or meta("feed_forward_length")))
+        if arch.recipe.shared_expert:
+            moe["shared_expert_size"] = int(meta("expert_shared_feed_forward_length"))
     args = ModelArgs(
         arch=arch.name,
         **_gguf_extras(g, arch, n_layers, hidden, head_dim),
@@ -324,6 +335,8 @@ def _gguf_extras(g: Any, arch: Architecture, n_layers: int, hidden: int, head_di
     """The :class:`ModelArgs` fields beyond Llama's a GGUF carries, as
     llama.cpp reads them: LongRoPE from the ``rope_factors_*`` tensors and
     ``rope.scaling.attn_factor`` / ``original_context_length`` (Phi-3); the
+    Llama 3.x's rope scaling from ``rope_freqs`` (one divisor per rotary
+    frequency, as llama.cpp applies it); the
     sliding window (``attention.sliding_window``: every layer's, or, for Gemma,
     that of all but every ``window_pattern``-th layer: llama.cpp fixes Gemma 2's
     at 2 and Gemma 3's at 6); a linear rope scaling (Gemma 3's global layers;
@@ -343,6 +356,12 @@ def _gguf_extras(g: Any, arch: Architecture, n_layers: int, hidden: int, head_di
         short, long = (tuple(float(x) for x in g.load(t).reshape(-1)) for t in (names.rope_short, names.rope_long))
         out["rope_scaling"] = LongRopeScaling("longrope", short, long,
                                               float(g.get(f"{ns}.rope.scaling.attn_factor", 1.0)), int(orig))
+    if names is not None and names.rope_freqs and names.rope_freqs in g.tensors:  # Llama 3.x: per-frequency divisors
+        f = g.load(names.rope_freqs).reshape(-1)
+        if f.shape[0] != head_dim // 2 or not np.all(f > 0):
+            raise ModelLoadError(f"{g.path}: tensor {names.rope_freqs!r} must be {head_dim // 2} positive numbers "
+                                 f"(head_dim / 2), got shape {list(f.shape)}")
+        out["rope_scaling"] = FreqFactorRope("llama3", tuple(float(x) for x in f))
     window = g.get(f"{ns}.attention.sliding_window") or None  # 0: none (llama.cpp's Phi-4)
     if rc.window_pattern and window is not None:  # llama.cpp's fixed pattern: every n-th layer global
         out["layer_windows"] = tuple(int(window) if (i + 1) % rc.window_pattern else 0 for i in range(n_layers))
@@ -498,8 +517,11 @@ def _moe_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> dict[st
         raise ModelLoadError(f"{cfg_path}: unsupported config field 'num_experts_per_tok' = {k}: "
                              f"must be between 1 and the number of experts ({n})")
     width = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
-    return dict(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=width,
-                norm_topk_prob=arch.recipe.moe_renormalize or bool(cfg.get("norm_topk_prob", False)))
+    out = dict(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=width,
+               norm_topk_prob=arch.recipe.moe_renormalize or bool(cfg.get("norm_topk_prob", False)))
+    if arch.recipe.shared_expert:  # Qwen2-MoE
+        out["shared_expert_size"] = int(cfg["shared_expert_intermediate_size"])
+    return out
 
 
 def _longrope(rp: dict[str, Any], cfg: dict[str, Any], cfg_path: str) -> LongRopeScaling:
@@ -572,6 +594,9 @@ def _projections(where: str, n: dict[str, str], names: WeightNames, args: ModelA
                 raise ModelLoadError(f"{where}: tensor {n[f]!r} has shape {list(w.shape)}, "
                                      f"expected [{args.num_experts}, out, in] (one matrix per expert)")
             out["e_" + f[7:]] = np.ascontiguousarray(w[list(held)])
+        if args.shared_expert_size:  # Qwen2-MoE's shared expert and its [1, hidden] gate
+            out.update(s_gate=get(n["shared_gate"]), s_up=get(n["shared_up"]), s_down=get(n["shared_down"]),
+                       s_gate_inp=get(n["shared_expert_gate"]).reshape(-1))
         return out
     if names.w_gate_up:
         ff = args.intermediate_size

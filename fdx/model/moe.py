@@ -19,6 +19,11 @@ put back in (token, slot) order with one ``index_select`` and the ``k``
 slots added in slot order -- a Python loop over the experts, never over
 tokens.
 
+Qwen2-MoE adds a shared expert (``ModelArgs.shared_expert_size``): every
+token also runs one more SwiGLU (the same ops, its own width), scaled by
+``sigmoid(h . w)`` of its ``[hidden]`` gate (one more matmul, ``[hidden, 1]``),
+and added after the routed experts' sum (transformers' order).
+
 Expert parallelism (``ModelArgs.local_experts``, fdx/parallel/sharding.py).
 A rank holds experts ``[first, first + n)`` only; the router is whole, so
 every rank picks the same experts for every token, and a rank computes
@@ -79,6 +84,16 @@ class MoeBlock:
     p_down: list[PackedWeight] = attrs.field(factory=list)
     #: the native ``fdx_moe`` op (fdx/csrc/moe.cc), or ``None``: the pure-Paddle path
     op: Any | None = None
+    #: float32 with the native ops: ``fdx_fgemm`` for the shared expert's matmuls (row-invariant)
+    fgemm: Any | None = None
+    #: the shared expert (Qwen2-MoE): gate|up, down and its gate ``[hidden, 1]``
+    #: (float32), or packed; all ``None`` without one
+    s_gate_up: paddle.Tensor | None = None
+    s_down: paddle.Tensor | None = None
+    s_gate: paddle.Tensor | None = None
+    ps_gate_up: PackedWeight | None = None
+    ps_down: PackedWeight | None = None
+    ps_gate: PackedWeight | None = None
     #: (token, slot) pairs routed to each of the ``num_routed`` experts so far
     routed: np.ndarray = attrs.field(init=False, default=attrs.Factory(
         lambda self: np.zeros(self.num_routed, dtype=np.int64), takes_self=True))
@@ -92,11 +107,29 @@ class MoeBlock:
     def __call__(self, h: paddle.Tensor, swiglu: Callable[[paddle.Tensor], paddle.Tensor],
                  qgemm: Any | None) -> paddle.Tensor:
         """The block's output ``[T, hidden]`` for the normed hidden states ``h``
-        (``qgemm``: the packed modes' op, ``None`` in float32): one
-        ``fdx_moe`` call where the native ops are loaded, else the pure-Paddle
-        path (:meth:`grouped`)."""
-        if self.op is None:
-            return self.grouped(h, swiglu, qgemm)
+        (``qgemm``: the packed modes' op, ``None`` in float32): the routed
+        experts in one ``fdx_moe`` call where the native ops are loaded, else
+        the pure-Paddle path (:meth:`grouped`); then the shared expert, if any."""
+
+        def linear(x: paddle.Tensor, w: paddle.Tensor | None, p: PackedWeight | None) -> paddle.Tensor:
+            if qgemm is not None:
+                assert p is not None
+                return qgemm(x, p.data, p.kind, p.n_out)
+            return self.fgemm(x, w) if self.fgemm is not None else paddle.matmul(x, w)
+
+        out = self.grouped(h, swiglu, linear) if self.op is None else self._native(h)
+        if self.s_gate_up is None and self.ps_gate_up is None:
+            return out
+        shared = linear(swiglu(linear(h, self.s_gate_up, self.ps_gate_up)), self.s_down, self.ps_down)
+        # Paddle's CPU sigmoid takes a scalar path for the elements past the last
+        # full vector (other bits, measured on a [T, 1] input): 16 copies of each
+        # row's gate put every element in a full vector, whatever T
+        g = linear(h, self.s_gate, self.ps_gate)  # [T, 1]
+        gate = F.sigmoid(paddle.expand(g, [int(g.shape[0]), 16]))[:, :1]
+        return out + gate * shared
+
+    def _native(self, h: paddle.Tensor) -> paddle.Tensor:
+        """The routed experts' weighted sum in one ``fdx_moe`` call (fdx/csrc/moe.cc)."""
         if self._op_args is None:  # the weights never change after load: their lists are built once
             if self.p_router is not None:
                 self._op_args = (self.p_router.data, [p.data for p in self.p_gate_up], [p.data for p in self.p_down],
@@ -109,16 +142,11 @@ class MoeBlock:
         return out
 
     def grouped(self, h: paddle.Tensor, swiglu: Callable[[paddle.Tensor], paddle.Tensor],
-                qgemm: Any | None) -> paddle.Tensor:
-        """The pure-Paddle path (no native ops): the same routing and sums,
-        a loop over the experts (never over tokens)."""
-
-        def linear(x: paddle.Tensor, w: paddle.Tensor | None, p: PackedWeight | None) -> paddle.Tensor:
-            if qgemm is not None:
-                assert p is not None
-                return qgemm(x, p.data, p.kind, p.n_out)
-            return paddle.matmul(x, w)
-
+                linear: Callable[..., paddle.Tensor]) -> paddle.Tensor:
+        """The routed experts' weighted sum ``[T, hidden]``, pure Paddle (no
+        native ops): the same routing and sums, a loop over the experts (never
+        over tokens)."""
+        qgemm = self.p_router is not None
         T, k = int(h.shape[0]), self.top_k
         probs = F.softmax(linear(h, self.router, self.p_router), axis=-1)
         weights, experts = paddle.topk(probs, k, axis=-1)  # [T, k], highest first
@@ -144,10 +172,10 @@ class MoeBlock:
         for e in np.flatnonzero(counts):
             n = int(counts[e])
             xe = x[start : start + n]
-            pg = self.p_gate_up[e] if qgemm is not None else None
-            pd = self.p_down[e] if qgemm is not None else None
-            wg = self.w_gate_up[e] if qgemm is None else None
-            wd = self.w_down[e] if qgemm is None else None
+            pg = self.p_gate_up[e] if qgemm else None
+            pd = self.p_down[e] if qgemm else None
+            wg = self.w_gate_up[e] if not qgemm else None
+            wd = self.w_down[e] if not qgemm else None
             outs.append(linear(swiglu(linear(xe, wg, pg)), wd, pd))
             start += n
         y = (paddle.concat(outs, axis=0) if len(outs) > 1 else outs[0]) * w_sorted
@@ -170,12 +198,17 @@ def build_moe(lw: LayerWeights, args: ModelArgs, mode: str, ops: Any | None = No
     first = args.local_experts[0] if args.local_experts is not None else 0
     blk = MoeBlock(top_k=args.num_experts_per_tok, renormalize=args.norm_topk_prob, num_routed=args.num_experts,
                    first=first, op=getattr(ops, "fdx_moe", None))
+    if mode == "float32" and blk.op is not None:
+        blk.fgemm = getattr(ops, "fdx_fgemm", None)
     gate_up = [np.concatenate([g, u], axis=0) for g, u in zip(lw.e_gate, lw.e_up)]  # [2 * width, hidden]
     if mode == "float32":
         t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
         blk.router = t(lw.router.T)
         blk.w_gate_up = [t(w.T) for w in gate_up]
         blk.w_down = [t(w.T) for w in lw.e_down]
+        if lw.s_gate is not None:
+            blk.s_gate_up = t(np.concatenate([lw.s_gate, lw.s_up], axis=0).T)
+            blk.s_down, blk.s_gate = t(lw.s_down.T), t(lw.s_gate_inp.reshape(-1, 1))
         return blk
     pack = pack_bf16 if mode == "bfloat16" else pack_float
 
@@ -186,4 +219,7 @@ def build_moe(lw: LayerWeights, args: ModelArgs, mode: str, ops: Any | None = No
     blk.p_router = p(lw.router)
     blk.p_gate_up = [p(w) for w in gate_up]
     blk.p_down = [p(w) for w in lw.e_down]
+    if lw.s_gate is not None:
+        blk.ps_gate_up = p(np.concatenate([lw.s_gate, lw.s_up], axis=0))
+        blk.ps_down, blk.ps_gate = p(lw.s_down), p(lw.s_gate_inp.reshape(1, -1))
     return blk

@@ -76,6 +76,8 @@ class PaddleModelRunner(TensorParallelRunner):
     table_dtype = np.int32
     #: LlamaModel's attention (the C++ op or the pure-Paddle one) takes each layer's window
     honours_sliding_window = True
+    #: LlamaModel rotates each row by its own LongRoPE factor set (StepLayout.long_rope)
+    honours_long_rope = True
 
     def __init__(self, config: EngineConfig, device: Device, link: RankLink | None = None,
                  on_layer: Callable[[], None] | None = None) -> None:
@@ -155,6 +157,7 @@ class PaddleModelRunner(TensorParallelRunner):
             q_lens=layout.q_lens,
             ctx_lens=layout.starts + layout.q_lens,
             tables_np=tables,
+            long_rope=layout.long_rope,
         )
         with paddle.no_grad():
             return self.model.forward(step, self.caches)

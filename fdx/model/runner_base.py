@@ -22,7 +22,7 @@ import numpy as np
 from fdx.core.errors import FdxError, ModelLoadError
 from fdx.core.interfaces import KVCacheSpec, ModelOutput, ModelRunner, ScheduledBatch
 from fdx.core.messages import ALL_LOGPROBS, TokenLogprob
-from fdx.model.arch import LongRopeScaling
+from fdx.model.arch import long_rope_after
 from fdx.model.packed_weights import bf16_bits_to_f32
 
 if TYPE_CHECKING:
@@ -66,16 +66,20 @@ class StepLayout:
     ``num_drafts`` (``None`` when no seq has drafts): speculative draft
     tokens per sequence; a sampling sequence with K > 0 drafts has its last
     K + 1 rows in ``rows``.
+    ``long_rope`` (``None`` unless a LongRoPE model can see sequences past
+    ``original_max_position_embeddings``): per row, whether its sequence
+    takes the long factors this step (see :meth:`PagedRunnerBase._layout`).
     """
 
     __slots__ = ("ids", "q_lens", "starts", "samples", "tables", "q_starts", "seq_of", "positions", "rows",
-                 "prompt", "pick", "num_drafts")
+                 "prompt", "pick", "num_drafts", "long_rope")
 
     def __init__(self, ids: list[int], q_lens: np.ndarray, starts: np.ndarray, samples: np.ndarray,
                  tables: np.ndarray, q_starts: np.ndarray, seq_of: np.ndarray, positions: np.ndarray,
                  rows: np.ndarray, prompt: list[tuple[int, int, int]] | None = None) -> None:
         self.prompt = prompt
         self.num_drafts: np.ndarray | None = None
+        self.long_rope: np.ndarray | None = None
         #: with ``prompt``: which of the (sorted) ``rows`` are the sampled ones, which the prompt ones
         self.pick: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         self.ids = ids
@@ -99,6 +103,10 @@ class PagedRunnerBase(ModelRunner):
     honours_sliding_window = False
     #: tensor-parallel ranks of this runner's group (1: none)
     tensor_parallel_size = 1
+    #: the model takes per-row rope factors (:attr:`StepLayout.long_rope`), so a
+    #: LongRoPE model serves sequences past ``original_max_position_embeddings``
+    #: (else a longer ``--max-model-len`` is refused)
+    honours_long_rope = False
 
     config: EngineConfig
     device: Device
@@ -144,12 +152,20 @@ class PagedRunnerBase(ModelRunner):
             raise ModelLoadError(
                 f"{ckpt.source.path}: unsupported config field 'sliding_window' = {window}: sliding-window "
                 f"attention is not implemented; serve with --max-model-len <= {window} (now {self.max_model_len})")
-        rs = self.args.rope_scaling
-        if isinstance(rs, LongRopeScaling) and self.max_model_len > rs.original_max_position:
-            raise ModelLoadError(  # past it transformers re-rotates every cached key with the long factors
-                f"{ckpt.source.path}: unsupported config field 'original_max_position_embeddings' = "
-                f"{rs.original_max_position}: rope type {rs.rope_type!r} past it (the long factors) is not "
-                f"implemented; serve with --max-model-len <= {rs.original_max_position} (now {self.max_model_len})")
+        #: LongRoPE: the length past which a sequence takes the long factors (None: never, within max_model_len)
+        self.long_rope_after = orig = long_rope_after(self.args, self.max_model_len)
+        if orig is not None:
+            why = ("the long factors past it are not implemented by this runner" if not self.honours_long_rope else
+                   # a cached block would serve sequences of either factor set (transformers recomputes instead)
+                   "past it a sequence's KV takes the long factors, which the prefix cache cannot tell apart; "
+                   "add --no-enable-prefix-caching or" if config.enable_prefix_caching else
+                   "speculative drafts crossing it would be verified with one factor set; drop --speculative or"
+                   if config.speculative else None)
+            if why is not None:
+                raise ModelLoadError(
+                    f"{ckpt.source.path}: unsupported config field 'original_max_position_embeddings' = {orig}: "
+                    f"rope type {self.args.rope_scaling.rope_type!r}: {why}"
+                    f"{'' if why.endswith(' or') else ';'} serve with --max-model-len <= {orig} (now {self.max_model_len})")
         self.weights_version = ""
         self._weights_path = config.model
         return ckpt
@@ -255,7 +271,19 @@ class PagedRunnerBase(ModelRunner):
     def _layout(self, seqs: Sequence[ScheduledSeq]) -> StepLayout:
         """Flatten and check the step (a chunk past the request's tokens,
         past ``max_model_len``, without enough blocks, or with a block id
-        outside the pool is an :class:`FdxError`)."""
+        outside the pool is an :class:`FdxError`).
+
+        LongRoPE past ``original_max_position_embeddings`` (``orig``), as
+        transformers computes it: a sequence takes the long factors, at every
+        position, once its length exceeds ``orig`` -- the length its next
+        sampled token is computed at, ``max(chunk end, known tokens)``; until
+        then the short ones.  Its cached KV has the long factors exactly when
+        ``max(computed, prompt length) > orig`` (a prompt past ``orig`` is long
+        from its first chunk; a sequence crossing ``orig`` while decoding is
+        recomputed then; nothing else writes it: the prefix cache is off).  A
+        sequence whose KV has the short factors but that now takes the long
+        ones runs this step from position 0 (transformers' generate drops its
+        cache at that point too): ``starts`` 0 and every known token a row."""
         S = len(seqs)
         bs = self.block_size
         ids: list[int] = []
@@ -265,6 +293,8 @@ class PagedRunnerBase(ModelRunner):
         samples = np.zeros(S, dtype=bool)
         prompt: list[tuple[int, int, int]] = []
         num_drafts: np.ndarray | None = None
+        orig = self.long_rope_after
+        longs = np.zeros(S, dtype=bool)
         for i, seq in enumerate(seqs):
             r = seq.request
             c, n = r.num_computed_tokens, seq.num_new_tokens
@@ -298,6 +328,10 @@ class PagedRunnerBase(ModelRunner):
             nb = -(-end // bs)
             if len(r.block_ids) < nb:
                 raise FdxError(f"request {r.request_id}: {len(r.block_ids)} blocks cannot hold {end} tokens")
+            if orig is not None and max(end, r.num_tokens) > orig:  # LongRoPE's long factors (see the docstring)
+                longs[i] = True
+                if c and max(c, np_) <= orig:  # its KV has the short factors: recompute it from position 0
+                    c, n = 0, end
             if c >= np_:
                 ids.extend(r.output_token_ids[c - np_ : end - np_])
             elif end <= np_:
@@ -323,9 +357,11 @@ class PagedRunnerBase(ModelRunner):
             ends = (q_starts + q_lens)[samples]
             offs = np.arange(int(n_rows.sum())) - np.repeat(np.cumsum(n_rows) - n_rows, n_rows)
             rows = np.repeat(ends - n_rows, n_rows) + offs
+        long_rope = np.repeat(longs, q_lens) if orig is not None else None
         if not prompt:
             layout = StepLayout(ids, q_lens, starts, samples, tables, q_starts, seq_of, positions, rows)
             layout.num_drafts = num_drafts
+            layout.long_rope = long_rope
             return layout
         # sampled rows, then prompt rows, sorted (a forward may read rows == all rows as "in order")
         both = np.concatenate([rows, *[q_starts[i] + (lo - starts[i]) + np.arange(k) for i, lo, k in prompt]])
@@ -335,6 +371,7 @@ class PagedRunnerBase(ModelRunner):
         layout = StepLayout(ids, q_lens, starts, samples, tables, q_starts, seq_of, positions, both[order], prompt)
         layout.pick = (where[: len(rows)], where[len(rows) :])
         layout.num_drafts = num_drafts
+        layout.long_rope = long_rope
         return layout
 
     def _prompt_logprobs(self, logits: Any, seqs: Sequence[ScheduledSeq], prompt: list[tuple[int, int, int]]) -> None:

@@ -81,8 +81,9 @@ def check_divisible(args: ModelArgs, world: int, expert_parallel: bool = False) 
     else:
         mlp = ("expert width", args.moe_intermediate_size)
         hint = "the expert width (or add --enable-expert-parallel to divide the experts)"
-    bad = [f"{what} {n}" for what, n in (("attention heads", args.num_heads), ("KV heads", args.num_kv_heads), mlp)
-           if n % world]
+    shared = (("shared expert width", args.shared_expert_size),) if args.shared_expert_size and not expert_parallel else ()
+    bad = [f"{what} {n}" for what, n in (("attention heads", args.num_heads), ("KV heads", args.num_kv_heads), mlp,
+                                         *shared) if n % world]
     if bad:
         raise ConfigError(f"{flag}: the model's {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not divisible "
                           f"by {world} ({args.describe()}); choose a size that divides heads, KV heads and {hint}")
@@ -97,6 +98,8 @@ def local_args(args: ModelArgs, world: int, rank: int = 0, expert_parallel: bool
         mlp = {"local_experts": (rank * per, per)}
     elif args.num_experts:
         mlp["moe_intermediate_size"] = args.moe_intermediate_size // world
+        if args.shared_expert_size:  # Qwen2-MoE's shared expert: its width divided as the experts'
+            mlp["shared_expert_size"] = args.shared_expert_size // world
     return attrs.evolve(args, num_heads=args.num_heads // world, num_kv_heads=args.num_kv_heads // world,
                         vocab_size=-(-args.vocab_size // world), **mlp)
 
@@ -143,12 +146,26 @@ def _shard_experts(lw: LayerWeights, s: TensorShard) -> dict[str, Any]:
     held = held_experts(s)
     if held is not None:
         if len(lw.e_gate) == len(held):  # the loader read only this rank's experts
-            return {}
+            return _shard_shared(lw, s)
         cut = slice(held.start, held.stop)
-        return dict(e_gate=lw.e_gate[cut], e_up=lw.e_up[cut], e_down=lw.e_down[cut])
+        return dict(e_gate=lw.e_gate[cut], e_up=lw.e_up[cut], e_down=lw.e_down[cut], **_shard_shared(lw, s))
     r, f = s.rank, s.local.moe_intermediate_size
     return dict(e_gate=lw.e_gate[:, r * f : (r + 1) * f], e_up=lw.e_up[:, r * f : (r + 1) * f],
-                e_down=lw.e_down[:, :, r * f : (r + 1) * f])
+                e_down=lw.e_down[:, :, r * f : (r + 1) * f], **_shard_shared(lw, s))
+
+
+def _shard_shared(lw: LayerWeights, s: TensorShard) -> dict[str, Any]:
+    """Qwen2-MoE's shared expert on rank ``s.rank``: a slice of its width
+    (tensor parallel: each rank's partial output times the same gate, the
+    all-reduce sums them), or, expert parallel, whole on rank 0 and a zero
+    down projection elsewhere (an exact 0 to the sum)."""
+    if lw.s_down is None:
+        return {}
+    if held_experts(s) is not None:
+        return {} if s.rank == 0 else dict(s_down=np.zeros_like(lw.s_down))
+    r, f = s.rank, s.local.shared_expert_size
+    return dict(s_gate=lw.s_gate[r * f : (r + 1) * f], s_up=lw.s_up[r * f : (r + 1) * f],
+                s_down=lw.s_down[:, r * f : (r + 1) * f])
 
 
 def shard_layer(lw: LayerWeights, s: TensorShard) -> LayerWeights:

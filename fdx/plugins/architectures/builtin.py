@@ -1,5 +1,6 @@
 """fdx's built-in architectures: Llama (1, 2, 3.x), Qwen2, Qwen3, Mistral, Phi-3,
-Gemma 2, Gemma 3 (text), and the mixtures of experts Qwen3-MoE and Mixtral.
+Gemma 2, Gemma 3 (text), and the mixtures of experts Qwen3-MoE, Qwen2-MoE
+(with its shared expert) and Mixtral.
 
 All share the Llama skeleton and fdx's one model code; what differs is
 declared here (recipe, weight names, the config fields each understands).
@@ -206,6 +207,11 @@ QWEN3_MOE_FIELDS: dict[str, FieldRule] = {
     "decoder_sparse_step": read(equals(1)), "mlp_only_layers": read(_every_layer_sparse),
     "intermediate_size": harmless(),  # the dense MLP's width: no layer has one when every layer is sparse
 }
+#: Qwen2-MoE: Qwen3-MoE's fields (every layer sparse) plus the shared expert's
+#: width and the q/k/v biases' switch (the recipe's biases: true only)
+QWEN2_MOE_FIELDS: dict[str, FieldRule] = {
+    **QWEN3_MOE_FIELDS, "shared_expert_intermediate_size": read(_positive_int), "qkv_bias": read(equals(True)),
+}
 MIXTRAL_FIELDS: dict[str, FieldRule] = {
     **MISTRAL_FIELDS, **MOE_FIELDS,
     # multiplies the hidden states by noise in training mode only (transformers'
@@ -242,8 +248,10 @@ GGUF_MOE_WEIGHTS = attrs.evolve(
 
 LLAMA = Architecture(
     name="llama", hf_names=("LlamaForCausalLM",), recipe=LayerRecipe(), hf_weights=HF_LLAMA_WEIGHTS,
-    hf_fields=LLAMA_FIELDS, gguf_name="llama", gguf_weights=GGUF_LLAMA_WEIGHTS, gguf_keys=LLAMA_GGUF_KEYS,
-    description="Llama 1/2/3.x (rope_type default or llama3)",
+    hf_fields=LLAMA_FIELDS, gguf_name="llama", gguf_keys=LLAMA_GGUF_KEYS,
+    # llama.cpp's converter writes a Llama 3.x rope scaling as the rope_freqs tensor
+    gguf_weights=attrs.evolve(GGUF_LLAMA_WEIGHTS, rope_freqs="rope_freqs.weight"),
+    description="Llama 1/2/3.x (rope_type default or llama3; GGUF rope_freqs)",
 )
 QWEN2 = Architecture(
     name="qwen2", hf_names=("Qwen2ForCausalLM",), recipe=LayerRecipe(qkv_bias=True),
@@ -331,6 +339,30 @@ QWEN3_MOE = Architecture(
     gguf_name="qwen3moe", gguf_weights=GGUF_MOE_WEIGHTS, gguf_keys=MOE_GGUF_KEYS, gguf_qk_permuted=False,
     description="Qwen3-MoE (q/k norm; softmax top-k routing, norm_topk_prob)",
 )
+HF_QWEN2_MOE_WEIGHTS = attrs.evolve(
+    HF_QWEN3_MOE_WEIGHTS, q_norm="", k_norm="",
+    shared_gate="model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+    shared_up="model.layers.{i}.mlp.shared_expert.up_proj.weight",
+    shared_down="model.layers.{i}.mlp.shared_expert.down_proj.weight",
+    shared_expert_gate="model.layers.{i}.mlp.shared_expert_gate.weight",
+)
+#: llama.cpp's Qwen2-MoE: the stacked experts, the shared expert's ``*_shexp``
+#: tensors and its gate ``ffn_gate_inp_shexp``; its width is a key of its own
+GGUF_QWEN2_MOE_WEIGHTS = attrs.evolve(
+    GGUF_MOE_WEIGHTS, q_norm="", k_norm="", shared_gate="blk.{i}.ffn_gate_shexp.weight",
+    shared_up="blk.{i}.ffn_up_shexp.weight", shared_down="blk.{i}.ffn_down_shexp.weight",
+    shared_expert_gate="blk.{i}.ffn_gate_inp_shexp.weight",
+)
+QWEN2_MOE = Architecture(
+    name="qwen2_moe", hf_names=("Qwen2MoeForCausalLM",),
+    recipe=LayerRecipe(qkv_bias=True, mlp="moe", shared_expert=True),
+    hf_weights=HF_QWEN2_MOE_WEIGHTS, hf_fields=QWEN2_MOE_FIELDS,
+    gguf_name="qwen2moe", gguf_weights=GGUF_QWEN2_MOE_WEIGHTS, gguf_qk_permuted=False,
+    gguf_keys={**MOE_GGUF_KEYS, "expert_shared_feed_forward_length": read(_positive_int)},
+    # llama.cpp's qwen2moe graph never renormalises the top-k weights (HF's default, norm_topk_prob false)
+    gguf_moe_renormalize=False,
+    description="Qwen2-MoE (q/k/v biases; softmax top-k routing, norm_topk_prob; a sigmoid-gated shared expert)",
+)
 HF_MIXTRAL_WEIGHTS = attrs.evolve(
     HF_LLAMA_WEIGHTS, w_gate="", w_up="", w_down="", bq="", bk="", bv="", q_norm="", k_norm="",
     router="model.layers.{i}.block_sparse_moe.gate.weight",
@@ -345,7 +377,7 @@ MIXTRAL = Architecture(
     gguf_name="llama", gguf_weights=GGUF_MOE_WEIGHTS, gguf_keys=MOE_GGUF_KEYS,
     description="Mixtral (softmax over the top-k experts' logits; a sliding window no shorter than the context)",
 )
-BUILTIN = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, QWEN3_MOE, MIXTRAL)
+BUILTIN = (LLAMA, QWEN2, QWEN3, MISTRAL, PHI3, GEMMA2, GEMMA3, QWEN3_MOE, QWEN2_MOE, MIXTRAL)
 
 
 @hookimpl
