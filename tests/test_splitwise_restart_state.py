@@ -13,12 +13,16 @@ the topology started again before routing to it:
 * a state it cannot be given (the checkpoint of the last update_weights is
   gone) keeps the restarted prefill instance out of rotation, the reason in
   the router's ``/health``; an update_weights through the router to a
-  checkpoint that exists is then given to it and it comes back.
+  checkpoint that exists is then given to it and it comes back;
+* asleep (kv_cache) survives a SIGKILL of the router (its ``--state-file``)
+  and then of the decode instance, which comes back asleep on the last
+  weights, not served until a wakeup.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any, Iterator
 
@@ -142,3 +146,38 @@ def test_a_state_it_cannot_be_given_keeps_the_instance_out(pd: dict[str, Any]) -
     _ok(router, "/v1/resume")
     r = _generate(router, 403)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+
+
+def test_asleep_survives_a_router_restart_then_an_instance_restart(pd: dict[str, Any]) -> None:
+    router = pd["router"]
+    _wait(lambda: _all_up(router), 120, f"not every instance is up: {_health(router)}")
+    assert _ok(router, "/v1/sleep", params={"tags": "kv_cache"})["sleeping"] == ["kv_cache"]
+    want = {**_health(router)["control_state"], "is_paused": True, "sleeping": ["kv_cache"]}
+    # the router dies and the topology starts it again: it reads its --state-file back
+    old_router = _health(router)["router_pid"]
+    os.kill(old_router, signal.SIGKILL)
+    t_kill = time.monotonic()
+    _wait(lambda: _router_pid(router) not in (None, old_router), 120, "the router did not come back")
+    print(f"\nrouter back {time.monotonic() - t_kill:.1f}s after its SIGKILL, control state {want}")
+    assert _health(router)["control_state"] == want
+    # then the decode instance dies: it comes back asleep (and on the weights of the last update_weights)
+    d = _inst(router, "decode")
+    url, old_pid = d["url"], d["engine_pid"]
+    _kill_instance(url)
+    _wait(lambda: _restarted(router, "decode", old_pid) is not None and _inst(router, "decode")["up"], 300,
+          f"the decode instance did not come back: {_health(router)['decode']}")
+    own = httpx.get(url + "/v1/is_paused", timeout=30).json()["result"]
+    assert own == {"is_paused": True, "sleeping": ["kv_cache"]}, own
+    assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["version"] == want["weights"]["version"]
+    assert _generate(router, 404).status_code == 503
+    assert _ok(router, "/v1/wakeup", params={"tags": "kv_cache"})["sleeping"] == []
+    r = _generate(router, 405)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+
+
+def _router_pid(router: str) -> int | None:
+    try:
+        r = httpx.get(router + "/health", timeout=5)
+    except httpx.HTTPError:
+        return None
+    return r.json().get("router_pid") if r.status_code == 200 else None

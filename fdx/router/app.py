@@ -51,7 +51,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     control_key = config.control_api_key or config.api_key
     # the deployment's control state (fdx.router.state), given to every instance that comes (back) up
-    state = ControlState({"authorization": f"Bearer {control_key}"} if control_key else {})
+    state = ControlState({"authorization": f"Bearer {control_key}"} if control_key else {}, config.state_file)
     pool = InstancePool(config.prefill, config.decode, probe_interval=config.probe_interval,
                         probe_timeout=config.probe_timeout, headers=headers, state=state)
     metrics = RouterMetrics(pool)

@@ -11,8 +11,10 @@ tags, the path and version of the last update_weights) and:
 * **records** it from the control calls that succeeded on every instance
   that was up (:meth:`ControlState.record`; a partial failure changes
   nothing).  Until the first such call it is unknown and nothing is
-  applied: the instances are taken as they are (a restarted router does not
-  resume a deployment it did not see paused);
+  applied: the instances are taken as they are (a router that never saw
+  the deployment paused does not resume it).  With ``--state-file`` (the
+  topology gives its router one) it is written there on every change and
+  read at start, so a restarted router keeps it;
 * **applies** it (:meth:`ControlState.apply`) to an instance that comes up
   (a down -> up transition, or a new engine pid), before the router routes
   anything to it, in the order the engine's rules allow
@@ -37,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from typing import Any, Mapping
 
 import aiohttp
@@ -121,11 +124,39 @@ class ControlState:
     """The router's :class:`DesiredState` (``None`` until a stateful call
     succeeded), recorded from control calls and applied to instances."""
 
-    def __init__(self, headers: dict[str, str] | None = None) -> None:
-        self.desired: DesiredState | None = None
+    def __init__(self, headers: dict[str, str] | None = None, path: str | None = None) -> None:
         #: the headers of the router's own control calls (the control key)
         self.headers = dict(headers or {})
         self.lock = asyncio.Lock()
+        #: where it is kept (``--state-file``; ``None``: in memory only)
+        self.path = path
+        self.desired: DesiredState | None = self._load()
+
+    def _load(self) -> DesiredState | None:
+        if self.path is None or not os.path.exists(self.path):
+            return None
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                data = json.load(f)
+            w = data.get("weights")
+            state = DesiredState(bool(data["is_paused"]), frozenset(str(t) for t in data.get("sleeping") or ()),
+                                 None if not w else Weights(str(w["path"]), str(w["version"])))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.error("cannot read the control state in %s (%s): starting without one", self.path, exc)
+            return None
+        log.info("the deployment's control state (from %s): %s", self.path, state.summary())
+        return state
+
+    def _save(self) -> None:
+        if self.path is None or self.desired is None:
+            return
+        tmp = f"{self.path}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.desired.describe(), f)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.error("cannot write the control state to %s: %s", self.path, exc)
 
     @staticmethod
     def stateful(method: str) -> bool:
@@ -138,7 +169,8 @@ class ControlState:
         new = next_state(self.desired or DesiredState(), method, args, result)
         if new != self.desired:
             log.info("the deployment's control state is now: %s", new.summary())
-        self.desired = new
+            self.desired = new
+            self._save()
 
     def describe(self) -> dict[str, Any] | None:
         return None if self.desired is None else self.desired.describe()
