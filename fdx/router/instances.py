@@ -203,6 +203,7 @@ class InstancePool:
                 self.affinity.replica_restarted(inst.rank)
             if inst.up:
                 self.mark_down(inst, f"its engine restarted (pid {inst.engine_pid} -> {pid})")
+            inst.engine_pid = pid  # counted once
         if inst.applying or (not inst.up and time.monotonic() < inst.retry_at and not restarted):
             return
         if not inst.up or inst.info is None and inst.splitwise:
@@ -230,7 +231,11 @@ class InstancePool:
             async with self.state.lock:  # no stateful control call in between
                 inst.reason = APPLYING
                 assert self.session is not None
-                failure = await self.state.apply(self.session, inst.url, f"{inst.role}{inst.rank}", health)
+                try:
+                    failure = await self.state.apply(self.session, inst.url, f"{inst.role}{inst.rank}", health)
+                except Exception as exc:  # noqa: BLE001 - shown in /health, tried again
+                    log.exception("giving %s its control state failed", inst.url)
+                    failure = f"could not give it the deployment's control state: {_one_line(exc)}"
                 if failure is None and inst.reason == APPLYING:  # (not marked down meanwhile)
                     inst.control_state_error = None
                     self._mark_up(inst)
