@@ -12,6 +12,10 @@ and the router, as managed children.
   ``/v1/is_paused``), the reply lists each, and a resume serves again; a
   sleep (KV cache) and wakeup too; an update_weights every instance
   refuses answers their 403 with each one's reply;
+* a prefill instance SIGKILLed while the deployment is paused comes back
+  paused (the router gives it the deployment's control state before
+  routing to it: fdx/router/state.py), counted in
+  ``fdx:router_instance_restarts_total``, and serves after a resume;
 * SIGKILL of one D instance under a few streams: every stream ends (done,
   or a 5xx error event / status), the other D's streams finish, the dead
   instance is started again and the deployment serves again.
@@ -149,6 +153,32 @@ def test_pause_reaches_every_instance(dps: dict[str, Any]) -> None:
     assert r.status_code == 200 and r.json()["result"]["is_paused"] is False, r.text
     assert all(httpx.get(u + "/v1/is_paused", timeout=30).json()["result"]["is_paused"] is False for u in insts)
     assert _complete(router, _prompts(1, seed=315)[0], 4)["usage"]["completion_tokens"] == 4
+
+
+def test_a_prefill_instance_restarted_while_paused_is_paused_again(dps: dict[str, Any]) -> None:
+    router = dps["router"]
+    _wait(lambda: _all_serving(router), 300, f"not every instance is serving: {_health(router)}")
+    inst = _health(router)["prefill"][1]
+    url, old_pid = inst["url"], inst["engine_pid"]
+    r = httpx.post(router + "/v1/pause", timeout=120)
+    try:
+        assert r.status_code == 200, r.text
+        assert _health(router)["control_state"]["is_paused"] is True
+        _kill_instance(url)
+        t_kill = time.monotonic()
+        _wait(lambda: (lambda i: i["up"] and i.get("engine_pid") not in (None, old_pid))(
+            _health(router)["prefill"][1]), 300, f"prefill1 did not come back: {_health(router)['prefill']}")
+        print(f"prefill1 back in rotation, paused, {time.monotonic() - t_kill:.1f}s after its SIGKILL")
+        assert httpx.get(url + "/v1/is_paused", timeout=30).json()["result"]["is_paused"] is True
+        assert _health(router)["prefill"][1]["restarts"] >= 1
+        assert metric_value(router, "fdx:router_instance_restarts_total", instance=url) >= 1
+        assert httpx.post(router + "/v1/completions", json={"model": "smollm2", "prompt": _prompts(1, seed=319)[0],
+                                                            "max_tokens": 4}, timeout=120).status_code == 503
+    finally:
+        r = httpx.post(router + "/v1/resume", timeout=120)
+    assert r.status_code == 200 and r.json()["result"]["is_paused"] is False, r.text
+    assert httpx.get(url + "/v1/is_paused", timeout=30).json()["result"]["is_paused"] is False
+    assert _complete(router, _prompts(1, seed=320)[0], 4)["usage"]["completion_tokens"] == 4
 
 
 def test_sigkill_of_one_decode_instance_under_streams(dps: dict[str, Any]) -> None:

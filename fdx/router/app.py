@@ -4,7 +4,9 @@ Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions``
 (:class:`fdx.router.proxy.RelayResponse`), ``GET /v1/models`` (an up
 instance's answer), ``GET /health`` (200 while at least one P and one D
 are up, else 503 with the OpenAI error envelope; the body lists every
-instance: url, role, up, in_flight, kv_connector, the reason it is down),
+instance: url, role, up, in_flight, kv_connector, restarts, the reason it is
+down; ``control_state``: the deployment's paused / sleeping / weights that
+an instance coming up is given, :mod:`fdx.router.state`),
 ``GET /metrics`` (:class:`fdx.router.metrics.RouterMetrics`), the control
 routes, each sent to every instance (:mod:`fdx.router.control`).  ``/health``
 also lists every engine process of the deployment under ``engines`` (each
@@ -32,6 +34,7 @@ from fdx.router.control import add_control_routes, instance_name
 from fdx.router.instances import InstancePool
 from fdx.router.metrics import CONTENT_TYPE, RouterMetrics
 from fdx.router.proxy import FORWARD_HEADERS, RelayResponse, plan_request
+from fdx.router.state import ControlState
 from fdx.server.protocol import error_body
 
 if TYPE_CHECKING:
@@ -46,8 +49,11 @@ def _error(message: str, code: int) -> JSONResponse:
 
 def create_router_app(config: RouterConfig) -> FastAPI:
     headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    control_key = config.control_api_key or config.api_key
+    # the deployment's control state (fdx.router.state), given to every instance that comes (back) up
+    state = ControlState({"authorization": f"Bearer {control_key}"} if control_key else {}, config.state_file)
     pool = InstancePool(config.prefill, config.decode, probe_interval=config.probe_interval,
-                        probe_timeout=config.probe_timeout, headers=headers)
+                        probe_timeout=config.probe_timeout, headers=headers, state=state)
     metrics = RouterMetrics(pool)
     tracer = None
     if config.otlp_traces_endpoint:
@@ -102,6 +108,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         body = {"router_pid": os.getpid(), "launcher_pid": os.getppid(),
+                # what every instance is given when it comes up (None: no control call yet)
+                "control_state": state.describe(),
                 "prefill": [i.describe() for i in pool.prefill], "decode": [i.describe() for i in pool.decode],
                 # every engine process of the deployment, as each instance's /health lists its own
                 "engines": [{**e, "name": f"{instance_name(i)} {e['name']}", "instance": instance_name(i),
@@ -149,7 +157,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     app.add_api_route("/v1/completions", generate, methods=["POST"])
     app.add_api_route("/v1/chat/completions", generate, methods=["POST"])
-    add_control_routes(app, pool, config.control_api_key or config.api_key)  # fdx.router.control
+    add_control_routes(app, pool, control_key, state)  # fdx.router.control
     return app
 
 

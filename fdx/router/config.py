@@ -48,6 +48,9 @@ class RouterConfig:
     log_level: str = "info"
     #: OTLP/HTTP endpoint of the router's spans (``None``: tracing off; fdx.tracing)
     otlp_traces_endpoint: str | None = None
+    #: where the deployment's control state is kept (fdx.router.state): read at start, written on every
+    #: change, so a restarted router still has it (``None``: in memory only)
+    state_file: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -21,6 +21,10 @@ is up, at once; each instance runs it on its own engine.
   instance order) with the OpenAI error envelope naming the instance, and
   the per-instance list beside it.  An instance that is down is not
   called and is listed under ``result.unavailable``; none up -> 503.
+* A call that changes the control state (pause, resume, sleep, wakeup,
+  update_weights) and succeeded on every instance that was up is the
+  deployment's state from then on: an instance that comes (back) up is
+  given it before it is routed to (:mod:`fdx.router.state`).
 * vLLM's aliases answer as vLLM does when every instance succeeded
   (``{"status": "paused"}``, ``{"is_paused": bool}`` over all instances,
   ``{"is_sleeping": bool}`` over any, an empty 200).
@@ -42,6 +46,7 @@ from fdx.server.protocol import error_body
 
 if TYPE_CHECKING:
     from fdx.router.instances import Instance, InstancePool
+    from fdx.router.state import ControlState
 
 #: the GET routes among :data:`fdx.server.control.CONTROL_PATHS`
 GET_PATHS = frozenset({"/v1/is_paused", "/is_paused", "/is_sleeping"})
@@ -130,8 +135,26 @@ def _vllm_reply(path: str, entries: list[dict[str, Any]]) -> Response:
     return Response(status_code=200)
 
 
-def add_control_routes(app: FastAPI, pool: InstancePool, control_key: str | None) -> None:
-    """The control routes of ``fdx router`` (see the module docstring)."""
+def _arguments(request: Request, body: bytes) -> dict[str, Any]:
+    """A call's arguments as the instances read them: the query string
+    (``timeout`` aside) and the JSON body."""
+    args: dict[str, Any] = {}
+    for key in dict.fromkeys(request.query_params.keys()):
+        if key != "timeout":
+            values = request.query_params.getlist(key)
+            args[key] = values[0] if len(values) == 1 else values
+    try:
+        data = json.loads(body) if body.strip() else {}
+    except ValueError:
+        data = {}
+    return {**args, **(data if isinstance(data, dict) else {})}
+
+
+def add_control_routes(app: FastAPI, pool: InstancePool, control_key: str | None,
+                       state: ControlState | None = None) -> None:
+    """The control routes of ``fdx router`` (see the module docstring);
+    ``state`` records the stateful calls that succeeded everywhere
+    (:mod:`fdx.router.state`)."""
 
     async def fan_out(request: Request) -> Response:
         path = request.url.path
@@ -144,6 +167,12 @@ def add_control_routes(app: FastAPI, pool: InstancePool, control_key: str | None
             return JSONResponse({"status": "error", "result": None, "message": str(exc),
                                  **error_body(str(exc), exc.code, exc.param)}, status_code=exc.code)
         method = _method(path)
+        if state is not None and state.stateful(method):
+            async with state.lock:  # an instance coming up meanwhile gets the state recorded here
+                return await call_all(request, path, method, body)
+        return await call_all(request, path, method, body)
+
+    async def call_all(request: Request, path: str, method: str, body: bytes) -> Response:
         up = [i for i in pool.instances if i.up]
         down = [{"name": instance_name(i), "url": i.url, "role": i.role, "reason": i.misconfigured or i.reason}
                 for i in pool.instances if not i.up]
@@ -155,6 +184,9 @@ def add_control_routes(app: FastAPI, pool: InstancePool, control_key: str | None
         entries = list(await asyncio.gather(*(_one(pool, i, request, body, timeout) for i in up)))
         result: dict[str, Any] = {}
         failed = [e for e in entries if not 200 <= e["status_code"] < 300]
+        if not failed and state is not None:  # every instance that was up did it: the deployment's state
+            state.record(method, _arguments(request, body), merge(method, [
+                e["reply"].get("result") for e in entries if isinstance(e.get("reply"), dict)]))
         if not failed and path in VLLM_PATHS:
             return _vllm_reply(path, entries)
         if not failed:

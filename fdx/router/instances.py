@@ -15,7 +15,11 @@
   :class:`Flight` s that depend on it (its own requests, and the handoffs
   still waiting on a P), so nothing waits on a dead instance; a 200 again
   brings it back (its info re-read; a P whose engine pid changed has an
-  empty prefix cache, so its affinity entries are dropped).
+  empty prefix cache, so its affinity entries are dropped).  Before it is
+  routed to again (and whenever its engine pid changes: counted in
+  ``restarts``) it is given the deployment's control state
+  (:mod:`fdx.router.state`); failing that it stays down, the reason shown,
+  and is tried again after :data:`fdx.router.state.RETRY_S`.
 * **Load**: the router counts what it has in flight on each instance.  P:
   the weight of the prompts whose handoff it has not finished yet (until
   D's response headers arrive, which D sends with the first token); a
@@ -40,12 +44,15 @@ import anyio
 import attrs
 
 from fdx.deploy.affinity import Choice, PrefixAffinityRouter
+from fdx.router.state import RETRY_S, ControlState
 
 log = logging.getLogger("fdx.router")
 
 ROLES = ("prefill", "decode")
 #: prompt bytes per estimated token (affinity blocks and P's load)
 BYTES_PER_TOKEN = 4
+#: an instance's reason while the router gives it the deployment's control state
+APPLYING = "giving it the deployment's control state (pause, sleep, weights) before routing to it"
 
 
 @attrs.define(eq=False)
@@ -68,6 +75,14 @@ class Instance:
     flights: set[Flight] = attrs.field(factory=set)
     #: its ``/health``'s ``engines`` (name, pid, state, rank_pids), as last read
     engines: list[dict[str, Any]] = attrs.field(factory=list)
+    #: times a new engine pid was seen (its engine, or the whole instance, was started again)
+    restarts: int = 0
+    #: the deployment's control state is being given to it (:mod:`fdx.router.state`)
+    applying: bool = False
+    #: why that failed the last time (``None``: it did not)
+    control_state_error: str | None = None
+    #: when to try again after such a failure (``time.monotonic()``)
+    retry_at: float = 0.0
 
     @property
     def kv_addr(self) -> str | None:
@@ -93,7 +108,10 @@ class Instance:
         if self.engine_pid is not None:
             out["engine_pid"] = self.engine_pid
         out["given"] = self.given
+        out["restarts"] = self.restarts
         out["engines"] = self.engine_health()
+        if self.control_state_error is not None:
+            out["control_state_error"] = self.control_state_error
         if not self.up:
             out["reason"] = self.misconfigured or self.reason
         return out
@@ -130,7 +148,7 @@ class InstancePool:
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, probe_interval: float = 1.0,
                  probe_timeout: float = 3.0, probe_failures: int = 2, affinity_block_tokens: int = 16,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, state: ControlState | None = None) -> None:
         if not prefill or not decode:
             raise ValueError("the router needs at least one --prefill and one --decode instance")
         self.prefill = [Instance(u.rstrip("/"), "prefill", r) for r, u in enumerate(prefill)]
@@ -142,6 +160,8 @@ class InstancePool:
         self.affinity = PrefixAffinityRouter(len(self.prefill), affinity_block_tokens * BYTES_PER_TOKEN,
                                              slack_tokens=2048 * BYTES_PER_TOKEN)
         self.session: aiohttp.ClientSession | None = None
+        #: the deployment's control state, given to an instance that comes up (``None``: none kept)
+        self.state = state
         self.on_change: list[Any] = []  # callbacks (inst) on up/down
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -176,17 +196,58 @@ class InstancePool:
             self.mark_down(inst, f"/health answered {status}" + (f": {msg}" if msg else ""))
             return
         pid = data.get("engine_pid")
+        restarted = inst.engine_pid is not None and pid is not None and pid != inst.engine_pid
+        if restarted:
+            inst.restarts += 1
+            if inst.role == "prefill":  # a new engine: an empty prefix cache
+                self.affinity.replica_restarted(inst.rank)
+            if inst.up:
+                self.mark_down(inst, f"its engine restarted (pid {inst.engine_pid} -> {pid})")
+            inst.engine_pid = pid  # counted once
+        if inst.applying or (not inst.up and time.monotonic() < inst.retry_at and not restarted):
+            return
         if not inst.up or inst.info is None and inst.splitwise:
             if not await self._read_info(inst):
                 return
-            if inst.role == "prefill" and inst.engine_pid is not None and pid != inst.engine_pid:
-                self.affinity.replica_restarted(inst.rank)
             inst.engine_pid = pid
+            self._bring_up(inst, data)
+        else:
+            inst.engine_pid = pid
+
+    def _bring_up(self, inst: Instance, health: dict[str, Any]) -> None:
+        """Give ``inst`` the deployment's control state (:mod:`fdx.router.state`),
+        then route to it; a failure keeps it down, the reason shown."""
+        if self.state is None:
             self._mark_up(inst)
-        elif pid != inst.engine_pid:
-            if inst.role == "prefill":
-                self.affinity.replica_restarted(inst.rank)
-            inst.engine_pid = pid
+            return
+        inst.applying = True
+        task = asyncio.get_running_loop().create_task(self._apply_then_up(inst, health))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _apply_then_up(self, inst: Instance, health: dict[str, Any]) -> None:
+        assert self.state is not None
+        try:
+            async with self.state.lock:  # no stateful control call in between
+                inst.reason = APPLYING
+                assert self.session is not None
+                try:
+                    failure = await self.state.apply(self.session, inst.url, f"{inst.role}{inst.rank}", health)
+                except Exception as exc:  # noqa: BLE001 - shown in /health, tried again
+                    log.exception("giving %s its control state failed", inst.url)
+                    failure = f"could not give it the deployment's control state: {_one_line(exc)}"
+                if failure is None and inst.reason == APPLYING:  # (not marked down meanwhile)
+                    inst.control_state_error = None
+                    self._mark_up(inst)
+                    return
+        finally:
+            inst.applying = False
+        if failure is not None:
+            inst.retry_at = time.monotonic() + RETRY_S
+            if failure != inst.control_state_error:
+                log.error("%s instance %s stays out of rotation: %s", inst.role, inst.url, failure)
+            inst.control_state_error = failure
+            self.mark_down(inst, failure)
 
     async def _read_info(self, inst: Instance) -> bool:
         assert self.session is not None

@@ -47,6 +47,9 @@ def build_parser(prog: str = "fdx router") -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", help="debug, info, warning, error")
     p.add_argument("--otlp-traces-endpoint", metavar="URL",
                    help="export OpenTelemetry spans over OTLP/HTTP to URL (default: off; docs/TRACING.md)")
+    p.add_argument("--state-file", metavar="PATH",
+                   help="keep the deployment's control state (paused, asleep, weights version) in PATH, read at "
+                        "start: a restarted router still gives it to restarted instances (default: in memory)")
     return p
 
 
@@ -56,7 +59,8 @@ def config_from_argv(argv: Sequence[str]) -> RouterConfig:
                         api_key=args.api_key or None,
                         control_api_key=args.control_api_key or None, probe_interval=args.probe_interval,
                         probe_timeout=args.probe_timeout, connect_timeout=args.connect_timeout,
-                        log_level=args.log_level, otlp_traces_endpoint=args.otlp_traces_endpoint)
+                        log_level=args.log_level, otlp_traces_endpoint=args.otlp_traces_endpoint,
+                        state_file=args.state_file)
 
 
 def config_json(config: RouterConfig) -> str:

@@ -12,7 +12,9 @@ Its own series (``fdx:router_*``):
   ``stream`` (a stream cut or ended early: one 503 error event);
 * ``fdx:router_rejected_total{code}``: errors the router answered itself;
 * ``fdx:router_retries_total``, ``fdx:router_client_disconnects_total``;
-* ``fdx:router_instance_up{instance,role}``, ``fdx:router_in_flight{instance,role}``.
+* ``fdx:router_instance_up{instance,role}``, ``fdx:router_in_flight{instance,role}``;
+* ``fdx:router_instance_restarts_total{instance,role}``: new engine pids seen
+  (its engine, or the whole instance, started again).
 
 Then every instance's own ``/metrics`` (scraped when the router's is, in
 parallel, a bounded wait each), every series re-labelled with
@@ -29,7 +31,7 @@ from typing import Iterator
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -73,11 +75,16 @@ class _InstanceCollector(Collector):
                                labels=["instance", "role"])
         flying = GaugeMetricFamily("fdx:router_in_flight", "Requests in flight on the instance (for a P: "
                                    "handoffs not done yet).", labels=["instance", "role"])
+        restarts = CounterMetricFamily("fdx:router_instance_restarts", "Times a new engine pid was seen on the "
+                                       "instance (its engine, or the whole instance, started again).",
+                                       labels=["instance", "role"])
         for inst in pool.instances:
             up.add_metric([inst.url, inst.role], 1.0 if inst.up else 0.0)
             flying.add_metric([inst.url, inst.role], float(inst.in_flight))
+            restarts.add_metric([inst.url, inst.role], float(inst.restarts))
         yield up
         yield flying
+        yield restarts
         yield from self.owner.scraped
 
 

@@ -12,7 +12,11 @@ foreground and owns N + M + 1 managed children:
   (the config, API key included, on an inherited pipe, never in argv) and
   stops itself when this process disappears;
 * the router (``python -m fdx.router --config-fd FD NAME PARENT_PID``)
-  listens on the public ``--host``/``--port`` with every instance's URL.
+  listens on the public ``--host``/``--port`` with every instance's URL,
+  and keeps the deployment's control state (:mod:`fdx.router.state`) in a
+  ``--state-file`` of a temporary directory this process owns, so a
+  restarted router still gives a restarted instance its pause, sleep and
+  weights.
 
 Start-up: the instances and the router start at once (the router probes
 the instances until they are up); ready when the router's ``/health`` is
@@ -30,10 +34,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -83,8 +89,9 @@ class Child:
         self.proc = spawn_child(self.module, self.config_json, self.name, os.getpid())
 
 
-def topology_children(config: EngineConfig) -> list[Child]:
-    """The instances (free ports on ``--host``) and the router (``--port``)."""
+def topology_children(config: EngineConfig, state_file: str | None = None) -> list[Child]:
+    """The instances (free ports on ``--host``) and the router (``--port``;
+    ``state_file``: where it keeps the deployment's control state)."""
     from fdx.router.main import RouterConfig, config_json
 
     kids: list[Child] = []
@@ -101,7 +108,8 @@ def topology_children(config: EngineConfig) -> list[Child]:
                               RestartPolicy(config.max_engine_restarts, config.restart_window), url))
     rc = RouterConfig(prefill=urls["prefill"], decode=urls["decode"], host=config.host, port=config.port,
                       api_key=config.api_key, control_api_key=config.control_api_key, max_request_bytes=config.max_request_bytes,
-                      log_level=config.log_level, otlp_traces_endpoint=config.otlp_traces_endpoint)
+                      log_level=config.log_level, otlp_traces_endpoint=config.otlp_traces_endpoint,
+                      state_file=state_file)
     kids.append(Child("router", "fdx.router", config_json(rc),
                       RestartPolicy(config.max_engine_restarts, config.restart_window),
                       f"http://{config.host}:{config.port}"))
@@ -130,7 +138,9 @@ def run_topology(config: EngineConfig) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             old[sig] = signal.signal(sig, on_signal)
-    kids = topology_children(config)
+    # the router's control state (fdx.router.state) outlives a router restart; removed at the end
+    state_dir = tempfile.mkdtemp(prefix="fdx-router-")
+    kids = topology_children(config, os.path.join(state_dir, "control_state.json"))
     router = kids[-1]
     ready = False
     t_start = time.monotonic()
@@ -158,6 +168,7 @@ def run_topology(config: EngineConfig) -> int:
         return 0
     finally:
         _stop_all([router.proc, *(k.proc for k in kids[:-1])])
+        shutil.rmtree(state_dir, ignore_errors=True)
         for sig, handler in old.items():
             signal.signal(sig, handler)
 
