@@ -40,7 +40,13 @@ from typing import Any
 
 import numpy as np
 
+from fdx.core.errors import FdxError
 from fdx.parallel.shm_comm import GroupBroken
+
+#: the store of the group this process joined (Paddle's ``init_parallel_env``
+#: makes its one global group once per process: a second join would wait on
+#: a store its peers never see)
+_joined: str | None = None
 
 log = logging.getLogger("fdx.parallel")
 
@@ -83,6 +89,11 @@ class GlooComm:
     def join(cls, rank: int, world: int, store: str, timeout: float, device_id: int | None = None) -> GlooComm:
         """Join the group whose TCP store is ``store`` (``HOST:PORT``, rank 0's host);
         blocks until every rank joined.  ``device_id``: nccl's device of this rank."""
+        global _joined
+        if _joined is not None:
+            raise FdxError(f"tensor-parallel rank {rank}: this process already joined a Paddle collective group (store "
+                           f"{_joined}); Paddle makes one per process, so a second tensor-parallel runner needs a "
+                           "process of its own")
         host, port = store.rsplit(":", 1)
         eps = [f"{host}:{int(port) + r}" for r in range(world)]
         os.environ.update(PADDLE_DISTRI_BACKEND=cls.backend, PADDLE_TRAINER_ID=str(rank),
@@ -102,6 +113,7 @@ class GlooComm:
             cls._first_call(world)
         finally:
             late.cancel()
+        _joined = store
         log.info("%s group joined as rank %d of %d in %.1f s (store %s)", cls.backend, rank, world,
                  time.monotonic() - t0, store)
         return cls(rank, world, timeout)
