@@ -25,15 +25,14 @@ One single-instance reference and one dp+splitwise deployment for the module.
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import httpx
 import pytest
-from serverutil import metric_value, pid_alive, read_log, record_stream, start_server
-from test_splitwise_serve import COMMON, _complete, _healthy, _kill_instance, _prompts, _stream, _usage, _wait
+from serverutil import metric_value, pid_alive, read_log, start_server
+from test_splitwise_serve import COMMON, _complete, _healthy, _kill_instance, _prompts, _stream, _usage, _wait, kill_under_streams
 
 pytestmark = pytest.mark.slow
 
@@ -185,23 +184,7 @@ def test_sigkill_of_one_decode_instance_under_streams(dps: dict[str, Any]) -> No
     router, proc = dps["router"], dps["proc"]
     dead, survivor = _urls(router, "decode")
     prompts = _prompts(N_STREAMS, seed=316, lo=32, hi=160)
-    outs: list[dict[str, Any]] = [{} for _ in prompts]
-    firsts = [threading.Event() for _ in prompts]
-    body = {"model": "smollm2", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
-    threads = [threading.Thread(target=record_stream, daemon=True, args=(router, {**body, "prompt": pr}, out, ev, 180))
-               for pr, out, ev in zip(prompts, outs, firsts)]
-    for t in threads:
-        t.start()
-    _wait(lambda: sum(e.is_set() for e in firsts) >= 2, 180, "no stream started")
-    killed = _kill_instance(dead)
-    t_kill = time.monotonic()
-    for t in threads:
-        t.join(max(1.0, 120 - (time.monotonic() - t_kill)))
-    assert not any(t.is_alive() for t in threads), "a stream hung after a decode instance died"
-    ok = [o for o in outs if o.get("done") and "error" not in o and o.get("finish") == "length"]
-    failed = [o for o in outs if "error" in o or o.get("status", 200) != 200]
-    assert len(ok) + len(failed) == N_STREAMS, [o for o in outs if o not in ok and o not in failed]
-    assert all(o.get("error", {}).get("code", o.get("status")) in (500, 502, 503, 504) for o in failed), failed
+    ok, failed, killed, t_kill, outs = kill_under_streams(router, dead, prompts, 48, started=2, budget=120)
     assert ok, "no stream finished on the surviving decode instance"
     print(f"after SIGKILL of {dead}: {len(ok)} streams finished, {len(failed)} ended with a 5xx, "
           f"last one {max(o['ended'] for o in outs) - t_kill:.1f}s after the kill")

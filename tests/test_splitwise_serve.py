@@ -139,6 +139,34 @@ def _kill_instance(url: str) -> list[int]:
     return pids
 
 
+def kill_under_streams(router: str, dead: str, prompts: list[Any], max_tokens: int, started: int,
+                       budget: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int], float, list[Any]]:
+    """Stream ``prompts`` (greedy, ``max_tokens`` each) through ``router``,
+    SIGKILL instance ``dead`` once ``started`` streams have begun, and wait
+    up to ``budget`` s for every stream to end: each must end whole or with a
+    clean 5xx, none may hang.  Returns (whole, failed, the killed pids, the
+    kill's time, every stream's record)."""
+    outs: list[dict[str, Any]] = [{} for _ in prompts]
+    firsts = [threading.Event() for _ in prompts]
+    body = {"model": "smollm2", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    threads = [threading.Thread(target=record_stream, daemon=True,
+                                args=(router, {**body, "prompt": pr}, out, ev, 2 * budget))
+               for pr, out, ev in zip(prompts, outs, firsts)]
+    for t in threads:
+        t.start()
+    _wait(lambda: sum(e.is_set() for e in firsts) >= started, 2 * budget, "no stream started")
+    killed = _kill_instance(dead)
+    t_kill = time.monotonic()
+    for t in threads:
+        t.join(max(1.0, budget - (time.monotonic() - t_kill)))
+    assert not any(t.is_alive() for t in threads), f"a stream hung after {dead} died"
+    ok = [o for o in outs if o.get("done") and "error" not in o and o.get("finish") == "length"]
+    failed = [o for o in outs if "error" in o or o.get("status", 200) != 200]
+    assert len(ok) + len(failed) == len(prompts), [o for o in outs if o not in ok and o not in failed]
+    assert all(o.get("error", {}).get("code", o.get("status")) in (500, 502, 503, 504) for o in failed), failed
+    return ok, failed, killed, t_kill, outs
+
+
 def _wait(cond: Any, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -159,24 +187,7 @@ def test_instance_killed_mid_load(pd: dict[str, Any], victim: str) -> None:
     p, d = _instances(router)
     dead, survivor = (p, d) if victim == "prefill" else (d, p)
     prompts = _prompts(N_STREAMS, seed=21 if victim == "prefill" else 22, lo=32, hi=160)
-    outs: list[dict[str, Any]] = [{} for _ in prompts]
-    firsts = [threading.Event() for _ in prompts]
-    threads = [threading.Thread(target=record_stream, daemon=True,
-                                args=(router, {"model": "smollm2", "prompt": pr, "max_tokens": 32,
-                                               "temperature": 0, "ignore_eos": True}, out, ev, 120))
-               for pr, out, ev in zip(prompts, outs, firsts)]
-    for t in threads:
-        t.start()
-    _wait(lambda: sum(e.is_set() for e in firsts) >= 4, 120, "no stream started")
-    killed = _kill_instance(dead)
-    t_kill = time.monotonic()
-    for t in threads:
-        t.join(max(1.0, 60 - (time.monotonic() - t_kill)))
-    assert not any(t.is_alive() for t in threads), "a stream hung after the instance died"
-    ok = [o for o in outs if o.get("done") and "error" not in o and o.get("finish") == "length"]
-    failed = [o for o in outs if "error" in o or o.get("status", 200) != 200]
-    assert len(ok) + len(failed) == N_STREAMS, [o for o in outs if o not in ok and o not in failed]
-    assert all(o.get("error", {}).get("code", o.get("status")) in (500, 502, 503, 504) for o in failed), failed
+    ok, failed, killed, t_kill, _ = kill_under_streams(router, dead, prompts, 32, started=4, budget=60)
     assert failed, "killing the instance mid-load failed no request"
     # the survivor frees every block of the requests that ended
     _wait(lambda: metric_value(survivor, "fdx:kv_blocks_used") == 0
