@@ -10,6 +10,11 @@ bit-identical between the two kernels (the batch-invariance contract pins
 each element's float sequence, so a faster kernel must give the same bits).
 
     PYTHONPATH=. .venv/bin/python bench/bench_qgemm.py [--ref df3be2c] [--rows 1,4,32,64,512] [--rounds 5]
+
+A kernel that changes the bits on purpose (issue 27's two-level
+activations) runs with ``--bits-may-differ``.  On a loaded machine
+``--cpu-time`` times process CPU time instead of wall time (meant with
+``OMP_NUM_THREADS=1``: time slices given to other processes do not count).
 """
 
 from __future__ import annotations
@@ -108,7 +113,10 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--rounds", type=int, default=5, help="alternations; best of each side")
     ap.add_argument("--min-time", type=float, default=0.05, help="seconds per timing (repeats the call)")
+    ap.add_argument("--bits-may-differ", action="store_true", help="report differing outputs, do not fail on them")
+    ap.add_argument("--cpu-time", action="store_true", help="time process CPU time (with OMP_NUM_THREADS=1)")
     args = ap.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
 
     import paddle
 
@@ -126,10 +134,10 @@ def main() -> None:
     want = set(args.shapes.split(","))
 
     def timed(fn: Any, reps: int) -> float:
-        t = time.perf_counter()
+        t = clock()
         for _ in range(reps):
             fn()
-        return (time.perf_counter() - t) / reps
+        return (clock() - t) / reps
 
     print(f"{'shape':8s} {'K':>5s} {'N':>6s} {'M':>4s} {'old GMAC/s':>11s} {'new GMAC/s':>11s} {'new/old':>8s}  bits")
     all_same = True
@@ -155,7 +163,7 @@ def main() -> None:
             print(f"{name:8s} {K:5d} {N:6d} {M:4d} {mac / best['old']:11.1f} {mac / best['new']:11.1f} "
                   f"{best['old'] / best['new']:8.2f}  {'same' if same else 'DIFFER'}", flush=True)
     print("outputs bit-identical old vs new: " + ("yes" if all_same else "NO"))
-    if not all_same:
+    if not all_same and not args.bits_may_differ:
         sys.exit(1)
 
 

@@ -11,7 +11,9 @@ their checkout (so ``import fdx`` is theirs) and their own op build cache.
     .venv/bin/python bench/compare_model_commits.py --before-repo /tmp/fdx-before \\
         --before-dtype float32 --after-dtype int8 --rounds 3
 
-Read the ratios only: absolute figures on a shared machine drift.
+Read the ratios only: absolute figures on a shared machine drift.  On a
+loaded one, ``--cpu-time`` runs both on one thread timed in CPU time
+(bench/cpu_clock.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def run(repo: str, dtype: str, args: argparse.Namespace) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=repo, FDX_CACHE_DIR=os.path.join(args.cache_root, os.path.basename(repo.rstrip("/"))))
     cmd = [sys.executable, os.path.join(repo, "bench", "bench_model.py"), "--json", "--no-peer", "--dtype", dtype,
            "--repeats", "1", "--decode-steps", str(args.decode_steps)]
+    if args.cpu_time:  # either checkout's bench_model, timed in CPU time on one thread (bench/cpu_clock.py)
+        cmd[1:1] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_clock.py")]
     out = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{repo}: bench_model failed ({out.returncode}):\n{out.stderr[-2000:]}")
@@ -46,6 +50,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--cache-root", default="/tmp/fdx-compare-model-cache")
+    ap.add_argument("--cpu-time", action="store_true", help="one thread, process CPU time (bench/cpu_clock.py): "
+                    "for a loaded machine")
     args = ap.parse_args()
     sides = {"before": (args.before_repo, args.before_dtype), "after": (args.after_repo, args.after_dtype)}
     best: dict[str, dict[str, float]] = {"before": {}, "after": {}}

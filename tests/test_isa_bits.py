@@ -91,3 +91,30 @@ def test_int8_and_bf16_generations_are_bit_identical_with_both_sets() -> None:
         assert [r["ids"] for r in a] == [r["ids"] for r in b], (dtype, [r["text"] for r in a], [r["text"] for r in b])
         assert a == b, dtype
         assert all(len(r["ids"]) > 3 for r in a)
+
+
+#: runs a script with the AVX2 set built without AVX-VNNI (-mno-avxvnni: another
+#: build hash), so the int8 GEMM takes its vpmaddubsw path; prints the dot product
+_NO_VNNI = r"""
+import runpy, sys
+from fdx.model import native
+native.ISA_CFLAGS["avx2"] = native.ISA_CFLAGS["avx2"] + ("-mno-avxvnni",)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+sys.stdout.write("\n" + str(native.loaded_int8_dot()))
+"""
+
+
+@pytest.mark.skipif("avx_vnni" not in _FLAGS, reason="the avx2 set already runs vpmaddubsw here (no AVX-VNNI)")
+def test_the_vpmaddubsw_path_gives_the_same_bits(probes: dict[str, Any], tmp_path: Any) -> None:
+    """On a CPU with AVX-VNNI the avx2 set's int8 GEMM uses vpdpbusd too, so
+    the vpmaddubsw code of AVX2-only CPUs (Zen 3) would never run: build the
+    set without AVX-VNNI and compare every op with the avx512 set's (the
+    two-level activations' int16 pair sums must stay exact there)."""
+    path = str(tmp_path / "maddubs.npz")
+    r = _run("avx2", ["-c", _NO_VNNI, os.path.join(HERE, "isa_bits_probe.py"), path])
+    assert r.stdout.decode().strip().splitlines()[-1] == "vpmaddubsw"
+    a, b = np.load(path), probes["avx512"]
+    assert sorted(a.files) == sorted(b.files)
+    differ = [k for k in a.files if k != "isa" and a[k].tobytes() != b[k].tobytes()]
+    assert not differ, f"{len(differ)} op outputs differ between vpmaddubsw and the avx512 set: {differ[:12]}"
