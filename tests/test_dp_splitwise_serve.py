@@ -188,7 +188,8 @@ def test_sigkill_of_one_decode_instance_under_streams(dps: dict[str, Any]) -> No
     assert ok, "no stream finished on the surviving decode instance"
     print(f"after SIGKILL of {dead}: {len(ok)} streams finished, {len(failed)} ended with a 5xx, "
           f"last one {max(o['ended'] for o in outs) - t_kill:.1f}s after the kill")
-    assert not any(pid_alive(pid) for pid in killed)
+    # a SIGKILLed process can take a while to exit (unmapping a Mooncake segment on a busy machine)
+    _wait(lambda: not any(pid_alive(pid) for pid in killed), 30, f"a killed process is still alive: {killed}")
     _wait(lambda: metric_value(survivor, "fdx:kv_blocks_used") == 0, 60, "the survivor still holds KV blocks")
     # the deployment starts the dead instance again; every engine serves again, and requests do
     _wait(lambda: _healthy(dead) and _all_serving(router), 300,
