@@ -71,7 +71,7 @@ def write_tokenizer(folder: Path) -> None:
     from fdx.model.loader import load_tokenizer
 
     tok = load_tokenizer(None)
-    tok._tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer.json").write_text(tok.to_json())
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
          "add_bos_token": tok.add_bos_token}))

@@ -61,6 +61,11 @@ class ModelTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The Hugging Face ``tokenizer.json`` of this tokenizer (what llguidance
+        reads, and what a model folder carries)."""
+        return str(self._tok.to_str())
+
     def id_to_token(self, token_id: int) -> str:
         t = self._tok.id_to_token(int(token_id))
         return "" if t is None else t

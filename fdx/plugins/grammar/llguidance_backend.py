@@ -191,11 +191,11 @@ class LLGuidanceBackend(GrammarBackend):
             llg = _llg()
 
             tok = load_tokenizer(self.config.model)
-            hf = getattr(tok, "_tok", None)  # the tokenizers.Tokenizer behind fdx's ModelTokenizer
-            if hf is None:
+            to_json = getattr(tok, "to_json", None)  # the Hugging Face tokenizer behind fdx's ModelTokenizer
+            if to_json is None:
                 raise ValueError("the llguidance backend needs a Hugging Face tokenizers tokenizer")
             self._eos = tuple(sorted(tok.eos_token_ids))
-            self._tok = llg.LLTokenizer(hf.to_str(), n_vocab=self.vocab_size, eos_token=list(self._eos))
+            self._tok = llg.LLTokenizer(to_json(), n_vocab=self.vocab_size, eos_token=list(self._eos))
         return self._tok
 
     def warm(self) -> None:
