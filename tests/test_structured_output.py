@@ -118,11 +118,19 @@ def test_a_new_schema_does_not_stall_the_other_streams(server: str) -> None:
     deadline = time.monotonic() + 120
     while min(len(t) for t in times) < 8 and time.monotonic() < deadline:
         time.sleep(0.01)
+    # The probe's client exists before the clock starts: building an httpx
+    # client (its SSL context) holds this process's GIL for ~25 ms, which
+    # stalled the 8 reader threads' timestamps here, not the server's tokens
+    # (a request refused with 400, which never reaches the engine, showed
+    # the same 2.8x "gap" measured that way).
+    probe = httpx.Client(timeout=120)
+    time.sleep(0.05)
     t_schema = time.monotonic()
     schema = {"type": "object", "properties": {"stall_probe": {"type": "integer"}}, "required": ["stall_probe"]}
-    r = httpx.post(server + "/v1/completions", timeout=120, json={
-        "model": "smollm2", "prompt": "A number as JSON:", "max_tokens": 12, "temperature": 0,
-        "structured_outputs": {"json": schema}})
+    with probe:
+        r = probe.post(server + "/v1/completions", json={
+            "model": "smollm2", "prompt": "A number as JSON:", "max_tokens": 12, "temperature": 0,
+            "structured_outputs": {"json": schema}})
     for t in threads:
         t.join(timeout=120)
     assert r.status_code == 200, r.text
