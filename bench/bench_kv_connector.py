@@ -12,6 +12,12 @@ this process, talking over loopback TCP (zmq: ZMQ's I/O threads; mooncake:
 the store's transfer engine against a real ``mooncake_master``).  The pool
 gather/scatter alone is printed too, so the connector's own share shows.
 
+Each row runs twice, handoff by handoff alternating: the runners' block I/O
+as it is (float32 pool: NumPy straight over the pool's memory, one copy a
+byte) and, as the baseline, Paddle's gather/scatter path (``index_select``
+/ ``scatter_`` with the stacking and joining around them), with the ratio
+new / baseline.
+
     .venv/bin/python bench/bench_kv_connector.py [--connectors zmq,mooncake] [--repeat 5]
 """
 
@@ -49,8 +55,9 @@ def main() -> int:
     runners = [_runner(make_config(**base)) for _ in range(2)]
     bs = runners[0].block_size
     print(f"block: {bs} tokens, {runners[0].bytes_per_block} bytes; {args.repeat} handoffs per row (median)")
-    print(f"{'connector':<10} {'tokens':>6} {'blocks':>6} {'MB':>7} {'ms/handoff':>10} {'MB/s':>8} "
-          f"{'gather+scatter ms':>17}")
+    print(f"{'connector':<10} {'tokens':>6} {'blocks':>6} {'MB':>7} {'ms/handoff':>18} {'ratio':>5} {'MB/s':>6} "
+          f"{'gather+scatter ms':>18} {'ratio':>5}")
+    print(f"{'':<10} {'':>6} {'':>6} {'':>7} {'host vs paddle':>18} {'':>5} {'host':>6} {'host vs paddle':>18}")
     for name in args.connectors.split(","):
         master = None
         opts: dict = {}
@@ -65,9 +72,16 @@ def main() -> int:
             for n_tok in (int(x) for x in args.tokens.split(",")):
                 n = -(-n_tok // bs)
                 src, dst = list(range(n)), list(range(100, 100 + n))
-                times, local = [], []
+                times: dict[str, list[float]] = {"host": [], "paddle": []}
+                local: dict[str, list[float]] = {"host": [], "paddle": []}
                 nbytes = 0
-                for i in range(args.repeat + 1):
+                for i in range(2 * (args.repeat + 1)):
+                    mode = ("host", "paddle")[i % 2]
+                    for r in runners:  # the baseline: no host view, so Paddle's gather/scatter runs
+                        if mode == "paddle":
+                            r._host_pools = lambda: None
+                        else:
+                            r.__dict__.pop("_host_pools", None)
                     t0 = time.perf_counter()
                     nbytes = a.send(b.address, RequestOutput(f"r{i}", (1,)), src)
                     got = []
@@ -79,12 +93,16 @@ def main() -> int:
                     payloads = runners[0].read_kv_blocks(src)
                     runners[1].write_kv_blocks(dst, payloads)
                     t2 = time.perf_counter()
-                    if i:  # the first one warms the connection and the buffers
-                        times.append(t1 - t0)
-                        local.append(t2 - t1)
-                ms = 1000 * statistics.median(times)
-                print(f"{name:<10} {n_tok:>6} {n:>6} {nbytes / 1e6:>7.1f} {ms:>10.1f} "
-                      f"{nbytes / 1e6 / (ms / 1000):>8.0f} {1000 * statistics.median(local):>17.1f}")
+                    if i >= 2:  # the first of each warms the connection and the buffers
+                        times[mode].append(t1 - t0)
+                        local[mode].append(t2 - t1)
+                for r in runners:
+                    r.__dict__.pop("_host_pools", None)
+                ms = {m: 1000 * statistics.median(v) for m, v in times.items()}
+                lo = {m: 1000 * statistics.median(v) for m, v in local.items()}
+                print(f"{name:<10} {n_tok:>6} {n:>6} {nbytes / 1e6:>7.1f} {ms['host']:>8.1f} vs {ms['paddle']:>6.1f} "
+                      f"{ms['host'] / ms['paddle']:>5.2f} {nbytes / 1e6 / (ms['host'] / 1000):>6.0f} "
+                      f"{lo['host']:>8.1f} vs {lo['paddle']:>6.1f} {lo['host'] / lo['paddle']:>5.2f}")
         finally:
             a.close()
             b.close()

@@ -58,6 +58,15 @@ def test_kv_blocks_roundtrip_through_bytes(runner: Any) -> None:
     assert runner.bytes_per_block == 30 * 2 * 3 * 16 * 64 * 4
     runner.write_kv_blocks([40, 41], payloads)
     assert runner.read_kv_blocks([40, 41]) == payloads
+    # the host path (NumPy over the pool's own memory) and Paddle's gather/scatter agree byte for byte
+    assert runner._host_pools() is not None
+    runner._host_pools = lambda: None
+    try:
+        assert runner.read_kv_blocks([3, 9, 40]) == payloads + payloads[:1]
+        runner.write_kv_blocks([44], payloads[1:])
+    finally:
+        del runner._host_pools
+    assert runner.read_kv_blocks([44]) == payloads[1:]
     # a request whose first 32 tokens come from the imported blocks continues identically
     b = _req(runner, PROMPT, [40, 41, 42, 43])
     b.num_computed_tokens = 32

@@ -171,3 +171,9 @@ class PaddleModelRunner(TensorParallelRunner):
 
     def _block_rows(self, ids: np.ndarray) -> np.ndarray:
         return np.stack([ids, ids + self.num_kv_blocks], axis=1)[:, :, None]
+
+    def _host_pools(self) -> list[np.ndarray] | None:
+        """The float32 pool in host memory, through DLPack (no copy)."""
+        if self.caches is None or self.dtype != "float32":
+            return None
+        return [np.from_dlpack(c).reshape(2, self.num_kv_blocks, -1) for c in self.caches]

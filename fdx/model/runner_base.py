@@ -462,6 +462,14 @@ class PagedRunnerBase(ModelRunner):
             raise FdxError("KV cache is released (sleeping)")
         return self._kv_views()
 
+    def _host_pools(self) -> list[np.ndarray] | None:
+        """Per layer, the KV pool as a host NumPy array ``[2, NB, X]`` (K
+        then V; ``X`` = one block of one layer's K or V) sharing the pool's
+        memory, so block I/O copies each byte once; ``None`` where NumPy
+        cannot address the pool (device memory, bfloat16): the Paddle
+        gather/scatter path runs then."""
+        return None
+
     def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
         """Each block as bytes: layout ``[layer, K/V, kv_head, slot, head_dim]``
         in the runner dtype (bfloat16 as its bit pattern)."""
@@ -471,6 +479,9 @@ class PagedRunnerBase(ModelRunner):
         if ids.size == 0:
             return []
         views = self._views()
+        pools = self._host_pools()
+        if pools is not None:  # per block: its [L, 2, X] gathered once, then its bytes
+            return [np.concatenate([a[:, b] for a in pools]).tobytes() for b in ids.tolist()]
         idx = paddle.to_tensor(self._block_rows(ids).reshape(-1))
         per_layer = [paddle.index_select(v, idx).numpy() for v in views]  # bf16 -> uint16 bits
         arr = np.stack(per_layer).reshape(len(per_layer), ids.size, -1).transpose(1, 0, 2)  # [n, L, 2*X]
@@ -502,6 +513,13 @@ class PagedRunnerBase(ModelRunner):
             if len(p) != self.bytes_per_block:
                 raise FdxError(f"KV payload has {len(p)} bytes, expected {self.bytes_per_block}")
         views = self._views()
+        pools = self._host_pools()
+        if pools is not None:  # straight from each payload into its slots: one copy, no joined buffer
+            blocks = [np.frombuffer(p, dtype=pools[0].dtype).reshape(len(pools), 2, -1) for p in payloads]
+            for layer, a in enumerate(pools):
+                for b, blk in zip(ids.tolist(), blocks):
+                    a[:, b] = blk[layer]
+            return
         raw = b"".join(payloads)
         if self.dtype == "bfloat16":  # numpy has no bfloat16: go through exact float32
             arr = bf16_bits_to_f32(np.frombuffer(raw, dtype=np.uint16))
