@@ -179,7 +179,11 @@ class OutputProcessor:
             return self._end(state, out, "", lps, RequestFailure(DETOKENIZE_FAILED, 500), abort=not finished)
         if delta.stopped:
             state.finish_reason = "stop"
-            return OutputEvent(state.index, delta.text, out.new_token_ids, lps, "stop", None, not finished)
+            ids, kept = out.new_token_ids, delta.tokens
+            if kept is not None and kept < len(ids):  # the tokens after the stop string's are not output
+                state.num_output_tokens -= len(ids) - kept
+                ids, lps = ids[:kept], lps[:kept]
+            return OutputEvent(state.index, delta.text, ids, lps, "stop", None, not finished)
         state.finish_reason = reason
         return OutputEvent(state.index, delta.text, out.new_token_ids, lps, reason)
 

@@ -43,6 +43,27 @@ def test_stop_string_ends_the_choice_and_asks_for_an_abort(outputs: OutputProces
     assert st.finished and outputs.process(st, outs(ids)[-1]) is None  # stale outputs are dropped
 
 
+def test_tokens_after_the_stop_string_in_the_same_output_are_not_reported(outputs: OutputProcessor,
+                                                                           tokenizer: Any) -> None:
+    """Several tokens in one output (speculative decoding): the stop string
+    completes at one of them; the ids, logprobs and usage stop there too."""
+    ids = tokenizer.encode("Hello world. STOP and more text after it")
+    stop_at = next(k for k in range(len(ids)) if "STOP" in tokenizer.decode(ids[: k + 1]))
+    assert 0 < stop_at < len(ids) - 2
+    lps = tuple(TokenLogprob(t, -0.5, ()) for t in ids)
+    one = outputs.open("r", 0, 0, [1, 2, 3], SamplingParams(stop=("STOP",)))
+    want = "".join(e.text for o in outs(ids) if (e := outputs.process(one, o)) is not None)
+    for first in (1, stop_at):  # the stop inside the second output, and at the first id of the second
+        st = outputs.open("r", 0, 0, [1, 2, 3], SamplingParams(stop=("STOP",)))
+        a = outputs.process(st, RequestOutput("r", tuple(ids[:first]), None, 3, 0, first, lps[:first]))
+        b = outputs.process(st, RequestOutput("r", tuple(ids[first:]), None, 3, 0, len(ids), lps[first:]))
+        assert a is not None and b is not None and a.finish_reason is None
+        assert b.finish_reason == "stop" and b.abort_in_engine and a.text + b.text == want == "Hello world. "
+        assert a.token_ids + b.token_ids == tuple(ids[: stop_at + 1])
+        assert a.logprobs + b.logprobs == lps[: stop_at + 1]
+        assert st.num_output_tokens == stop_at + 1
+
+
 def test_length_finish_keeps_tokens_logprobs_and_counts(outputs: OutputProcessor, tokenizer: Any) -> None:
     text = "The quick brown fox jumps over the lazy dog"
     ids = tokenizer.encode(text)

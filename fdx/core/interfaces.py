@@ -374,10 +374,14 @@ class Tokenizer(Protocol):
 class TextDelta:
     """Text produced by :meth:`TokenStream.feed`.  ``stopped`` is True when a
     stop string matched: ``text`` is then cut before it and the request must
-    end with finish reason ``stop``."""
+    end with finish reason ``stop``; ``tokens`` then counts the fed ids up
+    to the one that completed the stop string (``None``: all of them), so
+    the ids after it (several tokens in one output: speculative decoding)
+    are not reported."""
 
     text: str
     stopped: bool = False
+    tokens: int | None = None
 
 
 class TokenStream(abc.ABC):

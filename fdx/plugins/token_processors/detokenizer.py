@@ -126,6 +126,17 @@ class _Stream(TokenStream):
             and self._num_output >= self.params.min_tokens
         ):
             ids.pop()  # the terminating stop token's text is not output (vLLM)
+        if len(ids) > 1 and self._stop.stops:  # several tokens: find the one that completes a stop string
+            parts = []
+            for k, t in enumerate(ids):
+                last = finished and k == len(ids) - 1
+                out, stopped = self._stop.push(self._decode([t], last), final=last)
+                parts.append(out)
+                if stopped:
+                    self._done = True
+                    return TextDelta("".join(parts), True, k + 1)
+            self._done = finished
+            return TextDelta("".join(parts), False)
         text = self._decode(ids, finished)
         out, stopped = self._stop.push(text, final=finished)
         if stopped or finished:
