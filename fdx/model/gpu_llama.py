@@ -41,6 +41,10 @@ sums), and rank 0 gathers the ranks' logit columns before the device
 sampler (the others return ``None``).  The all-reduce and the gather are
 ``comm``'s: Paddle's nccl on GPUs, gloo on the CPU place.
 
+LongRoPE past its original context (Phi-3): each row's cos/sin come from
+the short or the long factors' rows, as its sequence's
+:attr:`fdx.model.runner_base.StepLayout.long_rope` says (the CPU model's rule).
+
 Gemma (``ModelArgs.gemma_fields``) adds, as the CPU model does: the
 embedding scale (in the weights' dtype, as transformers), the sandwich
 norms, GeGLU, the windowed layers' own rope tables (Gemma 3) and the final
@@ -59,7 +63,7 @@ import attrs
 import numpy as np
 
 from fdx.core.errors import ModelLoadError
-from fdx.model.arch import ModelArgs, rope_angles
+from fdx.model.arch import ModelArgs, long_rope_after, rope_angles
 from fdx.model.fused_kernels import Kernels
 from fdx.model.decoder import decoder_forward
 from fdx.model.llama import check_layer, check_shape, qkv_bias
@@ -122,11 +126,12 @@ class GPULayer:
     post_ffn_norm: Any | None = None
 
 
-def rope_tables(args: ModelArgs, max_pos: int, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(args: ModelArgs, max_pos: int, local: bool = False,
+                long: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``([cos, cos], [sin, sin])`` rows ``[max_pos, head_dim]`` (float32), rope
     scaling applied (:func:`fdx.model.arch.rope_angles`, as the CPU model;
-    ``local``: the windowed layers' base)."""
-    ang = rope_angles(args, max_pos, local)
+    ``local``: the windowed layers' base; ``long``: LongRoPE's long factors)."""
+    ang = rope_angles(args, max_pos, local, long)
     cos, sin = np.cos(ang), np.sin(ang)
     return (np.concatenate([cos, cos], axis=1).astype(np.float32),
             np.concatenate([sin, sin], axis=1).astype(np.float32))
@@ -150,6 +155,13 @@ class GPULlama:
         self.max_pos = max_pos
         self.scale = args.attn_scale if args.attn_scale is not None else 1.0 / math.sqrt(args.head_dim)
         cos, sin = rope_tables(args, max_pos)
+        #: LongRoPE past its original context: the tables hold the short then the
+        #: long factors' rows (``[2 * max_pos, head_dim]``), a row's index is
+        #: ``position + max_pos * long`` (:attr:`fdx.model.runner_base.StepLayout.long_rope`)
+        self.long_rope = long_rope_after(args, max_pos) is not None
+        if self.long_rope:
+            lc, ls = rope_tables(args, max_pos, long=True)
+            cos, sin = np.concatenate([cos, lc]), np.concatenate([sin, ls])
         self.cos = paddle.to_tensor(cos).astype(dtype)
         self.sin = paddle.to_tensor(sin).astype(dtype)
         self.cos_local = self.sin_local = None
