@@ -232,7 +232,7 @@ def test_sliding_window_shorter_than_the_context(tmp_path: Path) -> None:
 
 def test_phi3_longrope_beyond_the_original_context_is_refused_where_fdx_would_serve_it_wrong(tmp_path: Path) -> None:
     """Past original_max_position_embeddings (512 here) a sequence takes the
-    long factors; the cpu runner serves that (phi3_long's tests), but not
+    long factors; both runners serve that (phi3_long's tests), but not
     with the prefix cache on (a cached block cannot tell which factors its KV
     has), nor with speculative drafts (a draft crossing it would be verified
     with one factor set), nor on a runner without per-row rope factors: each
@@ -242,12 +242,16 @@ def test_phi3_longrope_beyond_the_original_context_is_refused_where_fdx_would_se
     from fdx.model.runner import PaddleModelRunner
     from fdx.plugins.hardware.cpu import CPUDevice
 
+    class NoLongRope(PaddleModelRunner):
+        honours_long_rope = False
+
     folder = str(copy_with_config(tmp_path, "phi3", sliding_window=None))
     cases = [(PaddleModelRunner, 513, {}, "--no-enable-prefix-caching"),
              (PaddleModelRunner, None, {}, "--no-enable-prefix-caching"),  # None: max_position_embeddings (2048)
              (PaddleModelRunner, 513, dict(enable_prefix_caching=False, speculative="ngram", scheduler="v1"),
               "--speculative"),
-             (GPUModelRunner, 513, dict(enable_prefix_caching=False), "not implemented by this runner")]
+             (NoLongRope, 513, dict(enable_prefix_caching=False), "not implemented by this runner"),
+             (GPUModelRunner, 513, {}, "--no-enable-prefix-caching")]
     for cls, max_len, extra, why in cases:
         with pytest.raises(ModelLoadError) as ei:
             cls(make_config(model=folder, num_kv_blocks=8, max_model_len=max_len, **extra), CPUDevice())
@@ -293,6 +297,21 @@ def test_phi3_longrope_past_the_original_context_matches_transformers(tmp_path: 
         **cfg["rope_parameters"], "long_factor": cfg["rope_parameters"]["short_factor"]})
     agree, worst = golden_gap(long_runner("float32", short), "phi3_long")
     assert worst > 0.05, f"the long factors changed nothing ({worst:.2e})"
+
+
+def test_gpu_runner_on_the_cpu_place_longrope_past_the_original_context_matches_transformers() -> None:
+    """The gpu runner takes each row's factor set too (its rope tables hold the
+    short then the long rows): phi3_long's goldens, teacher-forced in float32
+    on the CPU place, the same top-1 everywhere and logprobs within 1e-3."""
+    from fdx.config import make_config
+    from fdx.model.gpu_runner import GPUModelRunner
+    from fdx.plugins.hardware.cpu import CPUDevice
+
+    runner = GPUModelRunner(make_config(model=str(DATA / "phi3_long"), num_kv_blocks=64, block_size=4,
+                                        max_model_len=128, dtype="float32", enable_prefix_caching=False), CPUDevice())
+    assert runner.long_rope_after == 32 and runner.model.long_rope
+    agree, worst = golden_gap(runner, "phi3_long")
+    assert agree == 1.0 and worst < 1e-3, f"top-1 {agree:.3f}, logprobs differ by {worst:.2e}"
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])

@@ -1,6 +1,8 @@
-"""The Llama-family forward of the GPU runner (every architecture of
-:mod:`fdx.model.arch`: the same recipe fields as the CPU model): half-precision weights and
-KV, Paddle's fused kernels where the device has them, plain Paddle elsewhere.
+"""The GPU runner's model of the Llama family (every architecture of
+:mod:`fdx.model.arch`): half-precision weights and KV, and its kernels
+(:class:`GPUKernels`: Paddle's fused kernels where the device has them, plain
+Paddle elsewhere) for the shared recipe, :func:`fdx.model.decoder.decoder_forward`,
+which the CPU model runs with its own kernels.
 
 Weights live on the device in the runner's dtype (bfloat16, float16, or
 float32 for the CPU-place fallback).  GGUF quantized tensors are dequantized
@@ -9,7 +11,7 @@ blocks the CPU runner keeps for its C++ GEMV are never uploaded (no kernel
 here reads them).
 
 One :meth:`GPULlama.forward` runs every token of a step (flattened to ``T``
-rows), per layer: RMSNorm(+residual) -> one q/k/v matmul -> RoPE -> KV write
+rows) through the recipe, per layer: RMSNorm(+residual) -> one q/k/v matmul -> RoPE -> KV write
 -> paged attention -> o matmul -> RMSNorm(+residual) -> one gate/up matmul ->
 SwiGLU -> down matmul.  RMSNorm, RoPE and SwiGLU are the fused or plain ops
 chosen by :func:`fdx.model.fused_kernels.probe_kernels`.
@@ -39,6 +41,10 @@ sums), and rank 0 gathers the ranks' logit columns before the device
 sampler (the others return ``None``).  The all-reduce and the gather are
 ``comm``'s: Paddle's nccl on GPUs, gloo on the CPU place.
 
+LongRoPE past its original context (Phi-3): each row's cos/sin come from
+the short or the long factors' rows, as its sequence's
+:attr:`fdx.model.runner_base.StepLayout.long_rope` says (the CPU model's rule).
+
 Gemma (``ModelArgs.gemma_fields``) adds, as the CPU model does: the
 embedding scale (in the weights' dtype, as transformers), the sandwich
 norms, GeGLU, the windowed layers' own rope tables (Gemma 3) and the final
@@ -57,9 +63,10 @@ import attrs
 import numpy as np
 
 from fdx.core.errors import ModelLoadError
-from fdx.model.arch import ModelArgs, rope_angles
+from fdx.model.arch import ModelArgs, long_rope_after, rope_angles
 from fdx.model.fused_kernels import Kernels
-from fdx.model.llama import check_layer, check_shape, geglu, qkv_bias
+from fdx.model.decoder import decoder_forward
+from fdx.model.llama import check_layer, check_shape, qkv_bias
 from fdx.model.moe import MoeBlock, build_moe
 
 
@@ -119,11 +126,12 @@ class GPULayer:
     post_ffn_norm: Any | None = None
 
 
-def rope_tables(args: ModelArgs, max_pos: int, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(args: ModelArgs, max_pos: int, local: bool = False,
+                long: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``([cos, cos], [sin, sin])`` rows ``[max_pos, head_dim]`` (float32), rope
     scaling applied (:func:`fdx.model.arch.rope_angles`, as the CPU model;
-    ``local``: the windowed layers' base)."""
-    ang = rope_angles(args, max_pos, local)
+    ``local``: the windowed layers' base; ``long``: LongRoPE's long factors)."""
+    ang = rope_angles(args, max_pos, local, long)
     cos, sin = np.cos(ang), np.sin(ang)
     return (np.concatenate([cos, cos], axis=1).astype(np.float32),
             np.concatenate([sin, sin], axis=1).astype(np.float32))
@@ -147,6 +155,13 @@ class GPULlama:
         self.max_pos = max_pos
         self.scale = args.attn_scale if args.attn_scale is not None else 1.0 / math.sqrt(args.head_dim)
         cos, sin = rope_tables(args, max_pos)
+        #: LongRoPE past its original context: the tables hold the short then the
+        #: long factors' rows (``[2 * max_pos, head_dim]``), a row's index is
+        #: ``position + max_pos * long`` (:attr:`fdx.model.runner_base.StepLayout.long_rope`)
+        self.long_rope = long_rope_after(args, max_pos) is not None
+        if self.long_rope:
+            lc, ls = rope_tables(args, max_pos, long=True)
+            cos, sin = np.concatenate([cos, lc]), np.concatenate([sin, ls])
         self.cos = paddle.to_tensor(cos).astype(dtype)
         self.sin = paddle.to_tensor(sin).astype(dtype)
         self.cos_local = self.sin_local = None
@@ -252,74 +267,9 @@ class GPULlama:
     # ------------------------------------------------------------------ forward
 
     def forward(self, step: GPUStep, caches: Sequence[Any]) -> Any | None:
-        """Run the step; return float32 logits ``[len(sample_rows), V]`` (or None)."""
-        import paddle
-        import paddle.nn.functional as F
-
-        a, k = self.args, self.kernels
-        eps = a.rms_eps
-        H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
-        T = step.num_tokens
-        comm = self.comm
-        if comm is None:
-            x = F.embedding(step.ids, self.embed)
-        else:  # vocab-parallel: the rows of this rank's ids, zeros elsewhere; the sum completes them
-            local = step.ids - self.vocab_start
-            mine = paddle.logical_and(local >= 0, local < a.vocab_size)
-            x = F.embedding(paddle.where(mine, local, paddle.zeros_like(local)), self.embed)
-            x = comm.all_reduce(x * mine.astype(x.dtype).unsqueeze(1))
-        if a.embed_scale is not None:  # Gemma: sqrt(hidden_size) in the weights' dtype, as transformers
-            x = x * paddle.to_tensor(a.embed_scale, dtype="float32").astype(x.dtype)
-        mlp = k.swiglu if a.mlp_act == "silu" else geglu
-        residual = None
-        windows = self.layer_windows or (0,) * len(self.layers)  # each layer's sliding window (0: global)
-        for layer, cache, window in zip(self.layers, caches, windows):
-            h, residual = k.rms_norm(x, layer.attn_norm, eps, residual)
-            qkv = paddle.matmul(h, layer.w_qkv)
-            if layer.b_qkv is not None:
-                qkv = qkv + layer.b_qkv
-            q, kk, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)
-            if layer.q_norm is not None:  # per-head q/k RMSNorm, before RoPE (Qwen3)
-                q = k.rms_norm(q.reshape([T * H, D]), layer.q_norm, eps)[0]
-                kk = k.rms_norm(kk.reshape([T * KV, D]), layer.k_norm, eps)[0]
-            cos, sin = (step.cos_local, step.sin_local) if window and step.cos_local is not None else (step.cos, step.sin)
-            q, kk = k.rope(q.reshape([T, H, D]), kk.reshape([T, KV, D]), cos, sin)
-            v = v.reshape([T, KV, D])
-            half = int(cache.shape[0]) // 2
-            paddle.scatter_(cache, step.write_rows, kk.reshape([T * KV, D]), overwrite=True)
-            paddle.scatter_(cache, step.write_rows + half, v.reshape([T * KV, D]), overwrite=True)
-            o = self._attention(step, q, cache, half, window)
-            x = paddle.matmul(o, layer.w_o)
-            if comm is not None:  # row-parallel o: sum the ranks' partial products
-                x = comm.all_reduce(x)
-            if layer.post_attn_norm is not None:
-                x = k.rms_norm(x, layer.post_attn_norm, eps)[0]
-            h, residual = k.rms_norm(x, layer.ffn_norm, eps, residual)
-            if layer.moe is not None:
-                x = layer.moe(h, mlp, None)
-            else:
-                x = paddle.matmul(mlp(paddle.matmul(h, layer.w_gate_up)), layer.w_down)
-            if comm is not None:  # row-parallel down, or each rank's slice of every expert
-                x = comm.all_reduce(x)
-            if layer.post_ffn_norm is not None:
-                x = k.rms_norm(x, layer.post_ffn_norm, eps)[0]
-        if step.sample_rows is None:
-            return None
-        if int(step.sample_rows.shape[0]) != T:
-            x = paddle.index_select(x, step.sample_rows)
-            residual = paddle.index_select(residual, step.sample_rows)
-        h, _ = k.rms_norm(x, self.final_norm, eps, residual)
-        if self.lm_head is not None:
-            logits = paddle.matmul(h, self.lm_head)
-        else:
-            logits = paddle.matmul(h, self.embed, transpose_y=True)
-        logits = logits if logits.dtype == paddle.float32 else logits.astype("float32")
-        if a.final_softcap is not None:  # element-wise: per vocabulary shard too
-            logits = paddle.tanh(logits / a.final_softcap) * a.final_softcap
-        if comm is None:
-            return logits
-        full = comm.gather(logits)  # vocab-parallel: rank 0 gets every rank's columns (float32)
-        return full[:, : self.full_vocab] if full is not None else None
+        """Run the step (:func:`fdx.model.decoder.decoder_forward` with this
+        model's :class:`GPUKernels`); return float32 logits ``[len(sample_rows), V]`` (or None)."""
+        return decoder_forward(self, GPUKernels(self, step), step.ids, step.sample_rows, caches)
 
     def _attention(self, step: GPUStep, q: Any, cache: Any, half: int, window: int = 0) -> Any:
         """``[T, H*D]`` attention output of every token row."""
@@ -374,6 +324,56 @@ class GPULlama:
         o = paddle.matmul(p, vv)  # [S, KV, qmax*G, D]
         o = o.reshape([S, KV, qmax, G, D]).transpose([0, 2, 1, 3, 4]).reshape([S * qmax, H * D])
         return paddle.index_select(o, g.valid)
+
+
+class GPUKernels:
+    """The GPU runner's kernels of one step (:class:`fdx.model.decoder.DecoderKernels`):
+    the RMSNorm, RoPE and SwiGLU :func:`fdx.model.fused_kernels.probe_kernels`
+    chose (fused or plain), Paddle's matmul over the weights in the runner's
+    dtype, and the attention of :meth:`GPULlama._attention` over the flat
+    paged cache (K/V scattered to their rows first)."""
+
+    moe_gemm = None  # a MoeBlock's float path (plain Paddle, any place)
+
+    def __init__(self, model: GPULlama, step: GPUStep) -> None:
+        self.model, self.step = model, step
+        self.kernels, self.eps = model.kernels, model.args.rms_eps
+        self.swiglu = model.kernels.swiglu
+        self.windows = model.layer_windows
+
+    def rms_norm(self, x: Any, residual: Any | None, w: Any) -> tuple[Any, Any]:
+        return self.kernels.rms_norm(x, w, self.eps, residual)
+
+    def linear(self, h: Any, layer: GPULayer, which: str) -> Any:
+        import paddle
+
+        return paddle.matmul(h, getattr(layer, "w_" + which))
+
+    def attention(self, qkv: Any, cache: Any, layer: GPULayer, i: int) -> Any:
+        import paddle
+
+        m, step = self.model, self.step
+        H, KV, D = m.args.num_heads, m.args.num_kv_heads, m.args.head_dim
+        T = step.num_tokens
+        window = self.windows[i] if self.windows else 0
+        q, k, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)
+        cos, sin = (step.cos_local, step.sin_local) if window and step.cos_local is not None else (step.cos, step.sin)
+        q, k = self.kernels.rope(q.reshape([T, H, D]), k.reshape([T, KV, D]), cos, sin)
+        half = int(cache.shape[0]) // 2
+        paddle.scatter_(cache, step.write_rows, k.reshape([T * KV, D]), overwrite=True)
+        paddle.scatter_(cache, step.write_rows + half, v.reshape([T * KV, D]), overwrite=True)
+        return m._attention(step, q, cache, half, window)
+
+    def lm_head(self, h: Any) -> Any:
+        import paddle
+
+        m = self.model
+        if m.lm_head is not None:
+            return paddle.matmul(h, m.lm_head)
+        return paddle.matmul(h, m.embed, transpose_y=True)
+
+    def fused_stack(self, x: Any, caches: Sequence[Any]) -> None:
+        return None
 
 
 # --------------------------------------------------------------------------

@@ -129,6 +129,8 @@ class GPUModelRunner(TensorParallelRunner):
 
     #: a sliding window shorter than the context: plain attention groups with a window mask
     honours_sliding_window = True
+    #: GPULlama picks each row's LongRoPE table rows (StepLayout.long_rope)
+    honours_long_rope = True
 
     def __init__(self, config: EngineConfig, device: Device, link: RankLink | None = None,
                  on_layer: Callable[[], None] | None = None) -> None:
@@ -236,10 +238,11 @@ class GPUModelRunner(TensorParallelRunner):
                 up["window_masks"] = {w: t(v) for w, v in up["window_masks"].items()}
             groups.append(AttnGroup(**up))
         pos_t = t(pos)
+        rope_t = pos_t if layout.long_rope is None or not m.long_rope else t(pos + m.max_pos * layout.long_rope)
         step = GPUStep(
             ids=t(np.asarray(layout.ids, dtype=np.int64)),
-            cos=paddle.index_select(self.model.cos, pos_t).unsqueeze(1),
-            sin=paddle.index_select(self.model.sin, pos_t).unsqueeze(1),
+            cos=paddle.index_select(m.cos, rope_t).unsqueeze(1),
+            sin=paddle.index_select(m.sin, rope_t).unsqueeze(1),
             write_rows=t(write_rows),
             groups=groups,
             sample_rows=t(rows) if len(rows) else None,

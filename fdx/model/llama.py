@@ -1,9 +1,10 @@
-"""The Llama-family decoder forward pass (Llama, Qwen2, Qwen3, Mistral...: the
-architectures of :mod:`fdx.model.arch`) in eager Paddle over a paged KV cache.
-
-One :meth:`LlamaModel.forward` runs every token of a step (prefill chunks
-and decode tokens of many sequences, flattened to ``T`` rows) through all
-layers with a fixed, small number of ops per layer:
+"""The CPU runner's model of the Llama family (Llama, Qwen2, Qwen3, Mistral...:
+the architectures of :mod:`fdx.model.arch`): its weights and its kernels,
+:class:`CPUKernels`, over a paged KV cache.  What a layer computes is not
+here: :meth:`LlamaModel.forward` runs the shared recipe,
+:func:`fdx.model.decoder.decoder_forward`, with this model's kernels (the GPU
+runner's model runs the same recipe with its own), a fixed, small number of
+ops per layer:
 
 ``fused_rms_norm`` (+residual) -> one q/k/v matmul -> attention -> o matmul
 -> ``fused_rms_norm`` (+residual) -> one gate/up matmul -> ``swiglu`` -> down
@@ -14,8 +15,8 @@ C++ op ``fdx_decoder_layers`` (fdx/csrc/decoder_layers.cc), which runs those
 same kernels in the same order (bit-identical, without ~8 op dispatches a
 layer); :attr:`LlamaModel.fused_layers` ``= False`` keeps the per-layer ops.
 A model with per-head q/k RMSNorm (``ModelArgs.qk_norm``, Qwen3) always
-takes the per-layer path: the norm runs between the q/k/v matmul and the
-attention op (which applies RoPE), with the same row-wise RMSNorm op.
+takes the per-layer path: the recipe's norm runs between the q/k/v matmul and
+the attention op (which applies RoPE), with the same row-wise RMSNorm op.
 So does a mixture of experts (``ModelArgs.num_experts``, Qwen3-MoE,
 Mixtral): the layer's MLP is a :class:`fdx.model.moe.MoeBlock` (one
 ``fdx_moe`` call: router, tokens grouped by expert, one GEMM pair per
@@ -76,6 +77,7 @@ from paddle.incubate.nn.functional import fused_rms_norm
 
 from fdx.core.errors import FdxError, ModelLoadError
 from fdx.model.arch import ModelArgs, long_rope_after, rope_angles
+from fdx.model.decoder import decoder_forward
 from fdx.model.loader import Checkpoint, LayerWeights
 from fdx.model.moe import MoeBlock, build_moe
 from fdx.model.packed_weights import PackedWeight, pack_bf16, pack_float, pack_gguf
@@ -200,13 +202,6 @@ def qkv_bias(lw: LayerWeights, a: ModelArgs) -> np.ndarray | None:
         lw.bk if lw.bk is not None else zeros(a.kv_size, np.float32),
         lw.bv if lw.bv is not None else zeros(a.kv_size, np.float32),
     ]).astype(np.float32)
-
-
-def geglu(gate_up: paddle.Tensor) -> paddle.Tensor:
-    """``gelu_tanh(gate) * up`` of a ``[T, 2F]`` gate|up product (Gemma's MLP;
-    element-wise, so row by row as SwiGLU)."""
-    gate, up = paddle.split(gate_up, 2, axis=-1)
-    return F.gelu(gate, approximate=True) * up
 
 
 def _to_paddle(p: PackedWeight) -> PackedWeight:
@@ -441,129 +436,9 @@ class LlamaModel:
     # ------------------------------------------------------------------ forward
 
     def forward(self, step: StepInputs, caches: list[paddle.Tensor]) -> paddle.Tensor | None:
-        """Run the step; return logits ``[len(sample_rows), V]`` (or None)."""
-        a = self.args
-        eps = a.rms_eps
-        attend: Callable[[paddle.Tensor, paddle.Tensor, Layer], paddle.Tensor]
-        if self.ops is not None and not self.paddle_attention:
-            op = self.ops.fdx_paged_attention
-            H, KV = a.num_heads, a.num_kv_heads
-            bs = int(caches[0].shape[3])
-            meta, tables, rope, scale = step.meta, step.tables, self.rope, self.scale
-            rope_l = self._rope_local if a.rope_local_theta is not None else rope  # Gemma 3's windowed layers
-
-            def attend(qkv: paddle.Tensor, cache: paddle.Tensor, layer: Layer) -> paddle.Tensor:
-                return op(qkv, cache, rope_l if layer.window else rope, meta, tables, H, KV, bs, scale, layer.window)
-        else:
-            attend = self._fallback_attention(step, int(caches[0].shape[3]))
-
-        T = int(step.ids.shape[0])
-        packed = self.mode in PACKED_MODES
-        if packed and self.ops is None:
-            raise FdxError(f"{self.mode} compute needs fdx's native CPU ops, which are not loaded")
-        qgemv = self.ops.fdx_qgemv if self.ops is not None and T <= self.quant_max_rows else None
-        qgemm = self.ops.fdx_qgemm if packed else None
-        fgemm = self.fgemm
-
-        def linear(h: paddle.Tensor, w: paddle.Tensor | None, q: tuple[paddle.Tensor, int] | None,
-                   p: PackedWeight | None) -> paddle.Tensor:
-            if qgemm is not None:
-                assert p is not None
-                return qgemm(h, p.data, p.kind, p.n_out)
-            if fgemm is not None:
-                return fgemm(h, w)
-            if q is not None and qgemv is not None:
-                return qgemv(h, q[0], q[1])
-            return paddle.matmul(h, w)
-
-        if self.ops is not None:
-            add_norm_op, swiglu = self.ops.fdx_add_rms_norm, self.ops.fdx_swiglu
-
-            def add_norm(x: paddle.Tensor, res: paddle.Tensor | None, w: paddle.Tensor) -> Any:
-                return add_norm_op(x, self._no_residual if res is None else res, w, eps)
-        elif self.fused_norm:
-            swiglu = F.swiglu
-
-            def add_norm(x: paddle.Tensor, res: paddle.Tensor | None, w: paddle.Tensor) -> Any:
-                if res is None:
-                    return fused_rms_norm(x, w, None, eps, 1)[0], x
-                return fused_rms_norm(x, w, None, eps, 1, residual=res)
-        else:  # Paddle's CPU fused_rms_norm is AVX-512 only (SIGILL elsewhere)
-            swiglu = F.swiglu
-
-            def add_norm(x: paddle.Tensor, res: paddle.Tensor | None, w: paddle.Tensor) -> Any:
-                if res is not None:
-                    x = x + res
-                return x * paddle.rsqrt(paddle.mean(x * x, axis=-1, keepdim=True) + eps) * w, x
-
-        if a.mlp_act == "gelu_tanh":  # Gemma: in place of SwiGLU
-            swiglu = geglu
-
-        H, KV, D = a.num_heads, a.num_kv_heads, a.head_dim
-
-        def qk_norm(qkv: paddle.Tensor, layer: Layer) -> paddle.Tensor:
-            """Per-head RMSNorm of q and k (before the attention op's RoPE); v as is."""
-            q, k, v = paddle.split(qkv, [H * D, KV * D, KV * D], axis=-1)
-            q = add_norm(q.reshape([T * H, D]), None, layer.q_norm)[0].reshape([T, H * D])
-            k = add_norm(k.reshape([T * KV, D]), None, layer.k_norm)[0].reshape([T, KV * D])
-            return paddle.concat([q, k, v], axis=-1)
-
-        long_rope = self._long_rope_fn(step, T) if self.long_rope else None
-        comm = self.comm
-        if comm is None:
-            x = F.embedding(step.ids, self.embed)
-        else:  # vocab-parallel: the rows of this rank's ids, zeros elsewhere; the sum completes them
-            local = step.ids - self.vocab_start
-            mine = paddle.logical_and(local >= 0, local < self.args.vocab_size)
-            x = F.embedding(paddle.where(mine, local, paddle.zeros_like(local)), self.embed)
-            x = comm.all_reduce(x * mine.astype("float32").unsqueeze(1))
-        if a.embed_scale is not None:  # Gemma: sqrt(hidden_size), in float32 as transformers
-            x = x * a.embed_scale
-        residual = None
-        if packed and self.fused_layers:  # every layer in one op call: the same kernels, the same bits
-            an, wq, bq, wo, fn, wgu, wd, kinds, windows = self._layer_stack()
-            x, residual = self.ops.fdx_decoder_layers(
-                x, self.rope, step.meta, step.tables, an, wq, bq, wo, fn, wgu, wd, list(caches), kinds,
-                a.num_heads, eps, self.scale, comm.handle if comm is not None else 0, windows)
-        else:
-            for layer, cache in zip(self.layers, caches):
-                h, residual = add_norm(x, residual, layer.attn_norm)
-                qkv = linear(h, layer.w_qkv, layer.q_qkv, layer.p_qkv)
-                if layer.b_qkv is not None:
-                    qkv = qkv + layer.b_qkv
-                if layer.q_norm is not None:
-                    qkv = qk_norm(qkv, layer)
-                if long_rope is not None:
-                    qkv = long_rope(qkv)
-                x = linear(attend(qkv, cache, layer), layer.w_o, layer.q_o, layer.p_o)
-                if comm is not None:  # row-parallel o: sum the ranks' partial products
-                    x = comm.all_reduce(x)
-                if layer.post_attn_norm is not None:  # Gemma's sandwich norm, before the residual
-                    x = add_norm(x, None, layer.post_attn_norm)[0]
-                h, residual = add_norm(x, residual, layer.ffn_norm)
-                if layer.moe is not None:
-                    x = layer.moe(h, swiglu, qgemm)
-                else:
-                    x = linear(swiglu(linear(h, layer.w_gate_up, layer.q_gate_up, layer.p_gate_up)), layer.w_down,
-                               layer.q_down, layer.p_down)
-                if comm is not None:  # row-parallel down, or the ranks' experts (expert parallelism)
-                    x = comm.all_reduce(x)
-                if layer.post_ffn_norm is not None:
-                    x = add_norm(x, None, layer.post_ffn_norm)[0]
-        if step.sample_rows is None:
-            return None
-        R = int(step.sample_rows.shape[0])
-        if R != T:
-            x = paddle.index_select(x, step.sample_rows)
-            residual = paddle.index_select(residual, step.sample_rows)
-        h, _ = add_norm(x, residual, self.final_norm)
-        logits = self._lm_head(h, R, qgemm)
-        if a.final_softcap is not None:  # Gemma: element-wise, so per vocab shard too
-            logits = paddle.tanh(logits / a.final_softcap) * a.final_softcap
-        if comm is None:
-            return logits
-        full = comm.gather(logits)  # vocab-parallel: rank 0 gets every rank's columns
-        return full[:, : self.full_vocab] if full is not None else None
+        """Run the step (:func:`fdx.model.decoder.decoder_forward` with this
+        model's :class:`CPUKernels`); return logits ``[len(sample_rows), V]`` (or None)."""
+        return decoder_forward(self, CPUKernels(self, step, caches), step.ids, step.sample_rows, caches)
 
     def _long_rope_fn(self, step: StepInputs, T: int) -> Callable[[paddle.Tensor], paddle.Tensor]:
         """LongRoPE past the original context: q and k of each row rotated by
@@ -678,3 +553,97 @@ class LlamaModel:
             return paddle.index_select(o, fb["valid_idx"])
 
         return attend
+
+
+#: each matmul's float32 weight, GGUF block copy and packed weight on a :class:`Layer`
+_LINEAR = {w: (f"w_{w}", f"q_{w}", f"p_{w}") for w in ("qkv", "o", "gate_up", "down")}
+
+
+class CPUKernels:
+    """The CPU model's kernels of one step (:class:`fdx.model.decoder.DecoderKernels`):
+    the native C++ ops where loaded (``fdx_add_rms_norm``, ``fdx_swiglu``,
+    ``fdx_paged_attention``; ``fdx_qgemm`` over the packed weights in the
+    int8/bfloat16 modes, ``fdx_qgemv`` over the GGUF blocks for few-row
+    float32 steps, ``fdx_fgemm`` for a float32 mixture of experts), else
+    Paddle's; the pure-Paddle attention for Gemma 2's soft-caps; and the
+    whole layer stack in one ``fdx_decoder_layers`` call where the model
+    allows it (:attr:`LlamaModel.fused_layers`)."""
+
+    def __init__(self, model: LlamaModel, step: StepInputs, caches: list[paddle.Tensor]) -> None:
+        a = model.args
+        ops = model.ops
+        self.model, self.step = model, step
+        eps = a.rms_eps
+        bs = int(caches[0].shape[3])
+        attend: Callable[[paddle.Tensor, paddle.Tensor, Layer], paddle.Tensor]
+        if ops is not None and not model.paddle_attention:
+            op = ops.fdx_paged_attention
+            H, KV = a.num_heads, a.num_kv_heads
+            meta, tables, rope, scale = step.meta, step.tables, model.rope, model.scale
+            rope_l = model._rope_local if a.rope_local_theta is not None else rope  # Gemma 3's windowed layers
+
+            def attend(qkv: paddle.Tensor, cache: paddle.Tensor, layer: Layer) -> paddle.Tensor:
+                return op(qkv, cache, rope_l if layer.window else rope, meta, tables, H, KV, bs, scale, layer.window)
+        else:
+            attend = model._fallback_attention(step, bs)
+        self._attend = attend
+        T = int(step.ids.shape[0])
+        self.packed = model.mode in PACKED_MODES
+        if self.packed and ops is None:
+            raise FdxError(f"{model.mode} compute needs fdx's native CPU ops, which are not loaded")
+        self._qgemv = ops.fdx_qgemv if ops is not None and T <= model.quant_max_rows else None
+        self.moe_gemm = self._qgemm = ops.fdx_qgemm if self.packed else None
+        self._fgemm = model.fgemm
+        self._long_rope = model._long_rope_fn(step, T) if model.long_rope else None
+        if ops is not None:
+            add_norm_op, self.swiglu = ops.fdx_add_rms_norm, ops.fdx_swiglu
+            no_residual = model._no_residual
+
+            def add_norm(x: paddle.Tensor, res: paddle.Tensor | None, w: paddle.Tensor) -> Any:
+                return add_norm_op(x, no_residual if res is None else res, w, eps)
+        elif model.fused_norm:
+            self.swiglu = F.swiglu
+
+            def add_norm(x: paddle.Tensor, res: paddle.Tensor | None, w: paddle.Tensor) -> Any:
+                if res is None:
+                    return fused_rms_norm(x, w, None, eps, 1)[0], x
+                return fused_rms_norm(x, w, None, eps, 1, residual=res)
+        else:  # Paddle's CPU fused_rms_norm is AVX-512 only (SIGILL elsewhere)
+            self.swiglu = F.swiglu
+
+            def add_norm(x: paddle.Tensor, res: paddle.Tensor | None, w: paddle.Tensor) -> Any:
+                if res is not None:
+                    x = x + res
+                return x * paddle.rsqrt(paddle.mean(x * x, axis=-1, keepdim=True) + eps) * w, x
+        self.rms_norm = add_norm
+
+    def linear(self, h: paddle.Tensor, layer: Layer, which: str) -> paddle.Tensor:
+        wn, qn, pn = _LINEAR[which]
+        if self._qgemm is not None:
+            p = getattr(layer, pn)
+            return self._qgemm(h, p.data, p.kind, p.n_out)
+        if self._fgemm is not None:
+            return self._fgemm(h, getattr(layer, wn))
+        q = getattr(layer, qn)
+        if q is not None and self._qgemv is not None:
+            return self._qgemv(h, q[0], q[1])
+        return paddle.matmul(h, getattr(layer, wn))
+
+    def attention(self, qkv: paddle.Tensor, cache: paddle.Tensor, layer: Layer, i: int) -> paddle.Tensor:
+        if self._long_rope is not None:  # each row's own factor set, before the op's identity table
+            qkv = self._long_rope(qkv)
+        return self._attend(qkv, cache, layer)
+
+    def lm_head(self, h: paddle.Tensor) -> paddle.Tensor:
+        return self.model._lm_head(h, int(h.shape[0]), self._qgemm)
+
+    def fused_stack(self, x: paddle.Tensor, caches: list[paddle.Tensor]) -> tuple[paddle.Tensor, paddle.Tensor] | None:
+        m = self.model
+        if not (self.packed and m.fused_layers):
+            return None
+        a, step, comm = m.args, self.step, m.comm
+        an, wq, bq, wo, fn, wgu, wd, kinds, windows = m._layer_stack()
+        x, residual = m.ops.fdx_decoder_layers(
+            x, m.rope, step.meta, step.tables, an, wq, bq, wo, fn, wgu, wd, list(caches), kinds,
+            a.num_heads, a.rms_eps, m.scale, comm.handle if comm is not None else 0, windows)
+        return x, residual
