@@ -55,8 +55,9 @@ from serverutil import start_server
 pytestmark = pytest.mark.slow
 
 DATA = Path(__file__).parent / "data" / "arch"
+#: qwen2_moe_dense: Qwen2-MoE with dense layers (mlp_only_layers [0], decoder_sparse_step 2: layers 0 and 2 dense)
 ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "mistral_swa", "phi3", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe",
-         "mixtral")
+         "qwen2_moe_dense", "mixtral")
 
 
 def goldens(name: str, which: str = "goldens") -> list[dict[str, Any]]:
@@ -155,8 +156,9 @@ FLIPS = [
      "rope_parameters", "full_attention: rope type 'yarn'"),
     ("gemma3", {"hidden_activation": "silu"}, "hidden_activation", "gelu_pytorch_tanh"),
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention", "False"),
-    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step", "1"),
-    ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers", "dense layers"),
+    ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step", "positive"),
+    ("qwen3_moe", {"mlp_only_layers": [2]}, "mlp_only_layers", "layer indices"),
+    ("qwen2_moe", {"mlp_only_layers": "0"}, "mlp_only_layers", "layer indices"),
     ("qwen3_moe", {"num_experts_per_tok": 0}, "num_experts_per_tok", "positive"),
     ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok", "between 1 and the number of experts (8)"),
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window", "False"),
@@ -850,7 +852,7 @@ def test_moe_experts_are_read_and_expert_parallel_on_a_dense_model_is_refused(tm
     assert "\n" not in msg and "--enable-expert-parallel" in msg and "mixture-of-experts models only" in msg, msg
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "qwen2_moe_dense", "mixtral"])
 def test_expert_parallel_gives_the_one_rank_tokens_and_counts_the_experts_load(name: str) -> None:
     """``fdx serve -tp 2 --enable-expert-parallel`` (each rank half the experts,
     whole), and ``-tp 2`` alone (each expert's width halved), give the greedy
@@ -860,7 +862,9 @@ def test_expert_parallel_gives_the_one_rank_tokens_and_counts_the_experts_load(n
     summing to the tokens run x top-k x layers."""
     samples = goldens(name)
     cfg = json.loads((DATA / name / "config.json").read_text())
-    top_k, layers, E = cfg["num_experts_per_tok"], cfg["num_hidden_layers"], cfg.get("num_local_experts") or cfg["num_experts"]
+    top_k, E = cfg["num_experts_per_tok"], cfg.get("num_local_experts") or cfg["num_experts"]
+    only, step = cfg.get("mlp_only_layers") or [], cfg.get("decoder_sparse_step") or 1  # the sparse layers route
+    layers = sum(i not in only and (i + 1) % step == 0 for i in range(cfg["num_hidden_layers"]))
     runs = {}
     for tp, ep in (("1", True), ("2", True), ("2", False)):
         with start_server("--model", str(DATA / name), "--dtype", "float32", "--max-model-len", "512",

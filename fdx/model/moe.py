@@ -32,6 +32,12 @@ token also runs one more SwiGLU (the same ops, its own width), scaled by
 ``sigmoid(h . w)`` of its ``[hidden]`` gate (one more matmul, ``[hidden, 1]``),
 and added after the routed experts' sum (transformers' order).
 
+A dense layer of a mixture (``ModelArgs.dense_layers``: Qwen2/3-MoE's
+``mlp_only_layers`` and ``decoder_sparse_step``) is a block with ``dense``
+set: no router and no experts, its MLP the dense SwiGLU of
+``intermediate_size`` (held in the shared expert's fields, with no gate),
+as transformers' ``Qwen2MoeMLP``; its :attr:`MoeBlock.routed` stays 0.
+
 Expert parallelism (``ModelArgs.local_experts``, fdx/parallel/sharding.py).
 A rank holds experts ``[first, first + n)`` only; the router is whole, so
 every rank picks the same experts for every token, and a rank computes
@@ -90,6 +96,8 @@ class MoeBlock:
     w_down: list[paddle.Tensor] = attrs.field(factory=list)
     p_gate_up: list[PackedWeight] = attrs.field(factory=list)
     p_down: list[PackedWeight] = attrs.field(factory=list)
+    #: a dense layer (the module docstring): ``s_gate_up`` / ``s_down`` (or packed) only
+    dense: bool = False
     #: the native ``fdx_moe`` op (fdx/csrc/moe.cc), or ``None``: the pure-Paddle path
     op: Any | None = None
     #: with the native ops: ``fdx_fgemm`` for the float32 matmuls (row-invariant): the
@@ -124,10 +132,14 @@ class MoeBlock:
                 return qgemm(x, p.data, p.kind, p.n_out)
             return self.fgemm(x, w) if self.fgemm is not None else paddle.matmul(x, w)  # float32
 
+        shared = (None if self.s_gate_up is None and self.ps_gate_up is None else
+                  linear(swiglu(linear(h, self.s_gate_up, self.ps_gate_up)), self.s_down, self.ps_down))
+        if self.dense:
+            assert shared is not None
+            return shared
         out = self.grouped(h, swiglu, linear) if self.op is None else self._native(h)
-        if self.s_gate_up is None and self.ps_gate_up is None:
+        if shared is None:
             return out
-        shared = linear(swiglu(linear(h, self.s_gate_up, self.ps_gate_up)), self.s_down, self.ps_down)
         # Paddle's CPU sigmoid takes a scalar path for the elements past the last
         # full vector (other bits, measured on a [T, 1] input): 16 copies of each
         # row's gate put every element in a full vector, whatever T
@@ -201,16 +213,20 @@ def build_moe(lw: LayerWeights, args: ModelArgs, mode: str, ops: Any | None = No
     """A layer's :class:`MoeBlock` in compute mode ``mode`` (``float32``,
     ``int8``: the float weights quantized to Q8_0, ``bfloat16``: rounded);
     ``ops``: the native op module (its ``fdx_moe`` runs the block)."""
-    assert lw.router is not None and lw.e_gate is not None and lw.e_up is not None and lw.e_down is not None
     first = args.local_experts[0] if args.local_experts is not None else 0
     blk = MoeBlock(top_k=args.num_experts_per_tok, renormalize=args.norm_topk_prob, num_routed=args.num_experts,
-                   first=first, op=getattr(ops, "fdx_moe", None))
+                   first=first, op=getattr(ops, "fdx_moe", None), dense=lw.router is None)
     if blk.op is not None:
         blk.fgemm = getattr(ops, "fdx_fgemm", None)
+    if blk.dense:  # a dense layer: its SwiGLU in the shared expert's fields, no gate
+        assert lw.w_gate is not None and lw.w_up is not None and lw.w_down is not None
+        lw = attrs.evolve(lw, router=np.zeros((0, lw.w_gate.shape[1]), np.float32), e_gate=[], e_up=[], e_down=[],
+                          s_gate=lw.w_gate, s_up=lw.w_up, s_down=lw.w_down, s_gate_inp=None)
+    assert lw.router is not None and lw.e_gate is not None and lw.e_up is not None and lw.e_down is not None
     gate_up = [np.concatenate([g, u], axis=0) for g, u in zip(lw.e_gate, lw.e_up)]  # [2 * width, hidden]
     t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
     blk.router = t(lw.router.T)  # float32 in every mode (the module docstring)
-    if lw.s_gate is not None:
+    if lw.s_gate_inp is not None:
         blk.s_gate = t(lw.s_gate_inp.reshape(-1, 1))
     if mode == "float32":
         blk.w_gate_up = [t(w.T) for w in gate_up]
