@@ -1191,3 +1191,13 @@ def test_served_float32_from_gguf_gives_the_greedy_tokens(gguf_dir: Path, tp: li
         for s, (toks, lps) in zip(samples, served_greedy(base, samples)):
             assert toks == s["tokens"]
             np.testing.assert_allclose(lps, s["logprobs"], atol=1e-3)
+
+
+def test_gguf_of_a_mixture_with_dense_layers_is_refused_naming_a_dense_tensor(tmp_path: Path) -> None:
+    """A GGUF carries no ``mlp_only_layers`` / ``decoder_sparse_step`` (llama.cpp's
+    Qwen2-MoE has every layer sparse): a file written from ``qwen2_moe_dense`` is
+    refused at its first dense tensor, not read as experts."""
+    from fdx.model.loader import load_checkpoint
+
+    with pytest.raises(ModelLoadError, match=r"unsupported tensor 'blk\.0\.ffn_down\.weight'"):
+        load_checkpoint(str(arch_gguf(tmp_path, "qwen2_moe_dense")))
