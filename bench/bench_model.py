@@ -306,6 +306,9 @@ def bench_moe(args: argparse.Namespace) -> None:
         wg, wd = paddle.to_tensor(np.ascontiguousarray(dense_gu.T)), paddle.to_tensor(np.ascontiguousarray(dense_d.T))
         dense = lambda x: paddle.matmul(swiglu(paddle.matmul(x, wg)), wd)  # noqa: E731
 
+    def linear(x, w, p):  # noqa: ANN001, ANN202  (MoeBlock.grouped's matmul: packed, else float32)
+        return qgemm(x, p.data, p.kind, p.n_out) if qgemm is not None and p is not None else paddle.matmul(x, w)
+
     def timed(fn, x, n=50) -> float:  # noqa: ANN001
         fn(x)
         best = 1e9
@@ -324,7 +327,7 @@ def bench_moe(args: argparse.Namespace) -> None:
         macs = T * k * 3 * H * width
         t_moe = timed(lambda h: blk(h, swiglu, qgemm), x)
         t_dense = timed(dense, x)
-        t_py = timed(lambda h: blk.grouped(h, swiglu, qgemm), x)
+        t_py = timed(lambda h: blk.grouped(h, swiglu, linear), x)
         print(f"  T={T:4d}: experts {macs / t_moe / 1e9:7.2f} GMAC/s ({t_moe * 1e6:8.1f} us)   dense "
               f"{macs / t_dense / 1e9:7.2f} GMAC/s ({t_dense * 1e6:8.1f} us)   experts / dense "
               f"{t_dense / t_moe:5.2f}x   Paddle-ops path {macs / t_py / 1e9:7.2f} GMAC/s ({t_dense / t_py:5.2f}x dense)")

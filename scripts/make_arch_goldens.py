@@ -110,6 +110,14 @@ def models() -> dict[str, tuple[type, type, dict]]:
             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
             norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
             tie_word_embeddings=False)),
+        # Qwen2-MoE with dense layers (transformers' rule: layer i is sparse unless
+        # in mlp_only_layers, and only when (i + 1) % decoder_sparse_step == 0):
+        # 4 layers, layer 0 listed, step 2 -> layers 0 and 2 a dense MLP of
+        # intermediate_size (256), layers 1 and 3 the experts and shared expert
+        "qwen2_moe_dense": (t.Qwen2MoeConfig, t.Qwen2MoeForCausalLM, dict(
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+            norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[0], rope_theta=1000000.0,
+            tie_word_embeddings=False, num_hidden_layers=4)),
         # Phi-3 past original_max_position_embeddings (32): the prompt of 37 is
         # long from the start (the long factors at every position), those of 6
         # and 19 cross it while generating (transformers then recomputes the

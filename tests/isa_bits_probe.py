@@ -141,7 +141,8 @@ def probe() -> dict[str, np.ndarray]:
             conv = lambda w: T(np.ascontiguousarray(w.T))  # noqa: E731
         else:
             conv = lambda w, pk=(pack_bf16 if kind == 16 else pack_float): T(pk(w).data)  # noqa: E731
-        r, g, d = conv(router), [conv(w) for w in gu], [conv(w) for w in dn]
+        r = T(np.ascontiguousarray(router.T))  # the router is float32 in every mode
+        g, d = [conv(w) for w in gu], [conv(w) for w in dn]
         for M in (1, 7, 40):
             x = (rng.standard_normal((M, H)) * 2).astype(np.float32)
             for renorm, first, n in ((True, 0, E), (False, 0, E), (True, 2, 3)):

@@ -1,12 +1,12 @@
 """fdx_moe (fdx/csrc/moe.cc) against a numpy reference, bit for bit, in the loaded kernel set.
 
-The reference: the router logits (float32: numpy's fma chain over the
-inputs in order; int8 / bf16: ``fdx_qgemm``, whose bits
-tests/test_native_ops.py checks against numpy), the softmax with
+The reference: the router logits (numpy's fma chain over the inputs in
+order: the router is float32 in every mode), the softmax with
 simd_math.h's exp in numpy (``_exp``), the top-k (highest first, the lower
 id on a tie), the renormalisation summed in slot order, then every
-(token, slot) pair's expert ALONE (one row: ``fdx_qgemm`` or the numpy fma
-chain, numpy's SwiGLU), weighted and added in slot order.  The op groups
+(token, slot) pair's expert ALONE (one row: ``fdx_qgemm`` -- whose bits
+tests/test_native_ops.py checks against numpy -- or, float32, the numpy fma
+chain; numpy's SwiGLU), weighted and added in slot order.  The op groups
 the rows by expert and runs each expert's GEMMs over all of them at once,
 so equal bits also say that a token's output does not depend on its batch.
 ``FDX_NATIVE_ISA=avx2`` runs the same tests on the AVX2 set;
@@ -103,7 +103,7 @@ class Block:
                 t = paddle.to_tensor(p.data)
                 self.packed[id(t)] = p.n_out
                 return t
-        self.t_router = conv(self.router)
+        self.t_router = paddle.to_tensor(np.ascontiguousarray(self.router.T))  # float32 [in, out] in every mode
         self.t_gu = [conv(w) for w in self.gu]
         self.t_dn = [conv(w) for w in self.dn]
 
@@ -115,7 +115,7 @@ class Block:
         return ops.fdx_qgemm(paddle.to_tensor(x), t, self.kind, int(w.shape[0])).numpy()
 
     def reference(self, ops: Any, h: np.ndarray, k: int, renorm: bool, first: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        logits = self.linear(ops, h, self.router, self.t_router)
+        logits = _fgemm(h, np.ascontiguousarray(self.router.T))
         out = np.zeros_like(h)
         ids = np.zeros((h.shape[0], k), np.int32)
         for t in range(h.shape[0]):
@@ -203,3 +203,6 @@ def test_moe_op_refuses_mismatched_weights(ops: Any) -> None:
         ops.fdx_moe(h, blk.t_router, [blk.t_dn[0]], [blk.t_dn[0]], 0, 4, 2, True, 0)
     with pytest.raises(Exception, match="top_k"):
         ops.fdx_moe(h, blk.t_router, blk.t_gu, blk.t_dn, 0, 4, 5, True, 0)
+    packed = Block("int8", 64, 32, 4, seed=1)
+    with pytest.raises(Exception, match="router"):  # the router is float32 [H, E] in every mode
+        ops.fdx_moe(h, packed.t_gu[0], packed.t_gu, packed.t_dn, packed.kind, 4, 2, True, 0)

@@ -5,7 +5,7 @@
 //
 // One call does what fdx/model/moe.py's Python path does with ~10 ops and a
 // loop over the experts:
-//   logits = h @ router                        [T, E]   (the router GEMM)
+//   logits = h @ router                        [T, E]   (the router GEMM, float32 in every mode)
 //   p = softmax(logits) per row; the top_k (highest first, the lower id on a tie)
 //   renormalize: w_j = p_j / (p_0 + p_1 + ...), summed in slot order; else w_j = p_j
 //   the (token, slot) pairs grouped by expert (a stable counting sort: token order
@@ -15,13 +15,17 @@
 //       rank holds (expert parallelism) adds 0 -- out is then this rank's partial
 //       sum, which the layer's all-reduce completes, as in the Python path.
 //
-// kind: the weights' kind.  8 (Q8_0) or 4 (Q4_0/Q4_1): int8, 16: bfloat16 --
-// packed by fdx/model/packed_weights.py, every GEMM (the router's included)
-// is fdx::qgemm (qgemm.cc: its activation quantization / bf16 rounding and
-// its dot products, called, not re-implemented here), so the experts' rows
-// are the existing int8 / bf16 path's bits.  0: float32 weights, [K, N]
-// row-major (router [H, E], gate_up [H, 2F], down [F, H]), and the GEMM is
-// fgemm below.  The experts' widths come from the weights (a Megatron slice
+// kind: the experts' weights' kind.  8 (Q8_0) or 4 (Q4_0/Q4_1): int8, 16:
+// bfloat16 -- packed by fdx/model/packed_weights.py, every expert GEMM is
+// fdx::qgemm (qgemm.cc: its activation quantization / bf16 rounding and its
+// dot products, called, not re-implemented here), so the experts' rows are
+// the existing int8 / bf16 path's bits.  0: float32 weights, [K, N]
+// row-major (gate_up [H, 2F], down [F, H]), and the GEMM is fgemm below.
+// The router is float32 [H, E] in every mode, its GEMM fgemm (as vLLM and
+// FastDeploy keep the gate unquantized): a quantized router's error flips
+// near-tied expert choices, and a flipped expert changes the token's whole
+// MLP output (on the random Qwen3-MoE an int8 router moved logits by up to
+// 1.9).  It is E columns, a small share of the block's work.  The experts' widths come from the weights (a Megatron slice
 // of every expert under tensor parallelism works as is); ``first`` is the
 // global id of gate_up[0] (expert parallelism: this rank holds experts
 // [first, first + n)).
@@ -284,7 +288,7 @@ std::vector<paddle::Tensor> Moe(const paddle::Tensor& h, const paddle::Tensor& r
   const int64_t F = F2 / 2;
   PD_CHECK(F > 0 && F2 % 2 == 0 && (kind == 0 || (H % 32 == 0 && F % 32 == 0)),
            "the widths must be multiples of 32 (packed kinds)");
-  check_weight(router, kind, H, E, "router");
+  check_weight(router, 0, H, E, "router");
   for (int64_t e = 0; e < n_held; ++e) {
     check_weight(gate_up[e], kind, H, F2, "gate_up");
     check_weight(down[e], kind, F, H, "down");
@@ -299,7 +303,7 @@ std::vector<paddle::Tensor> Moe(const paddle::Tensor& h, const paddle::Tensor& r
   const int64_t P = T * k;  // (token, slot) pairs: pair t * k + j
 
   float* logits = grow(s.logits, T * E);
-  gemm(kind, hp, router, logits, T, H, E);
+  gemm(0, hp, router, logits, T, H, E);
   float* probs = grow(s.probs, E);
   float* wts = grow(s.wts, P);
   for (int64_t t = 0; t < T; ++t) route(logits + t * E, E, k, renormalize, probs, ids + t * k, wts + t * k);

@@ -171,6 +171,10 @@ class ModelArgs:
     #: beside the routed ones, its output scaled by ``sigmoid(h . w_gate)``
     #: (its ``[hidden]`` gate) and added to theirs; ``0``: none
     shared_expert_size: int = 0
+    #: the layers of a mixture of experts whose MLP is dense instead, a SwiGLU
+    #: of ``intermediate_size`` (Qwen2/3-MoE's ``mlp_only_layers`` and
+    #: ``decoder_sparse_step``, transformers' rule); ``()``: every layer sparse
+    dense_layers: tuple[int, ...] = ()
     #: expert parallelism (a rank's local geometry, :mod:`fdx.parallel.sharding`):
     #: this rank holds experts ``[first, first + count)`` of the ``num_experts``
     #: the router picks from; ``None``: all of them
@@ -192,6 +196,7 @@ class ModelArgs:
                          f" moe={self.num_experts}x{self.moe_intermediate_size}/top{self.num_experts_per_tok}"
                          if self.num_experts else "",
                          f"+shared{self.shared_expert_size}" if self.shared_expert_size else "",
+                         f" dense={','.join(map(str, self.dense_layers))}" if self.dense_layers else "",
                          f" experts {self.local_experts[0]}..{sum(self.local_experts) - 1}" if self.local_experts else ""))
         return (
             f"{self.arch} L{self.num_layers} d{self.hidden_size} ff{self.intermediate_size} "

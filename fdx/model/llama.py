@@ -177,7 +177,7 @@ def check_shape(x: np.ndarray | None, shape: tuple[int, ...], what: str, path: s
 def check_layer(lw: LayerWeights, a: ModelArgs, i: int, path: str) -> None:
     """Layer ``i``'s weights have the shapes ``a`` says (both runners' models check this at load)."""
     h, q, kv, ff = a.hidden_size, a.q_size, a.kv_size, a.intermediate_size
-    E, f = a.num_experts, a.moe_intermediate_size
+    E, f = 0 if i in a.dense_layers else a.num_experts, a.moe_intermediate_size  # a dense layer: the MLP's
     n = a.local_experts[1] if a.local_experts is not None else E  # the experts this rank holds
     sf = a.shared_expert_size
     shared = (("s_gate", (sf, h)), ("s_up", (sf, h)), ("s_down", (h, sf)), ("s_gate_inp", (h,))) if sf else ()

@@ -183,12 +183,13 @@ def _refuse(where: str, what: str, key: str, value: Any, reason: str) -> ModelLo
 
 
 def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm: bool,
-                  sandwich: bool = False, num_experts: int = 0, shared: bool = False) -> tuple[set[str], set[str]]:
-    """(required, optional) tensor names of a checkpoint of ``n_layers``."""
-    mlp = (["router", *(["shared_gate", "shared_up", "shared_down", "shared_expert_gate"] if shared else [])]
-           if num_experts else
-           [*(["w_gate_up"] if names.w_gate_up else ["w_gate", "w_up"]), "w_down"])
-    per = ["attn_norm", *(["wqkv"] if names.wqkv else ["wq", "wk", "wv"]), "wo", "ffn_norm", *mlp]
+                  sandwich: bool = False, num_experts: int = 0, shared: bool = False,
+                  dense_layers: tuple[int, ...] = ()) -> tuple[set[str], set[str]]:
+    """(required, optional) tensor names of a checkpoint of ``n_layers``
+    (``dense_layers``: a mixture's layers with a dense MLP)."""
+    moe = ["router", *(["shared_gate", "shared_up", "shared_down", "shared_expert_gate"] if shared else [])]
+    dense = [*(["w_gate_up"] if names.w_gate_up else ["w_gate", "w_up"]), "w_down"]
+    per = ["attn_norm", *(["wqkv"] if names.wqkv else ["wq", "wk", "wv"]), "wo", "ffn_norm"]
     opt = ["bq", "bk", "bv"]
     if qkv_bias:
         per, opt = per + opt, []
@@ -200,16 +201,18 @@ def _tensor_names(names: WeightNames, n_layers: int, *, qkv_bias: bool, qk_norm:
     optional = {names.lm_head} | {t for t in (names.rope_long, names.rope_short, names.rope_freqs) if t}
     for i in range(n_layers):
         n = names.layer(i)
-        req |= {n[f] for f in per}
+        sparse = bool(num_experts) and i not in dense_layers
+        req |= {n[f] for f in (*per, *(moe if sparse else dense))}
         optional |= {n[f] for f in opt if n[f]}
-        req |= {n[f].format(e=e) for e in range(num_experts) for f in ("expert_gate", "expert_up", "expert_down")}
+        req |= {n[f].format(e=e) for e in range(num_experts if sparse else 0)
+                for f in ("expert_gate", "expert_up", "expert_down")}
     return req, optional
 
 
 def _check_tensors(where: str, present: Any, names: WeightNames, args: ModelArgs, ignore: tuple[str, ...] = ()) -> None:
     req, optional = _tensor_names(names, args.num_layers, qkv_bias=args.attention_bias, qk_norm=args.qk_norm,
                                   sandwich=args.sandwich_norms, num_experts=args.num_experts,
-                                  shared=bool(args.shared_expert_size))
+                                  shared=bool(args.shared_expert_size), dense_layers=args.dense_layers)
     for t in sorted(present):
         if t not in req and t not in optional and not t.endswith(ignore):
             raise ModelLoadError(f"{where}: unsupported tensor {t!r}: not part of fdx's {args.arch} architecture")
@@ -453,8 +456,9 @@ def hf_model_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> Mod
             arch=arch.name,
             num_layers=int(cfg["num_hidden_layers"]),
             hidden_size=hidden,
-            # a MoE model has no dense MLP: its width is the experts'
-            intermediate_size=moe["moe_intermediate_size"] if moe else int(cfg["intermediate_size"]),
+            # a MoE model's width is the experts', or its dense layers' where it has some
+            intermediate_size=(int(cfg["intermediate_size"]) if not moe or moe.get("dense_layers")
+                               else moe["moe_intermediate_size"]),
             num_heads=n_head,
             num_kv_heads=int(cfg.get("num_key_value_heads") or n_head),
             head_dim=int(cfg.get("head_dim") or hidden // n_head),
@@ -521,6 +525,12 @@ def _moe_args(cfg: dict[str, Any], arch: Architecture, cfg_path: str) -> dict[st
                norm_topk_prob=arch.recipe.moe_renormalize or bool(cfg.get("norm_topk_prob", False)))
     if arch.recipe.shared_expert:  # Qwen2-MoE
         out["shared_expert_size"] = int(cfg["shared_expert_intermediate_size"])
+    # transformers' Qwen2/3-MoE rule: layer i is sparse unless in mlp_only_layers, and only
+    # when (i + 1) % decoder_sparse_step == 0; the others are a dense MLP
+    only, step = cfg.get("mlp_only_layers") or [], int(cfg.get("decoder_sparse_step") or 1)
+    dense = tuple(i for i in range(int(cfg["num_hidden_layers"])) if i in only or (i + 1) % step)
+    if dense:
+        out["dense_layers"] = dense
     return out
 
 
@@ -567,8 +577,9 @@ def _qk_scale(where: str, args: ModelArgs) -> float:
 
 
 def _projections(where: str, n: dict[str, str], names: WeightNames, args: ModelArgs, get: Any,
-                 experts: range | None) -> dict[str, np.ndarray | None]:
-    """Layer ``n``'s q/k/v and MLP matrices as :class:`LayerWeights` fields,
+                 experts: range | None, dense: bool = False) -> dict[str, np.ndarray | None]:
+    """Layer ``n``'s q/k/v and MLP matrices as :class:`LayerWeights` fields
+    (``dense``: a mixture's dense layer, ModelArgs.dense_layers),
     read with ``get(name)``: fused q|k|v and gate|up split (Phi-3), LongRoPE's
     attention factor folded into q and k, a mixture of experts' router and
     experts ``[E, out, in]`` (only ``experts``, when given) from one tensor
@@ -582,7 +593,7 @@ def _projections(where: str, n: dict[str, str], names: WeightNames, args: ModelA
     if qk_scale != 1.0:  # cos/sin x attention factor == q and k x it (RoPE is linear)
         wq, wk = wq * np.float32(qk_scale), wk * np.float32(qk_scale)
     out: dict[str, np.ndarray | None] = dict(wq=wq, wk=wk, wv=wv, w_gate=None, w_up=None, w_down=None)
-    if args.num_experts:
+    if args.num_experts and not dense:
         out["router"] = get(n["router"])
         held = experts if experts is not None else range(args.num_experts)
         for f in ("expert_gate", "expert_up", "expert_down"):
@@ -661,7 +672,7 @@ def _hf_checkpoint(src: ModelSource) -> Checkpoint:
     def layers(experts: range | None = None) -> Iterator[LayerWeights]:
         for i in range(args.num_layers):
             n = names.layer(i)
-            p = _projections(src.path, n, names, args, get, experts)
+            p = _projections(src.path, n, names, args, get, experts, dense=i in args.dense_layers)
             yield LayerWeights(
                 attn_norm=norm(n["attn_norm"]),
                 wo=get(n["wo"]),

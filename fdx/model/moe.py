@@ -19,10 +19,24 @@ put back in (token, slot) order with one ``index_select`` and the ``k``
 slots added in slot order -- a Python loop over the experts, never over
 tokens.
 
+The router stays float32 in every mode (as vLLM and FastDeploy keep the
+gate unquantized), and so does the shared expert's ``[hidden, 1]`` gate:
+an int8 or bf16 router's error flips near-tied expert choices, and a
+flipped expert changes the token's whole MLP output (measured on the
+random Qwen3-MoE: int8 top-1 against float32 91/96 with a Q8_0 router, the
+logits moved by up to 1.9 where a choice flipped).  The router is ``E``
+columns, a small share of the block's work.
+
 Qwen2-MoE adds a shared expert (``ModelArgs.shared_expert_size``): every
 token also runs one more SwiGLU (the same ops, its own width), scaled by
 ``sigmoid(h . w)`` of its ``[hidden]`` gate (one more matmul, ``[hidden, 1]``),
 and added after the routed experts' sum (transformers' order).
+
+A dense layer of a mixture (``ModelArgs.dense_layers``: Qwen2/3-MoE's
+``mlp_only_layers`` and ``decoder_sparse_step``) is a block with ``dense``
+set: no router and no experts, its MLP the dense SwiGLU of
+``intermediate_size`` (held in the shared expert's fields, with no gate),
+as transformers' ``Qwen2MoeMLP``; its :attr:`MoeBlock.routed` stays 0.
 
 Expert parallelism (``ModelArgs.local_experts``, fdx/parallel/sharding.py).
 A rank holds experts ``[first, first + n)`` only; the router is whole, so
@@ -37,10 +51,11 @@ each expert, every step's tokens included, for ``/metrics``
 (``fdx:moe_expert_tokens``).
 
 Batch invariance.  ``fdx_moe`` computes every token from its own row only:
-in the packed modes (int8, bfloat16) every GEMM, the router's included, is
-``fdx_qgemm``'s kernel, whose result for a row does not depend on the other
-rows of the call (fdx/csrc/qgemm.cc); in float32 the GEMMs are moe.cc's own
-fma chains, one per element in input order, whatever the row count;
+in the packed modes (int8, bfloat16) every expert GEMM is ``fdx_qgemm``'s
+kernel, whose result for a row does not depend on the other rows of the
+call (fdx/csrc/qgemm.cc); the router's GEMM (every mode) and float32's
+expert GEMMs are moe.cc's own fma chains (``fdx_fgemm``), one per element
+in input order, whatever the row count;
 softmax, top-k, SwiGLU, the weighting and the slot sums are row-wise.  So a
 token's output is the same bits whichever tokens share its step or its
 experts, in all three modes, and with both kernel sets.  (The pure-Paddle
@@ -64,10 +79,10 @@ from fdx.model.packed_weights import PackedWeight, pack_bf16, pack_float
 
 @attrs.define
 class MoeBlock:
-    """One layer's router and experts.  float32: ``router`` ``[hidden, E]``
-    and per expert ``w_gate_up`` ``[hidden, 2 * width]`` / ``w_down``
-    ``[width, hidden]``; packed modes: the ``p_*`` for ``fdx_qgemm`` instead
-    (the float lists are empty).  Immutable after load; not thread-safe to
+    """One layer's router and experts.  ``router`` ``[hidden, E]``, float32
+    in every mode; float32: per expert ``w_gate_up`` ``[hidden, 2 * width]``
+    / ``w_down`` ``[width, hidden]``; packed modes: the ``p_*`` for
+    ``fdx_qgemm`` instead (the float lists are empty).  Immutable after load; not thread-safe to
     call concurrently (like the model)."""
 
     top_k: int
@@ -79,21 +94,22 @@ class MoeBlock:
     router: paddle.Tensor | None = None
     w_gate_up: list[paddle.Tensor] = attrs.field(factory=list)
     w_down: list[paddle.Tensor] = attrs.field(factory=list)
-    p_router: PackedWeight | None = None
     p_gate_up: list[PackedWeight] = attrs.field(factory=list)
     p_down: list[PackedWeight] = attrs.field(factory=list)
+    #: a dense layer (the module docstring): ``s_gate_up`` / ``s_down`` (or packed) only
+    dense: bool = False
     #: the native ``fdx_moe`` op (fdx/csrc/moe.cc), or ``None``: the pure-Paddle path
     op: Any | None = None
-    #: float32 with the native ops: ``fdx_fgemm`` for the shared expert's matmuls (row-invariant)
+    #: with the native ops: ``fdx_fgemm`` for the float32 matmuls (row-invariant): the
+    #: pure-Paddle router's and the shared expert's gate, and in float32 its other two
     fgemm: Any | None = None
-    #: the shared expert (Qwen2-MoE): gate|up, down and its gate ``[hidden, 1]``
-    #: (float32), or packed; all ``None`` without one
+    #: the shared expert (Qwen2-MoE): gate|up and down (float32, or packed) and its
+    #: gate ``[hidden, 1]`` (float32 in every mode); all ``None`` without one
     s_gate_up: paddle.Tensor | None = None
     s_down: paddle.Tensor | None = None
     s_gate: paddle.Tensor | None = None
     ps_gate_up: PackedWeight | None = None
     ps_down: PackedWeight | None = None
-    ps_gate: PackedWeight | None = None
     #: (token, slot) pairs routed to each of the ``num_routed`` experts so far
     routed: np.ndarray = attrs.field(init=False, default=attrs.Factory(
         lambda self: np.zeros(self.num_routed, dtype=np.int64), takes_self=True))
@@ -112,28 +128,31 @@ class MoeBlock:
         the pure-Paddle path (:meth:`grouped`); then the shared expert, if any."""
 
         def linear(x: paddle.Tensor, w: paddle.Tensor | None, p: PackedWeight | None) -> paddle.Tensor:
-            if qgemm is not None:
-                assert p is not None
+            if qgemm is not None and p is not None:
                 return qgemm(x, p.data, p.kind, p.n_out)
-            return self.fgemm(x, w) if self.fgemm is not None else paddle.matmul(x, w)
+            return self.fgemm(x, w) if self.fgemm is not None else paddle.matmul(x, w)  # float32
 
+        shared = (None if self.s_gate_up is None and self.ps_gate_up is None else
+                  linear(swiglu(linear(h, self.s_gate_up, self.ps_gate_up)), self.s_down, self.ps_down))
+        if self.dense:
+            assert shared is not None
+            return shared
         out = self.grouped(h, swiglu, linear) if self.op is None else self._native(h)
-        if self.s_gate_up is None and self.ps_gate_up is None:
+        if shared is None:
             return out
-        shared = linear(swiglu(linear(h, self.s_gate_up, self.ps_gate_up)), self.s_down, self.ps_down)
         # Paddle's CPU sigmoid takes a scalar path for the elements past the last
         # full vector (other bits, measured on a [T, 1] input): 16 copies of each
         # row's gate put every element in a full vector, whatever T
-        g = linear(h, self.s_gate, self.ps_gate)  # [T, 1]
+        g = linear(h, self.s_gate, None)  # [T, 1], float32
         gate = F.sigmoid(paddle.expand(g, [int(g.shape[0]), 16]))[:, :1]
         return out + gate * shared
 
     def _native(self, h: paddle.Tensor) -> paddle.Tensor:
         """The routed experts' weighted sum in one ``fdx_moe`` call (fdx/csrc/moe.cc)."""
         if self._op_args is None:  # the weights never change after load: their lists are built once
-            if self.p_router is not None:
-                self._op_args = (self.p_router.data, [p.data for p in self.p_gate_up], [p.data for p in self.p_down],
-                                 self.p_router.kind)
+            if self.p_gate_up:
+                self._op_args = (self.router, [p.data for p in self.p_gate_up], [p.data for p in self.p_down],
+                                 self.p_gate_up[0].kind)
             else:
                 self._op_args = (self.router, self.w_gate_up, self.w_down, 0)
         router, gate_up, down, kind = self._op_args
@@ -146,9 +165,9 @@ class MoeBlock:
         """The routed experts' weighted sum ``[T, hidden]``, pure Paddle (no
         native ops): the same routing and sums, a loop over the experts (never
         over tokens)."""
-        qgemm = self.p_router is not None
+        qgemm = bool(self.p_gate_up)
         T, k = int(h.shape[0]), self.top_k
-        probs = F.softmax(linear(h, self.router, self.p_router), axis=-1)
+        probs = F.softmax(linear(h, self.router, None), axis=-1)  # the router in float32
         weights, experts = paddle.topk(probs, k, axis=-1)  # [T, k], highest first
         if self.renormalize:
             total = weights[:, 0:1]
@@ -194,21 +213,27 @@ def build_moe(lw: LayerWeights, args: ModelArgs, mode: str, ops: Any | None = No
     """A layer's :class:`MoeBlock` in compute mode ``mode`` (``float32``,
     ``int8``: the float weights quantized to Q8_0, ``bfloat16``: rounded);
     ``ops``: the native op module (its ``fdx_moe`` runs the block)."""
-    assert lw.router is not None and lw.e_gate is not None and lw.e_up is not None and lw.e_down is not None
     first = args.local_experts[0] if args.local_experts is not None else 0
     blk = MoeBlock(top_k=args.num_experts_per_tok, renormalize=args.norm_topk_prob, num_routed=args.num_experts,
-                   first=first, op=getattr(ops, "fdx_moe", None))
-    if mode == "float32" and blk.op is not None:
+                   first=first, op=getattr(ops, "fdx_moe", None), dense=lw.router is None)
+    if blk.op is not None:
         blk.fgemm = getattr(ops, "fdx_fgemm", None)
+    if blk.dense:  # a dense layer: its SwiGLU in the shared expert's fields, no gate
+        assert lw.w_gate is not None and lw.w_up is not None and lw.w_down is not None
+        lw = attrs.evolve(lw, router=np.zeros((0, lw.w_gate.shape[1]), np.float32), e_gate=[], e_up=[], e_down=[],
+                          s_gate=lw.w_gate, s_up=lw.w_up, s_down=lw.w_down, s_gate_inp=None)
+    assert lw.router is not None and lw.e_gate is not None and lw.e_up is not None and lw.e_down is not None
     gate_up = [np.concatenate([g, u], axis=0) for g, u in zip(lw.e_gate, lw.e_up)]  # [2 * width, hidden]
+    t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
+    blk.router = t(lw.router.T)  # float32 in every mode (the module docstring)
+    if lw.s_gate_inp is not None:
+        blk.s_gate = t(lw.s_gate_inp.reshape(-1, 1))
     if mode == "float32":
-        t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
-        blk.router = t(lw.router.T)
         blk.w_gate_up = [t(w.T) for w in gate_up]
         blk.w_down = [t(w.T) for w in lw.e_down]
         if lw.s_gate is not None:
             blk.s_gate_up = t(np.concatenate([lw.s_gate, lw.s_up], axis=0).T)
-            blk.s_down, blk.s_gate = t(lw.s_down.T), t(lw.s_gate_inp.reshape(-1, 1))
+            blk.s_down = t(lw.s_down.T)
         return blk
     pack = pack_bf16 if mode == "bfloat16" else pack_float
 
@@ -216,10 +241,9 @@ def build_moe(lw: LayerWeights, args: ModelArgs, mode: str, ops: Any | None = No
         q = pack(w)
         return PackedWeight(paddle.to_tensor(q.data), q.kind, q.n_out)
 
-    blk.p_router = p(lw.router)
     blk.p_gate_up = [p(w) for w in gate_up]
     blk.p_down = [p(w) for w in lw.e_down]
     if lw.s_gate is not None:
         blk.ps_gate_up = p(np.concatenate([lw.s_gate, lw.s_up], axis=0))
-        blk.ps_down, blk.ps_gate = p(lw.s_down), p(lw.s_gate_inp.reshape(1, -1))
+        blk.ps_down = p(lw.s_down)
     return blk

@@ -82,6 +82,8 @@ def check_divisible(args: ModelArgs, world: int, expert_parallel: bool = False) 
         mlp = ("expert width", args.moe_intermediate_size)
         hint = "the expert width (or add --enable-expert-parallel to divide the experts)"
     shared = (("shared expert width", args.shared_expert_size),) if args.shared_expert_size and not expert_parallel else ()
+    if args.dense_layers and not expert_parallel:  # a mixture's dense layers (Qwen2-MoE's mlp_only_layers)
+        shared += (("dense MLP width", args.intermediate_size),)
     bad = [f"{what} {n}" for what, n in (("attention heads", args.num_heads), ("KV heads", args.num_kv_heads), mlp,
                                          *shared) if n % world]
     if bad:
@@ -173,7 +175,7 @@ def shard_layer(lw: LayerWeights, s: TensorShard) -> LayerWeights:
     hq, hk, f = a.q_size // N, a.kv_size // N, a.intermediate_size // N
     col = {"wq": hq, "wk": hk, "wv": hk}  # output rows
     row = {"wo": a.q_size}  # input columns
-    if not a.num_experts:
+    if lw.router is None:  # a dense MLP (also a mixture's dense layer)
         col.update(w_gate=f, w_up=f)
         row.update(w_down=a.intermediate_size)
     raw: dict[str, tuple[np.ndarray, int]] = {}
@@ -184,8 +186,12 @@ def shard_layer(lw: LayerWeights, s: TensorShard) -> LayerWeights:
             cut = _raw_cols((blocks, kind), r, N, row[name])
             if cut is not None:
                 raw[name] = cut
-    mlp = _shard_experts(lw, s) if a.num_experts else dict(
-        w_gate=_rows(lw.w_gate, r, f), w_up=_rows(lw.w_up, r, f), w_down=lw.w_down[:, r * f : (r + 1) * f])
+    if lw.router is not None:
+        mlp = _shard_experts(lw, s)
+    elif held_experts(s) is not None:  # expert parallel: a mixture's dense layer whole on rank 0, 0 elsewhere
+        mlp = {} if r == 0 else dict(w_down=np.zeros_like(lw.w_down))
+    else:
+        mlp = dict(w_gate=_rows(lw.w_gate, r, f), w_up=_rows(lw.w_up, r, f), w_down=lw.w_down[:, r * f : (r + 1) * f])
     return attrs.evolve(
         lw,
         wq=_rows(lw.wq, r, hq), wk=_rows(lw.wk, r, hk), wv=_rows(lw.wv, r, hk),

@@ -186,8 +186,11 @@ GEMMA3_FIELDS: dict[str, FieldRule] = {
 }
 
 
-def _every_layer_sparse(v: Any, cfg: Mapping[str, Any]) -> str | None:
-    return None if v in (None, []) else "dense layers among the MoE layers are not implemented (fdx implements [])"
+def _layer_list(v: Any, cfg: Mapping[str, Any]) -> str | None:
+    n = cfg.get("num_hidden_layers")
+    ok = v is None or (isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < (n or 0)
+                                                   for i in v))
+    return None if ok else f"{v!r} is not a list of layer indices (0 .. num_hidden_layers - 1)"
 
 
 def _positive_int(v: Any, cfg: Mapping[str, Any]) -> str | None:
@@ -203,9 +206,10 @@ MOE_FIELDS: dict[str, FieldRule] = {
 QWEN3_MOE_FIELDS: dict[str, FieldRule] = {
     **QWEN_FIELDS, **MOE_FIELDS,
     "moe_intermediate_size": read(_positive_int), "norm_topk_prob": read(),
-    # every layer sparse: transformers' rule (layer i sparse unless listed, and (i+1) % step == 0)
-    "decoder_sparse_step": read(equals(1)), "mlp_only_layers": read(_every_layer_sparse),
-    "intermediate_size": harmless(),  # the dense MLP's width: no layer has one when every layer is sparse
+    # transformers' rule: layer i is sparse unless listed and only when (i + 1) % step == 0;
+    # the other layers are a dense SwiGLU of intermediate_size (ModelArgs.dense_layers)
+    "decoder_sparse_step": read(_positive_int), "mlp_only_layers": read(_layer_list),
+    "intermediate_size": read(),
 }
 #: Qwen2-MoE: Qwen3-MoE's fields (every layer sparse) plus the shared expert's
 #: width and the q/k/v biases' switch (the recipe's biases: true only)
@@ -327,8 +331,9 @@ GEMMA3 = Architecture(
     gguf_keys=GEMMA3_GGUF_KEYS, gguf_qk_permuted=False,
     description="Gemma 3 text (Gemma 2's recipe with per-head (1 + w) q/k norm and a local rope base)",
 )
+#: (``w_gate``/``w_up``/``w_down``: a dense layer's MLP, ModelArgs.dense_layers)
 HF_QWEN3_MOE_WEIGHTS = attrs.evolve(
-    HF_LLAMA_WEIGHTS, w_gate="", w_up="", w_down="", router="model.layers.{i}.mlp.gate.weight",
+    HF_LLAMA_WEIGHTS, router="model.layers.{i}.mlp.gate.weight",
     expert_gate="model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
     expert_up="model.layers.{i}.mlp.experts.{e}.up_proj.weight",
     expert_down="model.layers.{i}.mlp.experts.{e}.down_proj.weight",
