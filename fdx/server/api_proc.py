@@ -23,7 +23,8 @@ from typing import Any
 
 
 def main() -> None:
-    from fdx.core.ipc import FrontendSide, IpcPaths, child_args
+    from fdx.core.ipc import IpcPaths, child_args
+    from fdx.deploy.engine_link import FrontendSide
 
     from fdx.config import make_config
     from fdx.core.plugins import get_plugins
