@@ -17,12 +17,52 @@ import time
 from typing import Any, Callable
 
 import attrs
+import msgpack
 import zmq
 
 from fdx.core.ipc import IpcPaths, pid_alive, zmq_socket
-from fdx.core.messages import Message, decode, encode
+from fdx.core.messages import EngineStats, Message, OutputBatch, RequestOutput, decode, encode
 
 log = logging.getLogger("fdx.ipc")
+
+
+#: the RequestOutput fields :func:`decode_output` builds itself (scalars, and
+#: ``new_token_ids``); an output with any other field set, or a change of the
+#: fields, takes :func:`~fdx.core.messages.decode`
+_PLAIN_OUTPUT = ("request_id", "new_token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens",
+                 "num_output_tokens", "error", "error_code", "queue_time")
+_NESTED_OUTPUT = ("logprobs", "prompt_logprobs", "beams")
+_FAST = ({f.name for f in attrs.fields(RequestOutput)} == {*_PLAIN_OUTPUT, *_NESTED_OUTPUT}
+         and [f.name for f in attrs.fields(OutputBatch)] == ["outputs", "stats"])
+_stats_converter = None
+
+
+def decode_output(raw: bytes) -> Message:
+    """:func:`~fdx.core.messages.decode`, with a short path for the
+    message sent every step: an :class:`OutputBatch` of plain outputs (no
+    logprobs, no beams) is built without the generic tagged-union and tuple
+    structuring.  The result equals ``decode(raw)``."""
+    global _stats_converter
+    if not _FAST:
+        return decode(raw)
+    d = msgpack.unpackb(raw)
+    if not isinstance(d, dict) or d.get("_t") != "OutputBatch":
+        return decode(raw)
+    outs = []
+    for o in d["outputs"]:
+        if len(o) != 12 or o["logprobs"] is not None or o["prompt_logprobs"] is not None or o["beams"] is not None:
+            return decode(raw)
+        outs.append(RequestOutput(o["request_id"], tuple(o["new_token_ids"]), o["finish_reason"],
+                                  o["num_prompt_tokens"], o["num_cached_tokens"], o["num_output_tokens"], None,
+                                  o["error"], o["error_code"], o["queue_time"]))
+    stats = d.get("stats")
+    if stats is not None:
+        if _stats_converter is None:
+            from cattrs.preconf.msgpack import make_converter
+
+            _stats_converter = make_converter()
+        stats = _stats_converter.structure(stats, EngineStats)
+    return OutputBatch(tuple(outs), stats)
 
 
 class FrontendSide:
@@ -59,11 +99,16 @@ class FrontendSide:
         time: the watch loop calls it too, so a missed edge of ZMQ's
         edge-triggered descriptor cannot strand a message)."""
         sock = self.out
+        getsockopt, recv = sock.getsockopt, sock.recv
+        events, pollin, noblock = zmq.EVENTS, zmq.POLLIN, zmq.NOBLOCK
 
         def drain() -> None:
             while True:
                 try:
-                    raw = sock.recv(zmq.NOBLOCK, copy=True)
+                    # EVENTS first: no zmq.Again raised at the end of every drain
+                    if not getsockopt(events) & pollin:
+                        return
+                    raw = recv(noblock)
                 except zmq.Again:
                     return
                 except zmq.ZMQError as exc:
@@ -71,7 +116,7 @@ class FrontendSide:
                         log.error("engine channel error: %s", exc)
                     return
                 try:
-                    msg = decode(raw)
+                    msg = decode_output(raw)
                 except Exception:  # noqa: BLE001 - a garbled message must not stop the reader
                     log.exception("cannot decode an engine message")
                     continue
