@@ -82,6 +82,15 @@ def main() -> None:
             sd.close()
         sys.exit(1)
     class _Server(uvicorn.Server):
+        async def main_loop(self) -> None:
+            # uvicorn's loop wakes every 0.1 s (an idle cost paid per second of
+            # streaming): every 0.5 s is enough for its date header (refreshed
+            # each tick) and for noticing should_exit (a signal, the parent gone)
+            import asyncio
+
+            while not await self.on_tick(0):
+                await asyncio.sleep(0.5)
+
         async def shutdown(self, sockets: Any = None) -> None:
             # end open streams at once (503 event) instead of waiting out the grace period
             client.fail_pending("request aborted: server shutting down")
