@@ -86,11 +86,30 @@ def _measure(base: str, api: int, conc: int, n: int) -> float:
     return (cpu_seconds(api) - a0) / (conc * n) * 1e6
 
 
+@contextlib.contextmanager
+def serve_from(root: str, *args: str) -> Iterator[tuple[str, object]]:
+    """``fdx serve`` of the checkout at ``root``: its processes start there
+    (``python -m`` puts the working directory first on ``sys.path``, before
+    ``PYTHONPATH``) and import ``fdx`` from it."""
+    here = os.getcwd()
+    os.chdir(root)
+    try:
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        cm = start_server(*args, env=env)
+        served = cm.__enter__()
+    finally:
+        os.chdir(here)
+    try:
+        yield served
+    finally:
+        cm.__exit__(*sys.exc_info())
+
+
 def compare(a: argparse.Namespace) -> None:
     args = ("--max-num-seqs", str(max(a.conc)), "--num-kv-blocks", "2048")
-    with baseline_checkout(a.baseline) as path, start_server(*args) as (new, _p1), \
-            start_server(*args, env={"PYTHONPATH": os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")]))}
-                         ) as (old, _p2):
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+    with baseline_checkout(a.baseline) as path, serve_from(root, *args) as (new, _p1), \
+            serve_from(path, *args) as (old, _p2):
         apis = {u: httpx.get(u + "/health").json()["api_pid"] for u in (old, new)}
         for u in (old, new):
             asyncio.run(_run(u, 4, 4))  # warm-up
