@@ -8,8 +8,9 @@ directory (``ipc://`` sockets), so two servers on one machine never collide:
 * ``out``: engine PUSH (connect) -> front end PULL (bind): OutputBatch,
   ControlReply, Heartbeat, EngineReady, EngineFailed.
 
-A dead peer is detected by the heartbeat (see :class:`Liveness`), never by
-waiting forever on a socket.
+The front end's half (its sockets and the engine's liveness) is
+:mod:`fdx.deploy.engine_link`.  A dead peer is detected by the heartbeat,
+never by waiting forever on a socket.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from typing import Any
 
 import attrs
@@ -77,7 +77,7 @@ def child_args(argv: list[str]) -> tuple[dict[str, Any], str, int | None]:
     return read_config(int(argv[1])), argv[2], int(argv[3]) if len(argv) > 3 else None
 
 
-def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+def zmq_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     s = ctx.socket(kind)
     s.setsockopt(zmq.LINGER, 0)
     if kind == zmq.PUSH:
@@ -92,9 +92,9 @@ class EngineSide:
 
     def __init__(self, paths: IpcPaths) -> None:
         self.ctx = zmq.Context()
-        self.inp = _socket(self.ctx, zmq.PULL)
+        self.inp = zmq_socket(self.ctx, zmq.PULL)
         self.inp.connect(paths.input_addr)
-        self.out = _socket(self.ctx, zmq.PUSH)
+        self.out = zmq_socket(self.ctx, zmq.PUSH)
         self.out.connect(paths.output_addr)
         self.poller = zmq.Poller()
         self.poller.register(self.inp, zmq.POLLIN)
@@ -122,91 +122,6 @@ class EngineSide:
         self.inp.close(0)
         self.out.close(0)
         self.ctx.term()
-
-
-class FrontendSide:
-    """The front end's end (asyncio sockets): binds both channels."""
-
-    def __init__(self, paths: IpcPaths) -> None:
-        import zmq.asyncio
-
-        self.paths = paths
-        self.ctx = zmq.asyncio.Context()
-        self.inp = _socket(self.ctx, zmq.PUSH)
-        self.inp.bind(paths.input_addr)
-        self.out = _socket(self.ctx, zmq.PULL)
-        self.out.bind(paths.output_addr)
-
-    async def send(self, msg: Message) -> None:
-        await self.inp.send(encode(msg))
-
-    def send_nowait(self, msg: Message) -> Any:
-        return self.send_bytes_nowait(encode(msg))
-
-    def send_bytes_nowait(self, data: bytes) -> Any:
-        """Queue already-encoded bytes; returns pyzmq's send future (which
-        holds ``zmq.Again`` when no engine is connected)."""
-        return self.inp.send(data, zmq.NOBLOCK)
-
-    async def recv(self) -> Message:
-        return decode(await self.out.recv())
-
-    def close(self) -> None:
-        self.inp.close(0)
-        self.out.close(0)
-        self.ctx.term()
-
-
-@attrs.define
-class Liveness:
-    """Tracks whether the engine is alive from its heartbeats and pid.
-
-    Two bounds: no message for ``timeout`` seconds means *unresponsive*
-    (requests fail with 503; it may still come back), and no progress for
-    ``step_timeout`` seconds -- a step running that long per the heartbeat's
-    ``busy_s``, or silence that long -- means *hung*: the front end kills
-    it, and the supervisor starts a new one."""
-
-    timeout: float
-    step_timeout: float = 120.0
-    pid: int | None = None
-    last_seen: float = attrs.field(factory=time.monotonic)
-    busy_s: float = 0.0  # the engine loop's busy time at ``last_seen``
-    steps: int = 0
-    dead_reason: str | None = None
-
-    def beat(self, busy_s: float = 0.0, steps: int | None = None) -> None:
-        self.last_seen = time.monotonic()
-        self.busy_s = busy_s
-        if steps is not None:
-            self.steps = steps
-
-    def stalled_s(self) -> float:
-        """Seconds without progress: the step in progress at the last
-        message plus the silence since."""
-        return self.busy_s + (time.monotonic() - self.last_seen)
-
-    def hung(self) -> str | None:
-        """A reason when the engine made no progress for ``step_timeout``."""
-        stalled = self.stalled_s()
-        if stalled <= self.step_timeout:
-            return None
-        silent = time.monotonic() - self.last_seen
-        if silent > self.timeout:
-            return f"engine sent nothing for {silent:.0f}s (hung; --step-timeout {self.step_timeout:g}s)"
-        return f"engine step has run for {stalled:.0f}s (hung; --step-timeout {self.step_timeout:g}s)"
-
-    def check(self) -> str | None:
-        """``None`` while alive, else a one-line reason (sticky)."""
-        if self.dead_reason is not None:
-            return self.dead_reason
-        if self.pid is not None and not pid_alive(self.pid):
-            self.dead_reason = f"engine process {self.pid} exited"
-        elif time.monotonic() - self.last_seen > self.timeout:
-            self.dead_reason = f"engine sent no heartbeat for {self.timeout:.1f}s (hung or dead)"
-        else:
-            self.dead_reason = self.hung()
-        return self.dead_reason
 
 
 def pid_alive(pid: int) -> bool:

@@ -31,7 +31,8 @@ import attrs
 
 if TYPE_CHECKING:
     from fdx.config import EngineConfig
-    from fdx.core.ipc import FrontendSide, IpcPaths
+    from fdx.core.ipc import IpcPaths
+    from fdx.deploy.engine_link import FrontendSide
     from fdx.deploy.frontend import EngineFrontend
 
 

@@ -1,9 +1,9 @@
 """The API process's connection to the engine process.
 
-:class:`EngineClient` owns the bound :class:`~fdx.core.ipc.FrontendSide`.
-One background task receives every engine message and routes each
+:class:`EngineClient` owns the bound :class:`~fdx.deploy.engine_link.FrontendSide`.
+A reader on the event loop receives every engine message and routes each
 :class:`RequestOutput` to the sink queue of its :class:`RequestHandle`;
-another watches :class:`~fdx.core.ipc.Liveness`.  Invariants:
+a task watches :class:`~fdx.deploy.engine_link.Liveness`.  Invariants:
 
 * every submitted handle receives exactly one terminal item on its sink: a
   ``RequestOutput`` with ``finish_reason`` set, or an exception
@@ -40,8 +40,9 @@ import zmq
 
 from fdx.config import EngineConfig
 from fdx.core.errors import RequestError
+from fdx.deploy.engine_link import FrontendSide, Liveness
 from fdx.deploy.frontend import ControlCallError, EngineHealth, EngineUnavailable, RequestHandle, Sink
-from fdx.core.ipc import FrontendSide, IpcPaths, Liveness, pid_alive
+from fdx.core.ipc import IpcPaths, pid_alive
 from fdx.core.messages import (
     AbortRequest,
     AddRequest,
@@ -92,6 +93,7 @@ class EngineClient:
         self._live: dict[str, RequestHandle] = {}
         self._calls: dict[str, asyncio.Future[ControlReply]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._drain: Callable[[], None] = lambda: None
         self._closed = False
         self._hung_ids: list[str] | None = None  # set while a live engine is declared unresponsive
         self._crash_pid: int | None = None  # the engine whose crash was last counted
@@ -115,13 +117,15 @@ class EngineClient:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._recv_loop()), loop.create_task(self._watch_loop())]
+        self._drain = self.side.start_reader(self._dispatch)
+        self._tasks = [loop.create_task(self._watch_loop())]
 
     async def close(self, shutdown_engine: bool = True, reason: str = "server shutting down") -> None:
         """Fail what is pending, tell the engine to exit, close the sockets."""
         if self._closed:
             return
         self._closed = True
+        self.side.stop_reader()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -336,26 +340,6 @@ class EngineClient:
         h.done = True
         self._live.pop(h.request_id, None)
 
-    async def _recv_loop(self) -> None:
-        while True:
-            try:
-                msg = await self.side.recv()
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as exc:
-                if self._closed:
-                    return
-                log.error("engine channel error: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
-            except Exception:  # noqa: BLE001 - a garbled message must not kill the loop
-                log.exception("cannot decode an engine message")
-                continue
-            try:
-                self._dispatch(msg)
-            except Exception:  # noqa: BLE001
-                log.exception("error handling %s", type(msg).__name__)
-
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Heartbeat) and msg.pid and (self.engine is None or msg.pid != self.engine.pid):
             return  # a dead engine's last beat, or a new one's before its EngineReady
@@ -460,6 +444,7 @@ class EngineClient:
         while True:
             await asyncio.sleep(period)
             try:
+                self._drain()  # (a missed wake-up of the reader cannot strand a message)
                 self._watch_once()
             except Exception:  # noqa: BLE001 - the watch must go on
                 log.exception("engine liveness check failed")

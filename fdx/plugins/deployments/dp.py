@@ -27,7 +27,7 @@ from fdx.deploy.deployment import Deployment, EngineProcess
 if TYPE_CHECKING:
     from fdx.config import EngineConfig
     from fdx.core.hookspecs import Register
-    from fdx.core.ipc import FrontendSide
+    from fdx.deploy.engine_link import FrontendSide
     from fdx.deploy.frontend import EngineFrontend
 
 

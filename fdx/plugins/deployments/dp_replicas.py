@@ -35,7 +35,8 @@ from typing import Any, Callable, Iterable
 import attrs
 
 from fdx.config import EngineConfig
-from fdx.core.ipc import FrontendSide, IpcPaths
+from fdx.core.ipc import IpcPaths
+from fdx.deploy.engine_link import FrontendSide
 from fdx.core.messages import EngineReady, EngineStats, SamplingParams
 from fdx.deploy.engine_client import EngineClient
 from fdx.deploy.frontend import ControlCallError, EngineHealth, EngineUnavailable, RequestHandle, Sink

@@ -11,7 +11,8 @@ from fdx.deploy.deployment import Deployment, EngineProcess
 
 if TYPE_CHECKING:
     from fdx.core.hookspecs import Register
-    from fdx.core.ipc import FrontendSide, IpcPaths
+    from fdx.core.ipc import IpcPaths
+    from fdx.deploy.engine_link import FrontendSide
     from fdx.deploy.frontend import EngineFrontend
 
 

@@ -352,6 +352,24 @@ async def respond(request: Request, gen: Generation, endpoint: Endpoint, stream:
                                lambda: gen.abort("client disconnected"))
 
 
+class _ChunkTemplate:
+    """The constant bytes of a request's SSE chunks around its one choice
+    (id, object, created, model; ``"usage": null``), encoded once: each
+    chunk then encodes only its choice.  The bytes equal ``json.dumps`` of
+    the whole chunk."""
+
+    __slots__ = ("head", "tail")
+
+    def __init__(self, gen: Generation, endpoint: Endpoint, include_usage: bool) -> None:
+        d = json.dumps
+        self.head = (f'data: {{"id": {d(gen.id, ensure_ascii=False)}, "object": {d(endpoint.object_chunk)}, '
+                     f'"created": {gen.created}, "model": {d(gen.model, ensure_ascii=False)}, "choices": [').encode()
+        self.tail = b'], "usage": null}\n\n' if include_usage else b"]}\n\n"
+
+    def chunk(self, choice: dict[str, Any]) -> bytes:
+        return self.head + json.dumps(choice, ensure_ascii=False).encode() + self.tail
+
+
 def _chunk(gen: Generation, endpoint: Endpoint, choices: list[dict[str, Any]], include_usage: bool,
            top: dict[str, Any] | None = None) -> bytes:
     body = {
@@ -379,6 +397,7 @@ async def _sse(gen: Generation, endpoint: Endpoint, agen: AsyncIterator[list[Out
             yield _chunk(gen, endpoint, head, include_usage, top)
             top = None
         batch: Sequence[OutputEvent] | None = first
+        tpl = None if gen.continuous_usage else _ChunkTemplate(gen, endpoint, include_usage)
         try:
             while batch is not None:
                 # one chunk per choice event keeps clients that read choices[0] correct
@@ -386,9 +405,13 @@ async def _sse(gen: Generation, endpoint: Endpoint, agen: AsyncIterator[list[Out
                 for ev in batch:
                     gen.shown[ev.index] += len(ev.token_ids)
                     c = endpoint.delta(gen, ev)
-                    if c is not None:
+                    if c is None:
+                        continue
+                    if top or tpl is None:
                         out.append(_chunk(gen, endpoint, [c], include_usage, top))
-                        top = None
+                    else:
+                        out.append(tpl.chunk(c))
+                    top = None
                 if out:
                     yield b"".join(out)
                 try:
