@@ -52,10 +52,16 @@
 // int8 kinds, and bit-identical across thread counts.
 
 #include <omp.h>
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -441,6 +447,177 @@ void gemm_range_g1(const int8_t* xq, const float* dx, const float* sx, const uin
   }
 }
 
+
+// ---------------------------------------------------------------- AMX-INT8
+//
+// Where the build targets AMX (an AVX-512 build with -march=native on a CPU
+// with AMX-TILE/AMX-INT8: Sapphire Rapids and later) and the CPU and Linux
+// allow it at run time, rows in tiles of 16 run the block sums on the tile
+// unit: for each block b, one tdpbssd of the 16 rows' 32 int8 activations
+// (A: 16 x 32 bytes) by 16 columns' 32 quants (B: 8 rows of 4 k x 16
+// columns, the same 4-byte k groups as vpdpbusd reads) gives the EXACT int32
+// block sums isum[m][n][b] -- the integers every other path computes -- and
+// the float epilogue is the BATCH INVARIANCE sequence above, per element in
+// block order (16 columns a zmm instead of 8 a ymm: the same IEEE ops per
+// lane).  So the bits equal the VNNI, AVX2 and numpy references'.  B is made
+// per pair of column groups from the packed blocks (Q8: two groups' 32-byte
+// chunks side by side; Q4: the nibbles unpacked to bytes), once for all row
+// tiles.  Rows past the last full tile of 16 run the vector tiles.
+// FDX_NATIVE_AMX=0 turns the path off (read per call: tests compare both).
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+#define FDX_QGEMM_AMX 1
+
+// The CPU has AMX-TILE and AMX-INT8 (CPUID.7.0:EDX bits 24, 25) and Linux
+// granted this process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA): asked once per process.
+bool amx_permitted() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 24) & 1u) || !((d >> 25) & 1u)) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return ok;
+}
+
+bool amx_enabled() {
+  const char* e = std::getenv("FDX_NATIVE_AMX");
+  return !(e && std::strcmp(e, "0") == 0) && amx_permitted();
+}
+
+constexpr int kAmxRows = 16;
+
+// Palette 1: tiles 0-1 C (16 x 16 int32), 2-3 A (16 x 32 bytes), 4-5 B
+// (8 x 64 bytes).  Loaded by every thread on each call (another library may
+// have loaded its own configuration on this thread since).
+void amx_config() {
+  struct alignas(64) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 2; ++t) {
+    cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    cfg.colsb[2 + t] = 32, cfg.rows[2 + t] = 16;
+    cfg.colsb[4 + t] = 64, cfg.rows[4 + t] = 8;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Groups g, g + 1 (the second only if two) -> B tiles wb[nb][8][64] (row r:
+// k 4r..4r+3 of each of the 16 columns) and their scales as float32
+// (dw, mw [nb][16]; _mm256_cvtph_ps is exact).  A missing group is zeros.
+template <int KIND>
+void amx_pack_pair(const uint8_t* const* blk, int ng, int64_t nb, int8_t* wb, float* dw, float* mw) {
+  constexpr int64_t BB = KIND == 4 ? kQ4Bytes : kQ8Bytes;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    int8_t* t = wb + b * 512;
+    for (int h = 0; h < 2; ++h) {
+      if (h >= ng) {
+        for (int r = 0; r < 8; ++r) _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + 64 * r + 32 * h), _mm256_setzero_si256());
+        _mm256_storeu_ps(dw + 16 * b + 8 * h, _mm256_setzero_ps());
+        _mm256_storeu_ps(mw + 16 * b + 8 * h, _mm256_setzero_ps());
+        continue;
+      }
+      const uint8_t* q = blk[h] + b * BB;
+      if constexpr (KIND == 4) {
+        for (int c = 0; c < 4; ++c) {  // chunk c: low nibbles k 8c..8c+3, high nibbles k 8c+4..8c+7
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + 64 * (2 * c) + 32 * h), _mm256_and_si256(raw, low4));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + 64 * (2 * c + 1) + 32 * h),
+                              _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
+        }
+        _mm256_storeu_ps(dw + 16 * b + 8 * h, half8(q + 128));
+        _mm256_storeu_ps(mw + 16 * b + 8 * h, half8(q + 144));
+      } else {
+        for (int c = 0; c < 8; ++c)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + 64 * c + 32 * h),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c)));
+        _mm256_storeu_ps(dw + 16 * b + 8 * h, half8(q + 256));
+        _mm256_storeu_ps(mw + 16 * b + 8 * h, _mm256_setzero_ps());
+      }
+    }
+  }
+}
+
+// One block's epilogue for 16 rows x 16 columns: the int32 sums c[16][16].
+template <int KIND>
+inline void amx_epilogue(const int32_t* c, const float* dxb, const float* sxb, int64_t nb, __m512 dwv, __m512 mwv,
+                         __m512* acc) {
+  for (int r = 0; r < kAmxRows; ++r) {
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r));
+    acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dwv, _mm512_set1_ps(dxb[r * nb])), acc[r]);
+    if constexpr (KIND == 4) acc[r] = _mm512_fmadd_ps(mwv, _mm512_set1_ps(sxb[r * nb]), acc[r]);
+  }
+}
+
+// 16 rows from m0 x the pair's 16 columns (ncols of them stored), every block.
+template <int KIND>
+void amx_tile(const int8_t* xq, const float* dx, const float* sx, int64_t K, int64_t nb, const int8_t* wb,
+              const float* dw, const float* mw, float* out, int64_t N, int ncols) {
+  __m512 acc[kAmxRows];
+  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  alignas(64) int32_t c0[16 * 16], c1[16 * 16];
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {  // two blocks in flight: the tile unit works on b + 1 while b's epilogue runs
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, xq + b * 32, K);
+    _tile_loadd(4, wb + b * 512, 64);
+    _tile_loadd(3, xq + (b + 1) * 32, K);
+    _tile_loadd(5, wb + (b + 1) * 512, 64);
+    _tile_dpbssd(0, 2, 4);
+    _tile_dpbssd(1, 3, 5);
+    _tile_stored(0, c0, 64);
+    _tile_stored(1, c1, 64);
+    amx_epilogue<KIND>(c0, dx + b, sx + b, nb, _mm512_loadu_ps(dw + 16 * b), _mm512_loadu_ps(mw + 16 * b), acc);
+    amx_epilogue<KIND>(c1, dx + b + 1, sx + b + 1, nb, _mm512_loadu_ps(dw + 16 * (b + 1)),
+                       _mm512_loadu_ps(mw + 16 * (b + 1)), acc);
+  }
+  if (b < nb) {
+    _tile_zero(0);
+    _tile_loadd(2, xq + b * 32, K);
+    _tile_loadd(4, wb + b * 512, 64);
+    _tile_dpbssd(0, 2, 4);
+    _tile_stored(0, c0, 64);
+    amx_epilogue<KIND>(c0, dx + b, sx + b, nb, _mm512_loadu_ps(dw + 16 * b), _mm512_loadu_ps(mw + 16 * b), acc);
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << ncols) - 1u);
+  for (int r = 0; r < kAmxRows; ++r) _mm512_mask_storeu_ps(out + r * N, mask, acc[r]);
+}
+
+// Rows [0, M16) (a multiple of 16) x groups [g0, g1) on the tile unit.
+template <int KIND>
+void gemm_range_amx(const int8_t* xq, const float* dx, const float* sx, const uint8_t* w, float* out, int64_t M16,
+                    int64_t K, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t nb = K / 32;
+  const int64_t BB = KIND == 4 ? kQ4Bytes : kQ8Bytes;
+  thread_local std::vector<int8_t> wb;
+  thread_local std::vector<float> sc;
+  if (static_cast<int64_t>(wb.size()) < nb * 512) wb.resize(nb * 512);
+  if (static_cast<int64_t>(sc.size()) < nb * 32) sc.resize(nb * 32);
+  float* dw = sc.data();
+  float* mw = sc.data() + nb * 16;
+  amx_config();
+  for (int64_t g = g0; g < g1; g += 2) {
+    const int ng = static_cast<int>(std::min<int64_t>(2, g1 - g));
+    const uint8_t* blk[2];
+    int nc[2];
+    group_ptrs(w, g, ng, nb, BB, N, blk, nc);
+    amx_pack_pair<KIND>(blk, ng, nb, wb.data(), dw, mw);
+    const int ncols = nc[0] + (ng == 2 ? nc[1] : 0);
+    for (int64_t m0 = 0; m0 < M16; m0 += kAmxRows)
+      amx_tile<KIND>(xq + m0 * K, dx + m0 * nb, sx + m0 * nb, K, nb, wb.data(), dw, mw, out + m0 * N + 8 * g, N,
+                     ncols);
+  }
+  _tile_release();
+}
+#else
+bool amx_enabled() { return false; }
+#endif
+
 // ---------------------------------------------------------------- bfloat16
 
 // fp32 -> the bf16 bit pattern: round to nearest even, denormals to (signed)
@@ -607,6 +784,8 @@ void run(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int
     else quantize_row(x + m * K, K, xq + m * K, dx + m * nb, sx + m * nb);
   };
   const bool par_prep = M * K >= (1 << 15);
+  const bool use_amx = KIND != 16 && M >= 16 && amx_enabled();
+  (void)use_amx;
   if (!par_prep)
     for (int64_t m = 0; m < M; ++m) prepare(m);
 #pragma omp parallel if (G >= 16)
@@ -625,10 +804,18 @@ void run(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int
       if constexpr (KIND == 16) {
         FtzDaz ftz;
         gemm_range_bf16(xr, K, w, out, M, K, N, g0, g1);
-      } else if (KIND == 4 && M > 1) {
-        gemm_range<KIND>(xq, dx, sx, w, out, M, K, N, g0, g1);
-      } else {  // Q8_0, and M = 1 (memory bound: the weights stream one group at a time)
-        gemm_range_g1<KIND>(xq, dx, sx, w, out, M, K, N, g0, g1);
+      } else {
+        // AMX: the full tiles of 16 rows; the vector tiles take the rest
+        const int64_t m16 = use_amx ? M / 16 * 16 : 0;
+#ifdef FDX_QGEMM_AMX
+        if (m16 > 0) gemm_range_amx<KIND>(xq, dx, sx, w, out, m16, K, N, g0, g1);
+#endif
+        const int64_t mt = M - m16;
+        const int8_t* xt = xq + m16 * K;
+        const float *dt = dx + m16 * nb, *st = sx + m16 * nb;
+        float* ot = out + m16 * N;
+        if (mt > 0 && KIND == 4 && mt > 1) gemm_range<KIND>(xt, dt, st, w, ot, mt, K, N, g0, g1);
+        else if (mt > 0) gemm_range_g1<KIND>(xt, dt, st, w, ot, mt, K, N, g0, g1);  // Q8_0, and 1 row (memory bound)
       }
     }
   }
@@ -672,17 +859,19 @@ PD_BUILD_OP(fdx_qgemm)
     .SetInferShapeFn(PD_INFER_SHAPE(QGemmInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(QGemmInferDtype));
 
-// Which dot products the build uses, as a 2-element int32 tensor: [0] int8
-// (1 = vpdpbusd, 0 = vpmaddubsw), [1] bf16 (1 = vdpbf16ps, 0 = two fmas);
+// Which dot products the build uses, as a 3-element int32 tensor: [0] int8
+// (1 = vpdpbusd, 0 = vpmaddubsw), [1] bf16 (1 = vdpbf16ps, 0 = two fmas),
+// [2] 1 where the int8 tiles of 16 rows run on AMX now (FDX_NATIVE_AMX);
 // native.py logs them once.
 std::vector<paddle::Tensor> QGemmDot(const paddle::Tensor& x) {
-  auto out = paddle::empty({2}, paddle::DataType::INT32, x.place());
+  auto out = paddle::empty({3}, paddle::DataType::INT32, x.place());
   out.data<int32_t>()[0] = std::strcmp(kDot, "vnni") == 0 ? 1 : 0;
   out.data<int32_t>()[1] = std::strcmp(kBf16Dot, "vdpbf16ps") == 0 ? 1 : 0;
+  out.data<int32_t>()[2] = amx_enabled() ? 1 : 0;
   return {out};
 }
 
-std::vector<std::vector<int64_t>> QGemmDotShape(const std::vector<int64_t>& x) { return {{2}}; }
+std::vector<std::vector<int64_t>> QGemmDotShape(const std::vector<int64_t>& x) { return {{3}}; }
 
 std::vector<paddle::DataType> QGemmDotDtype(const paddle::DataType& x) { return {paddle::DataType::INT32}; }
 
