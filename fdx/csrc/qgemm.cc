@@ -487,7 +487,7 @@ bool amx_enabled() {
 
 constexpr int kAmxRows = 16;
 
-// Palette 1: tiles 0-1 C (16 x 16 int32), 2-3 A (16 x 32 bytes), 4-5 B
+// Palette 1: tiles 0-3 C (16 x 16 int32), 4-5 A (16 x 32 bytes), 6-7 B
 // (8 x 64 bytes).  Loaded by every thread on each call (another library may
 // have loaded its own configuration on this thread since).
 void amx_config() {
@@ -497,11 +497,9 @@ void amx_config() {
     uint8_t rows[16];
   } cfg{};
   cfg.palette = 1;
-  for (int t = 0; t < 2; ++t) {
-    cfg.colsb[t] = 64, cfg.rows[t] = 16;
-    cfg.colsb[2 + t] = 32, cfg.rows[2 + t] = 16;
-    cfg.colsb[4 + t] = 64, cfg.rows[4 + t] = 8;
-  }
+  for (int t = 0; t < 4; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  for (int t = 4; t < 6; ++t) cfg.colsb[t] = 32, cfg.rows[t] = 16;
+  for (int t = 6; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 8;
   _tile_loadconfig(&cfg);
 }
 
@@ -542,47 +540,64 @@ void amx_pack_pair(const uint8_t* const* blk, int ng, int64_t nb, int8_t* wb, fl
   }
 }
 
-// One block's epilogue for 16 rows x 16 columns: the int32 sums c[16][16].
+// One block's epilogue for 16 rows x 16 columns: the int32 sums c[16][16],
+// the rows' scales dxb[16] and scaled sums sxb[16] of this block.
 template <int KIND>
-inline void amx_epilogue(const int32_t* c, const float* dxb, const float* sxb, int64_t nb, __m512 dwv, __m512 mwv,
-                         __m512* acc) {
+inline void amx_epilogue(const int32_t* c, const float* dxb, const float* sxb, __m512 dwv, __m512 mwv, __m512* acc) {
+#pragma GCC unroll 16
   for (int r = 0; r < kAmxRows; ++r) {
     const __m512 f = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r));
-    acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dwv, _mm512_set1_ps(dxb[r * nb])), acc[r]);
-    if constexpr (KIND == 4) acc[r] = _mm512_fmadd_ps(mwv, _mm512_set1_ps(sxb[r * nb]), acc[r]);
+    acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dwv, _mm512_set1_ps(dxb[r])), acc[r]);
+    if constexpr (KIND == 4) acc[r] = _mm512_fmadd_ps(mwv, _mm512_set1_ps(sxb[r]), acc[r]);
   }
 }
 
-// 16 rows from m0 x the pair's 16 columns (ncols of them stored), every block.
+// 16 rows x the pair's 16 columns (ncols of them stored), every block.
+//   xq: the rows' int8 activations (K apart), dx/sx [nb][16]: their block scales and scaled sums.
 template <int KIND>
 void amx_tile(const int8_t* xq, const float* dx, const float* sx, int64_t K, int64_t nb, const int8_t* wb,
               const float* dw, const float* mw, float* out, int64_t N, int ncols) {
-  __m512 acc[kAmxRows];
+  __m512 acc[kAmxRows];  // 16 zmm: kept in registers (the epilogue's loop is unrolled)
+#pragma GCC unroll 16
   for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
-  alignas(64) int32_t c0[16 * 16], c1[16 * 16];
+  // Blocks in groups of 4: four tdpbssd in flight (C tiles 0-3; the A and
+  // B tiles alternate 4/6, 5/7), then their sums stored and the four
+  // epilogues run in block order; a last group of 1-3 blocks one by one.
+  alignas(64) int32_t c[4][16 * 16];
+  auto epilogue = [&](const int32_t* cb, int64_t b) {
+    amx_epilogue<KIND>(cb, dx + 16 * b, sx + 16 * b, _mm512_loadu_ps(dw + 16 * b), _mm512_loadu_ps(mw + 16 * b), acc);
+  };
   int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {  // two blocks in flight: the tile unit works on b + 1 while b's epilogue runs
+  for (; b + 4 <= nb; b += 4) {
     _tile_zero(0);
     _tile_zero(1);
-    _tile_loadd(2, xq + b * 32, K);
-    _tile_loadd(4, wb + b * 512, 64);
-    _tile_loadd(3, xq + (b + 1) * 32, K);
-    _tile_loadd(5, wb + (b + 1) * 512, 64);
-    _tile_dpbssd(0, 2, 4);
-    _tile_dpbssd(1, 3, 5);
-    _tile_stored(0, c0, 64);
-    _tile_stored(1, c1, 64);
-    amx_epilogue<KIND>(c0, dx + b, sx + b, nb, _mm512_loadu_ps(dw + 16 * b), _mm512_loadu_ps(mw + 16 * b), acc);
-    amx_epilogue<KIND>(c1, dx + b + 1, sx + b + 1, nb, _mm512_loadu_ps(dw + 16 * (b + 1)),
-                       _mm512_loadu_ps(mw + 16 * (b + 1)), acc);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, xq + b * 32, K);
+    _tile_loadd(6, wb + b * 512, 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_loadd(5, xq + (b + 1) * 32, K);
+    _tile_loadd(7, wb + (b + 1) * 512, 64);
+    _tile_dpbssd(1, 5, 7);
+    _tile_loadd(4, xq + (b + 2) * 32, K);
+    _tile_loadd(6, wb + (b + 2) * 512, 64);
+    _tile_dpbssd(2, 4, 6);
+    _tile_loadd(5, xq + (b + 3) * 32, K);
+    _tile_loadd(7, wb + (b + 3) * 512, 64);
+    _tile_dpbssd(3, 5, 7);
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+    for (int i = 0; i < 4; ++i) epilogue(c[i], b + i);
   }
-  if (b < nb) {
+  for (; b < nb; ++b) {
     _tile_zero(0);
-    _tile_loadd(2, xq + b * 32, K);
-    _tile_loadd(4, wb + b * 512, 64);
-    _tile_dpbssd(0, 2, 4);
-    _tile_stored(0, c0, 64);
-    amx_epilogue<KIND>(c0, dx + b, sx + b, nb, _mm512_loadu_ps(dw + 16 * b), _mm512_loadu_ps(mw + 16 * b), acc);
+    _tile_loadd(4, xq + b * 32, K);
+    _tile_loadd(6, wb + b * 512, 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_stored(0, c[0], 64);
+    epilogue(c[0], b);
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << ncols) - 1u);
   for (int r = 0; r < kAmxRows; ++r) _mm512_mask_storeu_ps(out + r * N, mask, acc[r]);
@@ -595,11 +610,21 @@ void gemm_range_amx(const int8_t* xq, const float* dx, const float* sx, const ui
   const int64_t nb = K / 32;
   const int64_t BB = KIND == 4 ? kQ4Bytes : kQ8Bytes;
   thread_local std::vector<int8_t> wb;
-  thread_local std::vector<float> sc;
+  thread_local std::vector<float> sc, rs;
   if (static_cast<int64_t>(wb.size()) < nb * 512) wb.resize(nb * 512);
   if (static_cast<int64_t>(sc.size()) < nb * 32) sc.resize(nb * 32);
+  if (static_cast<int64_t>(rs.size()) < 2 * M16 * nb) rs.resize(2 * M16 * nb);
   float* dw = sc.data();
   float* mw = sc.data() + nb * 16;
+  // the rows' scales by tile of 16 rows, block, row: one pointer serves a block's 16 rows
+  float* dt = rs.data();
+  float* st = rs.data() + M16 * nb;
+  for (int64_t t = 0; t < M16 / kAmxRows; ++t)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int r = 0; r < kAmxRows; ++r) {
+        dt[(t * nb + b) * kAmxRows + r] = dx[(t * kAmxRows + r) * nb + b];
+        st[(t * nb + b) * kAmxRows + r] = sx[(t * kAmxRows + r) * nb + b];
+      }
   amx_config();
   for (int64_t g = g0; g < g1; g += 2) {
     const int ng = static_cast<int>(std::min<int64_t>(2, g1 - g));
@@ -609,7 +634,7 @@ void gemm_range_amx(const int8_t* xq, const float* dx, const float* sx, const ui
     amx_pack_pair<KIND>(blk, ng, nb, wb.data(), dw, mw);
     const int ncols = nc[0] + (ng == 2 ? nc[1] : 0);
     for (int64_t m0 = 0; m0 < M16; m0 += kAmxRows)
-      amx_tile<KIND>(xq + m0 * K, dx + m0 * nb, sx + m0 * nb, K, nb, wb.data(), dw, mw, out + m0 * N + 8 * g, N,
+      amx_tile<KIND>(xq + m0 * K, dt + m0 * nb, st + m0 * nb, K, nb, wb.data(), dw, mw, out + m0 * N + 8 * g, N,
                      ncols);
   }
   _tile_release();
