@@ -509,33 +509,33 @@ void amx_config() {
 template <int KIND>
 void amx_pack_pair(const uint8_t* const* blk, int ng, int64_t nb, int8_t* wb, float* dw, float* mw) {
   constexpr int64_t BB = KIND == 4 ? kQ4Bytes : kQ8Bytes;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // 32 bytes of each group side by side in one zmm (the second zeros if one group)
+  auto pair32 = [&](int64_t off) {
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[0] + off));
+    const __m256i hi = ng == 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[1] + off)) : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  };
+  // 8 fp16 scales of each group -> 16 floats (exact)
+  auto scales16 = [&](int64_t off) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[0] + off));
+    const __m128i hi = ng == 2 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[1] + off)) : _mm_setzero_si128();
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+  };
   for (int64_t b = 0; b < nb; ++b) {
     int8_t* t = wb + b * 512;
-    for (int h = 0; h < 2; ++h) {
-      if (h >= ng) {
-        for (int r = 0; r < 8; ++r) _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + 64 * r + 32 * h), _mm256_setzero_si256());
-        _mm256_storeu_ps(dw + 16 * b + 8 * h, _mm256_setzero_ps());
-        _mm256_storeu_ps(mw + 16 * b + 8 * h, _mm256_setzero_ps());
-        continue;
+    if constexpr (KIND == 4) {
+      for (int c = 0; c < 4; ++c) {  // chunk c: low nibbles k 8c..8c+3, high nibbles k 8c+4..8c+7
+        const __m512i raw = pair32(b * BB + 32 * c);
+        _mm512_storeu_si512(t + 64 * (2 * c), _mm512_and_si512(raw, low4));
+        _mm512_storeu_si512(t + 64 * (2 * c + 1), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
       }
-      const uint8_t* q = blk[h] + b * BB;
-      if constexpr (KIND == 4) {
-        for (int c = 0; c < 4; ++c) {  // chunk c: low nibbles k 8c..8c+3, high nibbles k 8c+4..8c+7
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + 64 * (2 * c) + 32 * h), _mm256_and_si256(raw, low4));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + 64 * (2 * c + 1) + 32 * h),
-                              _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
-        }
-        _mm256_storeu_ps(dw + 16 * b + 8 * h, half8(q + 128));
-        _mm256_storeu_ps(mw + 16 * b + 8 * h, half8(q + 144));
-      } else {
-        for (int c = 0; c < 8; ++c)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + 64 * c + 32 * h),
-                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c)));
-        _mm256_storeu_ps(dw + 16 * b + 8 * h, half8(q + 256));
-        _mm256_storeu_ps(mw + 16 * b + 8 * h, _mm256_setzero_ps());
-      }
+      _mm512_storeu_ps(dw + 16 * b, scales16(b * BB + 128));
+      _mm512_storeu_ps(mw + 16 * b, scales16(b * BB + 144));
+    } else {
+      for (int c = 0; c < 8; ++c) _mm512_storeu_si512(t + 64 * c, pair32(b * BB + 32 * c));
+      _mm512_storeu_ps(dw + 16 * b, scales16(b * BB + 256));
+      _mm512_storeu_ps(mw + 16 * b, _mm512_setzero_ps());
     }
   }
 }
@@ -609,9 +609,10 @@ void gemm_range_amx(const int8_t* xq, const float* dx, const float* sx, const ui
                     int64_t K, int64_t N, int64_t g0, int64_t g1) {
   const int64_t nb = K / 32;
   const int64_t BB = KIND == 4 ? kQ4Bytes : kQ8Bytes;
-  thread_local std::vector<int8_t> wb;
+  thread_local std::vector<__m512i> wbv;  // B tiles, 64-byte aligned (full-line stores and tile loads)
   thread_local std::vector<float> sc, rs;
-  if (static_cast<int64_t>(wb.size()) < nb * 512) wb.resize(nb * 512);
+  if (static_cast<int64_t>(wbv.size()) < nb * 8) wbv.resize(nb * 8);
+  int8_t* wb = reinterpret_cast<int8_t*>(wbv.data());
   if (static_cast<int64_t>(sc.size()) < nb * 32) sc.resize(nb * 32);
   if (static_cast<int64_t>(rs.size()) < 2 * M16 * nb) rs.resize(2 * M16 * nb);
   float* dw = sc.data();
@@ -631,10 +632,10 @@ void gemm_range_amx(const int8_t* xq, const float* dx, const float* sx, const ui
     const uint8_t* blk[2];
     int nc[2];
     group_ptrs(w, g, ng, nb, BB, N, blk, nc);
-    amx_pack_pair<KIND>(blk, ng, nb, wb.data(), dw, mw);
+    amx_pack_pair<KIND>(blk, ng, nb, wb, dw, mw);
     const int ncols = nc[0] + (ng == 2 ? nc[1] : 0);
     for (int64_t m0 = 0; m0 < M16; m0 += kAmxRows)
-      amx_tile<KIND>(xq + m0 * K, dt + m0 * nb, st + m0 * nb, K, nb, wb.data(), dw, mw, out + m0 * N + 8 * g, N,
+      amx_tile<KIND>(xq + m0 * K, dt + m0 * nb, st + m0 * nb, K, nb, wb, dw, mw, out + m0 * N + 8 * g, N,
                      ncols);
   }
   _tile_release();
