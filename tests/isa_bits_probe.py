@@ -82,7 +82,7 @@ def probe() -> dict[str, np.ndarray]:
         for qtype in (2, 3, 8):
             p = pack_gguf(_gguf_rows(rng, N, K, qtype), qtype)
             w = T(p.data)
-            for M in (1, 2, 3, 4, 5, 9, 70):
+            for M in (1, 2, 3, 4, 5, 9, 17, 70):  # 17, 70: AMX tiles of 16 rows + a vector tail where the CPU has AMX
                 x = _activations(rng, M, K)
                 out[f"qgemm_q{qtype}_K{K}_N{N}_M{M}"] = ops.fdx_qgemm(T(x), w, p.kind, p.n_out).numpy()
         p = pack_bf16((rng.standard_normal((N, K)) * 0.05).astype(np.float32))

@@ -52,10 +52,16 @@
 // int8 kinds, and bit-identical across thread counts.
 
 #include <omp.h>
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -441,6 +447,203 @@ void gemm_range_g1(const int8_t* xq, const float* dx, const float* sx, const uin
   }
 }
 
+
+// ---------------------------------------------------------------- AMX-INT8
+//
+// Where the build targets AMX (an AVX-512 build with -march=native on a CPU
+// with AMX-TILE/AMX-INT8: Sapphire Rapids and later) and the CPU and Linux
+// allow it at run time, rows in tiles of 16 run the block sums on the tile
+// unit: for each block b, one tdpbssd of the 16 rows' 32 int8 activations
+// (A: 16 x 32 bytes) by 16 columns' 32 quants (B: 8 rows of 4 k x 16
+// columns, the same 4-byte k groups as vpdpbusd reads) gives the EXACT int32
+// block sums isum[m][n][b] -- the integers every other path computes -- and
+// the float epilogue is the BATCH INVARIANCE sequence above, per element in
+// block order (16 columns a zmm instead of 8 a ymm: the same IEEE ops per
+// lane).  So the bits equal the VNNI, AVX2 and numpy references'.  B is made
+// per pair of column groups from the packed blocks (Q8: two groups' 32-byte
+// chunks side by side; Q4: the nibbles unpacked to bytes), once for all row
+// tiles.  Rows past the last full tile of 16 run the vector tiles.
+// FDX_NATIVE_AMX=0 turns the path off (read per call: tests compare both).
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+#define FDX_QGEMM_AMX 1
+
+// The CPU has AMX-TILE and AMX-INT8 (CPUID.7.0:EDX bits 24, 25) and Linux
+// granted this process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA): asked once per process.
+bool amx_permitted() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 24) & 1u) || !((d >> 25) & 1u)) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return ok;
+}
+
+bool amx_enabled() {
+  const char* e = std::getenv("FDX_NATIVE_AMX");
+  return !(e && std::strcmp(e, "0") == 0) && amx_permitted();
+}
+
+constexpr int kAmxRows = 16;
+
+// Palette 1: tiles 0-3 C (16 x 16 int32), 4-5 A (16 x 32 bytes), 6-7 B
+// (8 x 64 bytes).  Loaded by every thread on each call (another library may
+// have loaded its own configuration on this thread since).
+void amx_config() {
+  struct alignas(64) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 4; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  for (int t = 4; t < 6; ++t) cfg.colsb[t] = 32, cfg.rows[t] = 16;
+  for (int t = 6; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 8;
+  _tile_loadconfig(&cfg);
+}
+
+// Groups g, g + 1 (the second only if two) -> B tiles wb[nb][8][64] (row r:
+// k 4r..4r+3 of each of the 16 columns) and their scales as float32
+// (dw, mw [nb][16]; _mm256_cvtph_ps is exact).  A missing group is zeros.
+template <int KIND>
+void amx_pack_pair(const uint8_t* const* blk, int ng, int64_t nb, int8_t* wb, float* dw, float* mw) {
+  constexpr int64_t BB = KIND == 4 ? kQ4Bytes : kQ8Bytes;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // 32 bytes of each group side by side in one zmm (the second zeros if one group)
+  auto pair32 = [&](int64_t off) {
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[0] + off));
+    const __m256i hi = ng == 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[1] + off)) : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  };
+  // 8 fp16 scales of each group -> 16 floats (exact)
+  auto scales16 = [&](int64_t off) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[0] + off));
+    const __m128i hi = ng == 2 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[1] + off)) : _mm_setzero_si128();
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+  };
+  for (int64_t b = 0; b < nb; ++b) {
+    int8_t* t = wb + b * 512;
+    if constexpr (KIND == 4) {
+      for (int c = 0; c < 4; ++c) {  // chunk c: low nibbles k 8c..8c+3, high nibbles k 8c+4..8c+7
+        const __m512i raw = pair32(b * BB + 32 * c);
+        _mm512_storeu_si512(t + 64 * (2 * c), _mm512_and_si512(raw, low4));
+        _mm512_storeu_si512(t + 64 * (2 * c + 1), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
+      }
+      _mm512_storeu_ps(dw + 16 * b, scales16(b * BB + 128));
+      _mm512_storeu_ps(mw + 16 * b, scales16(b * BB + 144));
+    } else {
+      for (int c = 0; c < 8; ++c) _mm512_storeu_si512(t + 64 * c, pair32(b * BB + 32 * c));
+      _mm512_storeu_ps(dw + 16 * b, scales16(b * BB + 256));
+      _mm512_storeu_ps(mw + 16 * b, _mm512_setzero_ps());
+    }
+  }
+}
+
+// One block's epilogue for 16 rows x 16 columns: the int32 sums c[16][16],
+// the rows' scales dxb[16] and scaled sums sxb[16] of this block.
+template <int KIND>
+inline void amx_epilogue(const int32_t* c, const float* dxb, const float* sxb, __m512 dwv, __m512 mwv, __m512* acc) {
+#pragma GCC unroll 16
+  for (int r = 0; r < kAmxRows; ++r) {
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r));
+    acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dwv, _mm512_set1_ps(dxb[r])), acc[r]);
+    if constexpr (KIND == 4) acc[r] = _mm512_fmadd_ps(mwv, _mm512_set1_ps(sxb[r]), acc[r]);
+  }
+}
+
+// 16 rows x the pair's 16 columns (ncols of them stored), every block.
+//   xq: the rows' int8 activations (K apart), dx/sx [nb][16]: their block scales and scaled sums.
+template <int KIND>
+void amx_tile(const int8_t* xq, const float* dx, const float* sx, int64_t K, int64_t nb, const int8_t* wb,
+              const float* dw, const float* mw, float* out, int64_t N, int ncols) {
+  __m512 acc[kAmxRows];  // 16 zmm: kept in registers (the epilogue's loop is unrolled)
+#pragma GCC unroll 16
+  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  // Blocks in groups of 4: four tdpbssd in flight (C tiles 0-3; the A and
+  // B tiles alternate 4/6, 5/7), then their sums stored and the four
+  // epilogues run in block order; a last group of 1-3 blocks one by one.
+  alignas(64) int32_t c[4][16 * 16];
+  auto epilogue = [&](const int32_t* cb, int64_t b) {
+    amx_epilogue<KIND>(cb, dx + 16 * b, sx + 16 * b, _mm512_loadu_ps(dw + 16 * b), _mm512_loadu_ps(mw + 16 * b), acc);
+  };
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, xq + b * 32, K);
+    _tile_loadd(6, wb + b * 512, 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_loadd(5, xq + (b + 1) * 32, K);
+    _tile_loadd(7, wb + (b + 1) * 512, 64);
+    _tile_dpbssd(1, 5, 7);
+    _tile_loadd(4, xq + (b + 2) * 32, K);
+    _tile_loadd(6, wb + (b + 2) * 512, 64);
+    _tile_dpbssd(2, 4, 6);
+    _tile_loadd(5, xq + (b + 3) * 32, K);
+    _tile_loadd(7, wb + (b + 3) * 512, 64);
+    _tile_dpbssd(3, 5, 7);
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+    for (int i = 0; i < 4; ++i) epilogue(c[i], b + i);
+  }
+  for (; b < nb; ++b) {
+    _tile_zero(0);
+    _tile_loadd(4, xq + b * 32, K);
+    _tile_loadd(6, wb + b * 512, 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_stored(0, c[0], 64);
+    epilogue(c[0], b);
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << ncols) - 1u);
+  for (int r = 0; r < kAmxRows; ++r) _mm512_mask_storeu_ps(out + r * N, mask, acc[r]);
+}
+
+// Rows [0, M16) (a multiple of 16) x groups [g0, g1) on the tile unit.
+template <int KIND>
+void gemm_range_amx(const int8_t* xq, const float* dx, const float* sx, const uint8_t* w, float* out, int64_t M16,
+                    int64_t K, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t nb = K / 32;
+  const int64_t BB = KIND == 4 ? kQ4Bytes : kQ8Bytes;
+  thread_local std::vector<__m512i> wbv;  // B tiles, 64-byte aligned (full-line stores and tile loads)
+  thread_local std::vector<float> sc, rs;
+  if (static_cast<int64_t>(wbv.size()) < nb * 8) wbv.resize(nb * 8);
+  int8_t* wb = reinterpret_cast<int8_t*>(wbv.data());
+  if (static_cast<int64_t>(sc.size()) < nb * 32) sc.resize(nb * 32);
+  if (static_cast<int64_t>(rs.size()) < 2 * M16 * nb) rs.resize(2 * M16 * nb);
+  float* dw = sc.data();
+  float* mw = sc.data() + nb * 16;
+  // the rows' scales by tile of 16 rows, block, row: one pointer serves a block's 16 rows
+  float* dt = rs.data();
+  float* st = rs.data() + M16 * nb;
+  for (int64_t t = 0; t < M16 / kAmxRows; ++t)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int r = 0; r < kAmxRows; ++r) {
+        dt[(t * nb + b) * kAmxRows + r] = dx[(t * kAmxRows + r) * nb + b];
+        st[(t * nb + b) * kAmxRows + r] = sx[(t * kAmxRows + r) * nb + b];
+      }
+  amx_config();
+  for (int64_t g = g0; g < g1; g += 2) {
+    const int ng = static_cast<int>(std::min<int64_t>(2, g1 - g));
+    const uint8_t* blk[2];
+    int nc[2];
+    group_ptrs(w, g, ng, nb, BB, N, blk, nc);
+    amx_pack_pair<KIND>(blk, ng, nb, wb, dw, mw);
+    const int ncols = nc[0] + (ng == 2 ? nc[1] : 0);
+    for (int64_t m0 = 0; m0 < M16; m0 += kAmxRows)
+      amx_tile<KIND>(xq + m0 * K, dt + m0 * nb, st + m0 * nb, K, nb, wb, dw, mw, out + m0 * N + 8 * g, N,
+                     ncols);
+  }
+  _tile_release();
+}
+#else
+bool amx_enabled() { return false; }
+#endif
+
 // ---------------------------------------------------------------- bfloat16
 
 // fp32 -> the bf16 bit pattern: round to nearest even, denormals to (signed)
@@ -607,6 +810,8 @@ void run(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int
     else quantize_row(x + m * K, K, xq + m * K, dx + m * nb, sx + m * nb);
   };
   const bool par_prep = M * K >= (1 << 15);
+  const bool use_amx = KIND != 16 && M >= 16 && amx_enabled();
+  (void)use_amx;
   if (!par_prep)
     for (int64_t m = 0; m < M; ++m) prepare(m);
 #pragma omp parallel if (G >= 16)
@@ -625,10 +830,18 @@ void run(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int
       if constexpr (KIND == 16) {
         FtzDaz ftz;
         gemm_range_bf16(xr, K, w, out, M, K, N, g0, g1);
-      } else if (KIND == 4 && M > 1) {
-        gemm_range<KIND>(xq, dx, sx, w, out, M, K, N, g0, g1);
-      } else {  // Q8_0, and M = 1 (memory bound: the weights stream one group at a time)
-        gemm_range_g1<KIND>(xq, dx, sx, w, out, M, K, N, g0, g1);
+      } else {
+        // AMX: the full tiles of 16 rows; the vector tiles take the rest
+        const int64_t m16 = use_amx ? M / 16 * 16 : 0;
+#ifdef FDX_QGEMM_AMX
+        if (m16 > 0) gemm_range_amx<KIND>(xq, dx, sx, w, out, m16, K, N, g0, g1);
+#endif
+        const int64_t mt = M - m16;
+        const int8_t* xt = xq + m16 * K;
+        const float *dt = dx + m16 * nb, *st = sx + m16 * nb;
+        float* ot = out + m16 * N;
+        if (mt > 0 && KIND == 4 && mt > 1) gemm_range<KIND>(xt, dt, st, w, ot, mt, K, N, g0, g1);
+        else if (mt > 0) gemm_range_g1<KIND>(xt, dt, st, w, ot, mt, K, N, g0, g1);  // Q8_0, and 1 row (memory bound)
       }
     }
   }
@@ -672,17 +885,19 @@ PD_BUILD_OP(fdx_qgemm)
     .SetInferShapeFn(PD_INFER_SHAPE(QGemmInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(QGemmInferDtype));
 
-// Which dot products the build uses, as a 2-element int32 tensor: [0] int8
-// (1 = vpdpbusd, 0 = vpmaddubsw), [1] bf16 (1 = vdpbf16ps, 0 = two fmas);
+// Which dot products the build uses, as a 3-element int32 tensor: [0] int8
+// (1 = vpdpbusd, 0 = vpmaddubsw), [1] bf16 (1 = vdpbf16ps, 0 = two fmas),
+// [2] 1 where the int8 tiles of 16 rows run on AMX now (FDX_NATIVE_AMX);
 // native.py logs them once.
 std::vector<paddle::Tensor> QGemmDot(const paddle::Tensor& x) {
-  auto out = paddle::empty({2}, paddle::DataType::INT32, x.place());
+  auto out = paddle::empty({3}, paddle::DataType::INT32, x.place());
   out.data<int32_t>()[0] = std::strcmp(kDot, "vnni") == 0 ? 1 : 0;
   out.data<int32_t>()[1] = std::strcmp(kBf16Dot, "vdpbf16ps") == 0 ? 1 : 0;
+  out.data<int32_t>()[2] = amx_enabled() ? 1 : 0;
   return {out};
 }
 
-std::vector<std::vector<int64_t>> QGemmDotShape(const std::vector<int64_t>& x) { return {{2}}; }
+std::vector<std::vector<int64_t>> QGemmDotShape(const std::vector<int64_t>& x) { return {{3}}; }
 
 std::vector<paddle::DataType> QGemmDotDtype(const paddle::DataType& x) { return {paddle::DataType::INT32}; }
 

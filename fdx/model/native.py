@@ -8,7 +8,10 @@ the CPU has it, else **AVX2 + FMA + F16C** (8 lanes).  :func:`cpu_isa` picks
 the set from ``/proc/cpuinfo`` (``FDX_NATIVE_ISA=avx2`` forces the AVX2 set
 on an AVX-512 CPU, e.g. to test it).  The int8 GEMM (csrc/qgemm.cc) uses
 AVX2's ``vpmaddubsw``, or ``vpdpbusd`` where the build targets AVX-512-VNNI
-or AVX-VNNI (the same exact integer sums).  :func:`load_ops` logs one line
+or AVX-VNNI (the same exact integer sums), and on a CPU with AMX-INT8 (an
+AVX-512 build there targets it) its tiles of 16 rows run ``tdpbssd`` on the
+tile unit -- again the same integers, the same bits; ``FDX_NATIVE_AMX=0``
+turns that off (read per call).  :func:`load_ops` logs one line
 naming the kernels it loaded (:func:`describe`), and a CPU with neither
 set falls back with one log line.
 
@@ -123,12 +126,24 @@ def describe() -> str:
         return "none (pure Paddle ops)"
     lanes = 16 if _isa == "avx512" else 8
     bf16 = "vdpbf16ps" if _bf16_dot == "vdpbf16ps" else "fma, no AVX512-BF16"
-    return f"{_isa} kernel set (fp32: {lanes} lanes; int8: {_dot}; bf16: {bf16})"
+    amx = " + AMX tdpbssd at 16+ rows" if loaded_int8_amx() else ""
+    return f"{_isa} kernel set (fp32: {lanes} lanes; int8: {_dot}{amx}; bf16: {bf16})"
 
 
 def loaded_int8_dot() -> str | None:
     """The int8 GEMM's dot product instruction (``"vpdpbusd"``/``"vpmaddubsw"``), or ``None``."""
     return _dot if _ops is not None else None
+
+
+def loaded_int8_amx() -> bool:
+    """Whether the int8 GEMM runs its tiles of 16 rows on AMX now (the build
+    targets AMX-INT8, the CPU and Linux allow it, ``FDX_NATIVE_AMX`` is not ``0``)."""
+    if _ops is None:
+        return False
+    import paddle
+
+    flags = _ops.fdx_qgemm_dot(paddle.zeros([1], "float32")).numpy()
+    return len(flags) > 2 and int(flags[2]) == 1
 
 
 def loaded_bf16_dot() -> str | None:
