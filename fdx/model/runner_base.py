@@ -478,10 +478,10 @@ class PagedRunnerBase(ModelRunner):
         ids = self._check_ids(block_ids)
         if ids.size == 0:
             return []
-        views = self._views()
-        pools = self._host_pools()
+        pools = self._host_pools()  # None while sleeping: _views() below says so
         if pools is not None:  # per block: its [L, 2, X] gathered once, then its bytes
             return [np.concatenate([a[:, b] for a in pools]).tobytes() for b in ids.tolist()]
+        views = self._views()
         idx = paddle.to_tensor(self._block_rows(ids).reshape(-1))
         per_layer = [paddle.index_select(v, idx).numpy() for v in views]  # bf16 -> uint16 bits
         arr = np.stack(per_layer).reshape(len(per_layer), ids.size, -1).transpose(1, 0, 2)  # [n, L, 2*X]
@@ -512,14 +512,14 @@ class PagedRunnerBase(ModelRunner):
         for p in payloads:
             if len(p) != self.bytes_per_block:
                 raise FdxError(f"KV payload has {len(p)} bytes, expected {self.bytes_per_block}")
-        views = self._views()
-        pools = self._host_pools()
+        pools = self._host_pools()  # None while sleeping: _views() below says so
         if pools is not None:  # straight from each payload into its slots: one copy, no joined buffer
             blocks = [np.frombuffer(p, dtype=pools[0].dtype).reshape(len(pools), 2, -1) for p in payloads]
             for layer, a in enumerate(pools):
                 for b, blk in zip(ids.tolist(), blocks):
                     a[:, b] = blk[layer]
             return
+        views = self._views()
         raw = b"".join(payloads)
         if self.dtype == "bfloat16":  # numpy has no bfloat16: go through exact float32
             arr = bf16_bits_to_f32(np.frombuffer(raw, dtype=np.uint16))
