@@ -38,7 +38,9 @@ Invariants:
   one that changes state and succeeds everywhere is recorded as the
   cluster's desired state (``P:state``, with a revision: :data:`RECORD`); a
   node that starts, restarts or missed the call applies the newest revision
-  before it takes work (:meth:`GlobalQueueClient._sync_state`);
+  before it takes work (:meth:`GlobalQueueClient._sync_state`); a node runs
+  the calls that change state, and that applying, one at a time, and never
+  applies a revision older than a call it ran (:meth:`_call_local`);
 * a request nobody picks up within ``--dp-request-ttl`` seconds ends with
   a 503 saying so (the origin's timer; the pick script also drops expired
   entries), so nothing stays queued forever;
@@ -577,6 +579,7 @@ class GlobalQueueClient:
         self.state_error: str | None = None  # applying it failed (in /health)
         self._state_known = False  # read at least once since the start: no work before
         self._state_task: asyncio.Task[Any] | None = None
+        self._state_lock = asyncio.Lock()  # stateful control calls and applying the state: one at a time
         self.lease_ms = int(config.heartbeat_timeout * 1000)
         self.redis_error: str | None = "not connected yet"
         self._down_since: float | None = time.monotonic()
@@ -752,7 +755,8 @@ class GlobalQueueClient:
         if method in STATEFUL:  # every node did it: the state a node starting later must take
             fields = state_fields(method, args or {}, merged)
             try:
-                self.state_rev = int(await self._record(args=[self.prefix, self.state_rev, json.dumps(fields)]))
+                rev = int(await self._record(args=[self.prefix, self.state_rev, json.dumps(fields)]))
+                self.state_rev = max(self.state_rev, rev)
             except Exception as exc:  # noqa: BLE001 - the call succeeded; a later node will not learn it
                 self._redis_failed(exc)
                 log.error("dp cluster state not recorded after %s (nodes starting later will not apply it): %s",
@@ -800,6 +804,31 @@ class GlobalQueueClient:
         return got
 
     async def _call_local(self, method: str, args: dict[str, Any] | None, timeout: float) -> Any:
+        """Run a control call on this node's replicas.  One that changes
+        state waits for any other (and for :meth:`_apply_state`), and once it
+        succeeded every revision recorded before it began counts as applied:
+        the call's own revision is recorded later (after every node
+        answered), and an older one must not undo it (a heartbeat that read
+        it just before would otherwise resume a node just paused)."""
+        if method not in STATEFUL:
+            return await self._run_local(method, args, timeout)
+        async with self._state_lock:
+            before = await self._recorded_rev()
+            result = await self._run_local(method, args, timeout)
+            self.state_rev = max(self.state_rev, before)
+            return result
+
+    async def _recorded_rev(self) -> int:
+        """The revision of the cluster's state in Redis now (this node's own
+        when Redis does not answer)."""
+        try:
+            got = await self.r.get(self._k("state"))
+        except Exception as exc:  # noqa: BLE001 - the call goes on; Redis's state is read again later
+            self._redis_failed(exc)
+            return self.state_rev
+        return int((json.loads(got) if got else {}).get("rev") or 0)
+
+    async def _run_local(self, method: str, args: dict[str, Any] | None, timeout: float) -> Any:
         result = await self.replicas.call(method, args, timeout)
         if method == "pause":
             try:
@@ -1111,13 +1140,20 @@ class GlobalQueueClient:
         self._state_task.add_done_callback(self._tasks.discard)
 
     async def _apply_state(self, want: dict[str, Any], rev: int) -> None:
+        async with self._state_lock:  # no control call meanwhile
+            if rev <= self.state_rev:  # a control call ran here since it was read: it is older
+                self._state_known = True
+                return
+            await self._apply_state_now(want, rev)
+
+    async def _apply_state_now(self, want: dict[str, Any], rev: int) -> None:
         first = not self._state_known
         try:
             now = await self.replicas.call("is_paused", None, 30.0)
             steps = state_steps(want, self.paused or bool(now.get("is_paused")), now.get("sleeping") or (),
                                 self.replicas.weights_version)
             for method, args in steps:
-                await asyncio.wait_for(self._call_local(method, args, STATE_CALL_S), STATE_CALL_S + 5)
+                await asyncio.wait_for(self._run_local(method, args, STATE_CALL_S), STATE_CALL_S + 5)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - reported in the log and /health, retried next heartbeat
@@ -1127,7 +1163,7 @@ class GlobalQueueClient:
                 log.error("%s", msg)
             self.state_error = msg
             return
-        self.state_rev, self.state_error, self._state_known = rev, None, True
+        self.state_rev, self.state_error, self._state_known = max(self.state_rev, rev), None, True
         if steps or first:
             log.warning("dp node %s applied the cluster's control state, revision %d: paused=%s sleeping=%s "
                         "weights=%s (%s)", self.id, rev, bool(want.get("paused")),
