@@ -74,9 +74,17 @@ def test_the_switch_turns_amx_off(ops: Any) -> None:
     os.environ["FDX_NATIVE_AMX"] = "0"
     try:
         assert not native.loaded_int8_amx()
+        assert native.amx_unused_reason() is None  # turned off on purpose: nothing to warn about
     finally:
         del os.environ["FDX_NATIVE_AMX"]
     assert native.loaded_int8_amx() and "AMX" in native.describe()
+    assert native.amx_unused_reason() is None
+
+
+def test_amx_the_cpu_has_but_the_gemm_does_not_use_is_said(ops: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "loaded_int8_amx", lambda: False)  # as when Linux refuses the tile state
+    why = native.amx_unused_reason()
+    assert why is not None and "AMX-INT8" in why and "same bits" in why
 
 
 def test_amx_gives_the_vnni_bits_and_the_exact_sequence(ops: Any) -> None:

@@ -116,7 +116,21 @@ def load_ops() -> Any:
     _isa = isa
     _dot, _bf16_dot = _dot_products(_ops)
     log.info("fdx native CPU ops: %s", describe())
+    if amx_unused_reason() is not None:
+        log.warning("%s", amx_unused_reason())
     return _ops
+
+
+def amx_unused_reason() -> str | None:
+    """Why the int8 GEMM does not use the AMX-INT8 this CPU has (a speed
+    loss only: the VNNI tiles give the same bits), or ``None`` when it does,
+    when the CPU has none, or when ``FDX_NATIVE_AMX=0`` turned it off."""
+    if (_ops is None or _isa != "avx512" or os.environ.get("FDX_NATIVE_AMX") == "0"
+            or not {"amx_tile", "amx_int8"} <= set(_cpu_flags().split()) or loaded_int8_amx()):
+        return None
+    return ("this CPU has AMX-INT8 but the int8 GEMM runs without it (Linux refused the tile data state "
+            "(arch_prctl ARCH_REQ_XCOMP_PERM), or the ops were built without -mamx-int8): the same bits, "
+            "slower at 16+ rows")
 
 
 def describe() -> str:
