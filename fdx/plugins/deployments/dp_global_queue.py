@@ -551,7 +551,7 @@ class GlobalQueueClient:
     def __init__(self, config: EngineConfig, replicas: Any) -> None:
         import redis.asyncio as aioredis
         from redis.backoff import NoBackoff
-        from redis.retry import Retry
+        from redis.asyncio.retry import Retry  # the asyncio client's own (a sync one is converted, with a warning)
 
         self.config = config
         self.replicas = replicas
