@@ -22,6 +22,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
 from serverutil import start_server  # noqa: E402
+from steal import StealSampler  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +97,13 @@ def test_a_new_schema_does_not_stall_the_other_streams(server: str) -> None:
     """First in the module, so this is the engine's first grammar (its
     llguidance tokenizer is built too, ~0.5 s): it arrives while 8 streams
     decode and compiles off the engine thread; no stream's gap between
-    tokens after it exceeds 3x that stream's median gap."""
+    tokens after it exceeds 3x that stream's median gap.
+
+    Less the time the hypervisor took a vCPU away inside the gap
+    (tests/steal.py): with both vCPUs busy the host takes one for ~100 ms
+    now and then, and that step takes ~120 ms instead of ~18, schema or not
+    (measured: every such gap had a 100 ms steal jump in it, and 8 streams
+    without any extra request see them as often)."""
     import threading
     import time
 
@@ -113,34 +120,37 @@ def test_a_new_schema_does_not_stall_the_other_streams(server: str) -> None:
                     times[i].append(time.monotonic())
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 120
-    while min(len(t) for t in times) < 8 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    # The probe's client exists before the clock starts: building an httpx
-    # client (its SSL context) holds this process's GIL for ~25 ms, which
-    # stalled the 8 reader threads' timestamps here, not the server's tokens
-    # (a request refused with 400, which never reaches the engine, showed
-    # the same 2.8x "gap" measured that way).
-    probe = httpx.Client(timeout=120)
-    time.sleep(0.05)
-    t_schema = time.monotonic()
-    schema = {"type": "object", "properties": {"stall_probe": {"type": "integer"}}, "required": ["stall_probe"]}
-    with probe:
-        r = probe.post(server + "/v1/completions", json={
-            "model": "smollm2", "prompt": "A number as JSON:", "max_tokens": 12, "temperature": 0,
-            "structured_outputs": {"json": schema}})
-    for t in threads:
-        t.join(timeout=120)
+    with StealSampler() as sampler:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while min(len(t) for t in times) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # The probe's client exists before the clock starts: building an httpx
+        # client (its SSL context) holds this process's GIL for ~25 ms, which
+        # stalled the 8 reader threads' timestamps here, not the server's tokens
+        # (a request refused with 400, which never reaches the engine, showed
+        # the same 2.8x "gap" measured that way).
+        probe = httpx.Client(timeout=120)
+        time.sleep(0.05)
+        t_schema = time.monotonic()
+        schema = {"type": "object", "properties": {"stall_probe": {"type": "integer"}}, "required": ["stall_probe"]}
+        with probe:
+            r = probe.post(server + "/v1/completions", json={
+                "model": "smollm2", "prompt": "A number as JSON:", "max_tokens": 12, "temperature": 0,
+                "structured_outputs": {"json": schema}})
+        for t in threads:
+            t.join(timeout=120)
     assert r.status_code == 200, r.text
     assert min(len(t) for t in times) >= 40, [len(t) for t in times]
     for ts in times:
         gaps = [b - a for a, b in zip(ts[1:], ts[2:])]  # without the first token (prefill)
-        after = [b - a for a, b in zip(ts, ts[1:]) if b > t_schema]
+        after = [(b - a, b - a - sampler.stolen(a, b)) for a, b in zip(ts, ts[1:]) if b > t_schema]
         median = sorted(gaps)[len(gaps) // 2]
-        assert after and max(after) <= 3 * median, (f"gap {max(after) * 1e3:.0f} ms after the new schema vs a "
-                                                    f"median of {median * 1e3:.0f} ms")
+        assert after, "no token after the new schema"
+        gap, own = max(after, key=lambda g: g[1])
+        assert own <= 3 * median, (f"gap {gap * 1e3:.0f} ms ({own * 1e3:.0f} ms less the hypervisor's steal) after "
+                                   f"the new schema vs a median of {median * 1e3:.0f} ms")
 
 
 def test_twenty_objects_over_five_schemas_validate(client: Any) -> None:
