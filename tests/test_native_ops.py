@@ -90,17 +90,19 @@ def test_cpu_without_simd_falls_back_with_one_line(
 
 def test_cache_key_separates_kernel_sets(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     """Builds for the two sets land in different cache folders (and modules)."""
-    from paddle.utils import cpp_extension
+    from fdx.model import ops_build
 
     seen: list[tuple[str, str, list[str]]] = []
 
-    def fake_load(**kw: Any) -> str:
-        seen.append((kw["build_directory"], kw["name"], kw["extra_cxx_cflags"]))
-        return "module"
+    def fake_compile(module: str, sources: list[str], cflags: list[str], ldflags: list[str],
+                     include_dirs: list[str], build_dir: str) -> str:
+        seen.append((build_dir, module, cflags))
+        return "module.so"
 
     monkeypatch.setenv("FDX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "PREBUILT", str(tmp_path / "pkg"))  # no install-time build to find
-    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(ops_build, "compile_op_library", fake_compile)
+    monkeypatch.setattr(native, "_load_built", lambda build_dir, module: "module")
     native._build("avx512")
     native._build("avx2")
     (d512, n512, f512), (d2, n2, f2) = seen
