@@ -1,4 +1,4 @@
-"""The fused decoder op (fdx/csrc/decoder_layers.cc) against the per-layer path,
+"""The fused decoder op (fdx/csrc/paddle_ops.cc) against the per-layer path,
 in both packed compute modes (int8 and bfloat16).
 
 ``fdx_decoder_layers`` runs every layer of a step in one call through the

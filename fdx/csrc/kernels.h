@@ -1,5 +1,6 @@
-// The plain C++ entry points of fdx's CPU kernels, shared by the Paddle op
-// wrappers of each .cc file and by the fused decoder op (decoder_layers.cc).
+// The plain C++ entry points of fdx's CPU kernels, called by the Paddle ops
+// (paddle_ops.cc: the only file that includes Paddle's headers, whose parsing
+// costs ~6 s a file, so the kernels build in parallel in a fraction of that).
 //
 // Each function works on raw row-major buffers and owns no tensor; the op
 // wrappers check dtypes and shapes, allocate the outputs and call these.
@@ -10,8 +11,15 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 
 namespace fdx {
+
+// A kernel's precondition on its inputs: std::invalid_argument, which the
+// Paddle ops turn into the op's error (a Python exception).
+inline void require(bool ok, const char* what) {
+  if (!ok) throw std::invalid_argument(what);
+}
 
 // Bytes of one packed block (8 output columns x 32 inputs): kind 4 (Q4_0/Q4_1),
 // kind 8 (Q8_0) and kind 16 (bfloat16), as fdx/model/packed_weights.py lays them out.
@@ -29,6 +37,18 @@ constexpr int packed_block_bytes(int kind) {
 // kind 16 in bfloat16 (x rounded to bf16, fp32 accumulation).
 void qgemm(const float* x, const uint8_t* w, int kind, float* out, int64_t M, int64_t K, int64_t N);
 
+// Which dot products this build's qgemm uses: out[0] int8 (1 = vpdpbusd, 0 =
+// vpmaddubsw), out[1] bf16 (1 = vdpbf16ps, 0 = two fmas), out[2] 1 where the
+// int8 tiles of 16 rows run on AMX now (FDX_NATIVE_AMX).
+void qgemm_kernels(int32_t* out);
+
+// qgemv.cc: out[M, N] = x[M, K] @ W^T straight from GGUF blocks, W's rows
+// row_bytes apart; qtype 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), whose block size
+// gguf_block_bytes gives (0 for another type).
+int gguf_block_bytes(int qtype);
+void qgemv(const float* x, const uint8_t* w, int qtype, float* out, int64_t M, int64_t K, int64_t N,
+           int64_t row_bytes);
+
 // paged_attention.cc: the geometry of one call (see the layout contract there).
 struct AttnShape {
   int64_t T;     // token rows of the step
@@ -42,7 +62,7 @@ struct AttnShape {
   int window = 0;  // sliding window: keys pos - window < j <= pos (0: every key 0..pos)
 };
 
-// Throws (PD_CHECK) unless every token's sequence, position and block ids are
+// Throws (require) unless every token's sequence, position and block ids are
 // in range; paged_attention itself trusts them.
 void check_attention_meta(const AttnShape& s, const int* meta, const int* tables);
 
@@ -63,5 +83,18 @@ void swiglu(const float* x, int64_t T, int64_t F, float* out);
 // moe.cc: out[M, N] = x[M, K] @ w[K, N] in float32 (w row-major); element
 // (m, n) is acc = fma(x[m][k], w[k][n], acc) over k in order from 0.
 void fgemm(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N);
+
+// moe.cc: a mixture-of-experts block (the contract at the top of moe.cc).
+struct MoeDims {
+  int64_t T, H, F;  // tokens, hidden width, each expert's intermediate width
+  int E, k, first;  // router experts, top-k, the global id of the first held expert
+  int64_t n_held;   // experts this rank holds: [first, first + n_held)
+  int kind;         // 0 float32 ([K, N] weights), else the packed kind of qgemm
+  bool renormalize;
+};
+// out [T, H] and ids [T, k] (global expert ids); gate_up[e] / down[e] are
+// held expert e's weights (float* for kind 0, packed uint8_t* otherwise).
+void moe(const MoeDims& d, const float* h, const float* router, const void* const* gate_up,
+         const void* const* down, float* out, int32_t* ids);
 
 }  // namespace fdx

@@ -56,13 +56,11 @@
 #include <vector>
 
 #include "kernels.h"
-#include "paddle/extension.h"
 #include "simd_math.h"
 
 namespace {
 
 namespace v = fdx::simd;
-using Tensors = std::vector<paddle::Tensor>;
 
 // a / b, one IEEE division: the opaque divisor keeps -freciprocal-math from
 // turning several divisions by one value into multiplies by its reciprocal.
@@ -238,24 +236,11 @@ void fdx::fgemm(const float* x, const float* w, float* out, int64_t M, int64_t K
 
 namespace {
 
-inline void gemm(int kind, const float* x, const paddle::Tensor& w, float* out, int64_t M, int64_t K, int64_t N) {
+// x [M, K] @ w -> [M, N]: fgemm for float32 ([K, N]), qgemm for the packed kinds
+inline void gemm(int kind, const float* x, const void* w, float* out, int64_t M, int64_t K, int64_t N) {
   if (M == 0) return;
-  if (kind == 0) fdx::fgemm(x, w.data<float>(), out, M, K, N);
-  else fdx::qgemm(x, w.data<uint8_t>(), kind, out, M, K, N);
-}
-
-// w is kind's weight for x [*, K] @ W -> [*, N] (float32 [K, N], or packed for N outputs).
-void check_weight(const paddle::Tensor& w, int kind, int64_t K, int64_t N, const char* what) {
-  if (kind == 0) {
-    PD_CHECK(w.dtype() == paddle::DataType::FLOAT32 && w.shape().size() == 2 && w.shape()[0] == K &&
-                 w.shape()[1] == N,
-             what, ": a float32 weight must be [K, N] and match the block's widths");
-    return;
-  }
-  PD_CHECK(w.dtype() == paddle::DataType::UINT8 && w.shape().size() == 3, what, " must be a packed uint8 weight");
-  PD_CHECK(K % 32 == 0 && w.shape()[0] == (N + 7) / 8 && w.shape()[1] == K / 32 &&
-               w.shape()[2] == fdx::packed_block_bytes(kind),
-           what, " does not match the block's widths");
+  if (kind == 0) fdx::fgemm(x, static_cast<const float*>(w), out, M, K, N);
+  else fdx::qgemm(x, static_cast<const uint8_t*>(w), kind, out, M, K, N);
 }
 
 // Grown, never shrunk (a step's buffers, reused by the next).
@@ -272,33 +257,11 @@ inline auto* grow(V& v, size_t n) {
 
 }  // namespace
 
-std::vector<paddle::Tensor> Moe(const paddle::Tensor& h, const paddle::Tensor& router, const Tensors& gate_up,
-                                const Tensors& down, int kind, int num_experts, int top_k, bool renormalize,
-                                int first) {
-  PD_CHECK(h.dtype() == paddle::DataType::FLOAT32 && h.shape().size() == 2, "h must be float32 [T, H]");
-  PD_CHECK(kind == 0 || fdx::packed_block_bytes(kind) > 0, "kind must be 0 (float32), 4, 8 (int8) or 16 (bfloat16)");
-  const int64_t T = h.shape()[0], H = h.shape()[1];
-  const int E = num_experts, k = top_k;
-  const int64_t n_held = static_cast<int64_t>(gate_up.size());
-  PD_CHECK(E > 0 && k > 0 && k <= E, "top_k must be in 1..num_experts");
-  PD_CHECK(n_held > 0 && static_cast<int64_t>(down.size()) == n_held, "gate_up and down must list the same experts");
-  PD_CHECK(first >= 0 && first + n_held <= E, "the held experts [first, first + n) must be router experts");
-  const int64_t F2 = kind == 0 ? (gate_up[0].shape().size() == 2 ? gate_up[0].shape()[1] : 0)
-                               : gate_up[0].shape()[0] * 8;
-  const int64_t F = F2 / 2;
-  PD_CHECK(F > 0 && F2 % 2 == 0 && (kind == 0 || (H % 32 == 0 && F % 32 == 0)),
-           "the widths must be multiples of 32 (packed kinds)");
-  check_weight(router, 0, H, E, "router");
-  for (int64_t e = 0; e < n_held; ++e) {
-    check_weight(gate_up[e], kind, H, F2, "gate_up");
-    check_weight(down[e], kind, F, H, "down");
-  }
-  auto out = paddle::empty({T, H}, paddle::DataType::FLOAT32, h.place());
-  auto ids_t = paddle::empty({T, static_cast<int64_t>(k)}, paddle::DataType::INT32, h.place());
-  if (T == 0) return {out, ids_t};
-  const float* hp = h.data<float>();
-  int32_t* ids = ids_t.data<int32_t>();
-  float* op = out.data<float>();
+void fdx::moe(const MoeDims& sh, const float* hp, const float* router, const void* const* gate_up,
+              const void* const* down, float* op, int32_t* ids) {
+  const int64_t T = sh.T, H = sh.H, F = sh.F, F2 = 2 * sh.F, n_held = sh.n_held;
+  const int E = sh.E, k = sh.k, first = sh.first, kind = sh.kind;
+  if (T == 0) return;
   thread_local MoeScratch s;
   const int64_t P = T * k;  // (token, slot) pairs: pair t * k + j
 
@@ -306,7 +269,7 @@ std::vector<paddle::Tensor> Moe(const paddle::Tensor& h, const paddle::Tensor& r
   gemm(0, hp, router, logits, T, H, E);
   float* probs = grow(s.probs, E);
   float* wts = grow(s.wts, P);
-  for (int64_t t = 0; t < T; ++t) route(logits + t * E, E, k, renormalize, probs, ids + t * k, wts + t * k);
+  for (int64_t t = 0; t < T; ++t) route(logits + t * E, E, k, sh.renormalize, probs, ids + t * k, wts + t * k);
 
   // group the pairs by held expert: a stable counting sort (token order within an expert)
   int64_t* offs = grow(s.offs, n_held + 1);
@@ -359,52 +322,4 @@ std::vector<paddle::Tensor> Moe(const paddle::Tensor& h, const paddle::Tensor& r
       }
     }
   }
-  return {out, ids_t};
 }
-
-std::vector<std::vector<int64_t>> MoeShape(const std::vector<int64_t>& h, const std::vector<int64_t>& router,
-                                           const std::vector<std::vector<int64_t>>& gate_up,
-                                           const std::vector<std::vector<int64_t>>& down, int kind, int num_experts,
-                                           int top_k, bool renormalize, int first) {
-  return {h, {h[0], static_cast<int64_t>(top_k)}};
-}
-
-std::vector<paddle::DataType> MoeDtype(const paddle::DataType& h, const paddle::DataType& router,
-                                       const std::vector<paddle::DataType>& gate_up,
-                                       const std::vector<paddle::DataType>& down) {
-  return {h, paddle::DataType::INT32};
-}
-
-PD_BUILD_OP(fdx_moe)
-    .Inputs({"h", "router", paddle::Vec("gate_up"), paddle::Vec("down")})
-    .Outputs({"out", "ids"})
-    .Attrs({"kind: int", "num_experts: int", "top_k: int", "renormalize: bool", "first: int"})
-    .SetKernelFn(PD_KERNEL(Moe))
-    .SetInferShapeFn(PD_INFER_SHAPE(MoeShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(MoeDtype));
-
-// fdx_fgemm(x [M, K], w [K, N]) -> x @ w in float32 through fdx::fgemm: the
-// row-invariant float32 GEMM, for the rest of a float32 mixture-of-experts
-// model's matmuls (fdx/model/llama.py), so its tokens keep their bits in
-// any batch as the experts' do.
-std::vector<paddle::Tensor> FGemm(const paddle::Tensor& x, const paddle::Tensor& w) {
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && w.dtype() == paddle::DataType::FLOAT32, "x and w must be float32");
-  PD_CHECK(x.shape().size() == 2 && w.shape().size() == 2 && x.shape()[1] == w.shape()[0], "x [M, K] and w [K, N]");
-  const int64_t M = x.shape()[0], K = x.shape()[1], N = w.shape()[1];
-  auto out = paddle::empty({M, N}, paddle::DataType::FLOAT32, x.place());
-  if (M > 0) fdx::fgemm(x.data<float>(), w.data<float>(), out.data<float>(), M, K, N);
-  return {out};
-}
-
-std::vector<std::vector<int64_t>> FGemmShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w) {
-  return {{x[0], w[1]}};
-}
-
-std::vector<paddle::DataType> FGemmDtype(const paddle::DataType& x, const paddle::DataType& w) { return {x}; }
-
-PD_BUILD_OP(fdx_fgemm)
-    .Inputs({"x", "w"})
-    .Outputs({"out"})
-    .SetKernelFn(PD_KERNEL(FGemm))
-    .SetInferShapeFn(PD_INFER_SHAPE(FGemmShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(FGemmDtype));

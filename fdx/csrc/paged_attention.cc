@@ -52,7 +52,6 @@
 #include <omp.h>
 
 #include "kernels.h"
-#include "paddle/extension.h"
 #include "simd_math.h"
 
 namespace {
@@ -420,12 +419,12 @@ void attend_item(const Geometry& ge, const float* kc, const float* vc, const int
 void fdx::check_attention_meta(const AttnShape& sh, const int* mt, const int* bt) {
   for (int64_t t = 0; t < sh.T; ++t) {
     const int s = mt[2 * t], p = mt[2 * t + 1];
-    PD_CHECK(s >= 0 && s < sh.S, "token sequence index out of range");
-    PD_CHECK(p >= 0 && p < sh.P, "position out of range of the RoPE table");
-    PD_CHECK(p / sh.BS < sh.MAXB, "position beyond the block table");
+    fdx::require(s >= 0 && s < sh.S, "token sequence index out of range");
+    fdx::require(p >= 0 && p < sh.P, "position out of range of the RoPE table");
+    fdx::require(p / sh.BS < sh.MAXB, "position beyond the block table");
     for (int64_t j = 0; j <= p / sh.BS; ++j) {
       const int b = bt[s * sh.MAXB + j];
-      PD_CHECK(b >= 0 && b < sh.NB, "block id out of range");
+      fdx::require(b >= 0 && b < sh.NB, "block id out of range");
     }
   }
 }
@@ -489,50 +488,3 @@ void fdx::paged_attention(const AttnShape& sh, const float* x, float* kc, const 
     }
   }
 }
-
-std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const paddle::Tensor& kv_cache,
-                                           const paddle::Tensor& rope, const paddle::Tensor& meta,
-                                           const paddle::Tensor& tables, int num_heads, int num_kv_heads,
-                                           int block_size, float scale, int window) {
-  PD_CHECK(qkv.dtype() == paddle::DataType::FLOAT32, "qkv must be float32");
-  PD_CHECK(kv_cache.dtype() == paddle::DataType::FLOAT32, "kv_cache must be float32");
-  PD_CHECK(meta.dtype() == paddle::DataType::INT32 && tables.dtype() == paddle::DataType::INT32,
-           "meta/tables must be int32");
-  PD_CHECK(kv_cache.shape().size() == 5, "kv_cache must be [2, NB, KV, BS, D]");
-  fdx::AttnShape sh{qkv.shape()[0], num_heads, num_kv_heads, static_cast<int>(kv_cache.shape()[4]), block_size,
-                    kv_cache.shape()[1], tables.shape()[0], tables.shape()[1], rope.shape()[0], scale, window};
-  PD_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
-  PD_CHECK(kv_cache.shape()[2] == sh.KV && kv_cache.shape()[3] == sh.BS, "kv_cache geometry mismatch");
-  PD_CHECK(qkv.shape()[1] == (int64_t)(sh.H + 2 * sh.KV) * sh.D, "qkv width mismatch");
-  PD_CHECK(sh.H % sh.KV == 0, "num_heads must be a multiple of num_kv_heads");
-  PD_CHECK(rope.shape()[1] == sh.D, "rope width mismatch");
-  // validate metadata once (never touch memory outside the cache)
-  fdx::check_attention_meta(sh, meta.data<int>(), tables.data<int>());
-  auto out = paddle::empty({sh.T, (int64_t)sh.H * sh.D}, paddle::DataType::FLOAT32, qkv.place());
-  fdx::paged_attention(sh, qkv.data<float>(), const_cast<float*>(kv_cache.data<float>()), rope.data<float>(),
-                       meta.data<int>(), tables.data<int>(), out.data<float>());
-  return {out};
-}
-
-std::vector<std::vector<int64_t>> PagedAttentionInferShape(const std::vector<int64_t>& qkv,
-                                                           const std::vector<int64_t>& kv_cache,
-                                                           const std::vector<int64_t>& rope,
-                                                           const std::vector<int64_t>& meta,
-                                                           const std::vector<int64_t>& tables, int num_heads,
-                                                           int num_kv_heads, int block_size, float scale, int window) {
-  return {{qkv[0], (int64_t)num_heads * kv_cache[4]}};
-}
-
-std::vector<paddle::DataType> PagedAttentionInferDtype(const paddle::DataType& qkv, const paddle::DataType& kv_cache,
-                                                       const paddle::DataType& rope, const paddle::DataType& meta,
-                                                       const paddle::DataType& tables) {
-  return {qkv};
-}
-
-PD_BUILD_OP(fdx_paged_attention)
-    .Inputs({"qkv", "kv_cache", "rope", "meta", "tables"})
-    .Outputs({"out"})
-    .Attrs({"num_heads: int", "num_kv_heads: int", "block_size: int", "scale: float", "window: int"})
-    .SetKernelFn(PD_KERNEL(PagedAttention))
-    .SetInferShapeFn(PD_INFER_SHAPE(PagedAttentionInferShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(PagedAttentionInferDtype));

@@ -67,7 +67,6 @@
 #include <vector>
 
 #include "kernels.h"
-#include "paddle/extension.h"
 #include "simd_math.h"
 
 namespace {
@@ -856,54 +855,8 @@ void fdx::qgemm(const float* x, const uint8_t* w, int kind, float* out, int64_t 
   else run<8>(x, w, out, M, K, N);
 }
 
-std::vector<paddle::Tensor> QGemm(const paddle::Tensor& x, const paddle::Tensor& w, int kind, int64_t n_out) {
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "x must be float32");
-  PD_CHECK(w.dtype() == paddle::DataType::UINT8, "w must be uint8");
-  PD_CHECK(x.shape().size() == 2 && w.shape().size() == 3, "x must be 2-D and w 3-D (packed)");
-  PD_CHECK(fdx::packed_block_bytes(kind) > 0, "kind must be 4 (Q4_0/Q4_1), 8 (Q8_0) or 16 (bfloat16)");
-  const int64_t M = x.shape()[0], K = x.shape()[1];
-  PD_CHECK(K % 32 == 0, "K must be a multiple of 32");
-  PD_CHECK(w.shape()[0] == (n_out + 7) / 8 && w.shape()[1] == K / 32 && w.shape()[2] == fdx::packed_block_bytes(kind),
-           "packed w does not match K and n_out");
-  auto out = paddle::empty({M, n_out}, paddle::DataType::FLOAT32, x.place());
-  fdx::qgemm(x.data<float>(), w.data<uint8_t>(), kind, out.data<float>(), M, K, n_out);
-  return {out};
+void fdx::qgemm_kernels(int32_t* out) {
+  out[0] = std::strcmp(kDot, "vnni") == 0 ? 1 : 0;
+  out[1] = std::strcmp(kBf16Dot, "vdpbf16ps") == 0 ? 1 : 0;
+  out[2] = amx_enabled() ? 1 : 0;
 }
-
-std::vector<std::vector<int64_t>> QGemmInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w, int kind,
-                                                  int64_t n_out) {
-  return {{x[0], n_out}};
-}
-
-std::vector<paddle::DataType> QGemmInferDtype(const paddle::DataType& x, const paddle::DataType& w) { return {x}; }
-
-PD_BUILD_OP(fdx_qgemm)
-    .Inputs({"x", "w"})
-    .Outputs({"out"})
-    .Attrs({"kind: int", "n_out: int64_t"})
-    .SetKernelFn(PD_KERNEL(QGemm))
-    .SetInferShapeFn(PD_INFER_SHAPE(QGemmInferShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(QGemmInferDtype));
-
-// Which dot products the build uses, as a 3-element int32 tensor: [0] int8
-// (1 = vpdpbusd, 0 = vpmaddubsw), [1] bf16 (1 = vdpbf16ps, 0 = two fmas),
-// [2] 1 where the int8 tiles of 16 rows run on AMX now (FDX_NATIVE_AMX);
-// native.py logs them once.
-std::vector<paddle::Tensor> QGemmDot(const paddle::Tensor& x) {
-  auto out = paddle::empty({3}, paddle::DataType::INT32, x.place());
-  out.data<int32_t>()[0] = std::strcmp(kDot, "vnni") == 0 ? 1 : 0;
-  out.data<int32_t>()[1] = std::strcmp(kBf16Dot, "vdpbf16ps") == 0 ? 1 : 0;
-  out.data<int32_t>()[2] = amx_enabled() ? 1 : 0;
-  return {out};
-}
-
-std::vector<std::vector<int64_t>> QGemmDotShape(const std::vector<int64_t>& x) { return {{3}}; }
-
-std::vector<paddle::DataType> QGemmDotDtype(const paddle::DataType& x) { return {paddle::DataType::INT32}; }
-
-PD_BUILD_OP(fdx_qgemm_dot)
-    .Inputs({"x"})
-    .Outputs({"out"})
-    .SetKernelFn(PD_KERNEL(QGemmDot))
-    .SetInferShapeFn(PD_INFER_SHAPE(QGemmDotShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(QGemmDotDtype));

@@ -19,7 +19,7 @@
 #include <cstring>
 #include <vector>
 
-#include "paddle/extension.h"
+#include "kernels.h"
 #include "simd_math.h"
 
 namespace {
@@ -27,14 +27,6 @@ namespace {
 namespace v = fdx::simd;
 constexpr int kVecs = 32 / v::kLanes;  // vectors per 32-weight block
 
-int block_bytes(int qtype) {
-  switch (qtype) {
-    case 2: return 18;
-    case 3: return 20;
-    case 8: return 34;
-    default: return 0;
-  }
-}
 
 // MR rows of x against output rows [n0, n1).  Each output is summed in the
 // 16 canonical lanes of simd_math.h (the same bits with both kernel sets):
@@ -116,36 +108,18 @@ void run(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int
 
 }  // namespace
 
-std::vector<paddle::Tensor> QGemv(const paddle::Tensor& x, const paddle::Tensor& w, int qtype) {
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "x must be float32");
-  PD_CHECK(w.dtype() == paddle::DataType::UINT8, "w must be uint8");
-  PD_CHECK(x.shape().size() == 2 && w.shape().size() == 2, "x and w must be 2-D");
-  const int64_t M = x.shape()[0], K = x.shape()[1], N = w.shape()[0];
-  const int bb = block_bytes(qtype);
-  PD_CHECK(bb > 0, "unsupported quant type");
-  PD_CHECK(K % 32 == 0 && w.shape()[1] == K / 32 * bb, "w row size does not match K");
-  auto out = paddle::empty({M, N}, paddle::DataType::FLOAT32, x.place());
-  const float* xp = x.data<float>();
-  const uint8_t* wp = w.data<uint8_t>();
-  float* op = out.data<float>();
-  const int64_t rb = w.shape()[1];
-  if (qtype == 2) run<2>(xp, wp, op, M, K, N, rb);
-  else if (qtype == 3) run<3>(xp, wp, op, M, K, N, rb);
-  else run<8>(xp, wp, op, M, K, N, rb);
-  return {out};
+int fdx::gguf_block_bytes(int qtype) {
+  switch (qtype) {
+    case 2: return 18;
+    case 3: return 20;
+    case 8: return 34;
+    default: return 0;
+  }
 }
 
-std::vector<std::vector<int64_t>> QGemvInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
-                                                  int qtype) {
-  return {{x[0], w[0]}};
+void fdx::qgemv(const float* x, const uint8_t* w, int qtype, float* out, int64_t M, int64_t K, int64_t N,
+                int64_t row_bytes) {
+  if (qtype == 2) run<2>(x, w, out, M, K, N, row_bytes);
+  else if (qtype == 3) run<3>(x, w, out, M, K, N, row_bytes);
+  else run<8>(x, w, out, M, K, N, row_bytes);
 }
-
-std::vector<paddle::DataType> QGemvInferDtype(const paddle::DataType& x, const paddle::DataType& w) { return {x}; }
-
-PD_BUILD_OP(fdx_qgemv)
-    .Inputs({"x", "w"})
-    .Outputs({"out"})
-    .Attrs({"qtype: int"})
-    .SetKernelFn(PD_KERNEL(QGemv))
-    .SetInferShapeFn(PD_INFER_SHAPE(QGemvInferShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(QGemvInferDtype));

@@ -16,7 +16,6 @@
 #include <vector>
 
 #include "kernels.h"
-#include "paddle/extension.h"
 #include "simd_math.h"
 
 namespace {
@@ -60,38 +59,6 @@ void fdx::add_rms_norm(const float* xp, const float* rp, const float* wp, int64_
   }
 }
 
-std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x, const paddle::Tensor& residual,
-                                       const paddle::Tensor& weight, float eps) {
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "x must be float32");
-  const int64_t T = x.shape()[0], H = x.shape()[1];
-  const bool has_res = residual.numel() > 0;
-  PD_CHECK(!has_res || residual.numel() == T * H, "residual shape mismatch");
-  PD_CHECK(weight.numel() == H, "weight shape mismatch");
-  auto out = paddle::empty({T, H}, paddle::DataType::FLOAT32, x.place());
-  auto res_out = paddle::empty({T, H}, paddle::DataType::FLOAT32, x.place());
-  fdx::add_rms_norm(x.data<float>(), has_res ? residual.data<float>() : nullptr, weight.data<float>(), T, H, eps,
-                    out.data<float>(), res_out.data<float>());
-  return {out, res_out};
-}
-
-std::vector<std::vector<int64_t>> AddRmsNormShape(const std::vector<int64_t>& x, const std::vector<int64_t>& r,
-                                                  const std::vector<int64_t>& w, float eps) {
-  return {x, x};
-}
-
-std::vector<paddle::DataType> AddRmsNormDtype(const paddle::DataType& x, const paddle::DataType& r,
-                                              const paddle::DataType& w) {
-  return {x, x};
-}
-
-PD_BUILD_OP(fdx_add_rms_norm)
-    .Inputs({"x", "residual", "weight"})
-    .Outputs({"out", "residual_out"})
-    .Attrs({"eps: float"})
-    .SetKernelFn(PD_KERNEL(AddRmsNorm))
-    .SetInferShapeFn(PD_INFER_SHAPE(AddRmsNormShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(AddRmsNormDtype));
-
 void fdx::swiglu(const float* xp, int64_t T, int64_t F, float* op) {
   const int64_t F2 = 2 * F;
 #pragma omp parallel for schedule(static) if (T * F >= kParallelElems)
@@ -115,22 +82,3 @@ void fdx::swiglu(const float* xp, int64_t T, int64_t F, float* op) {
     }
   }
 }
-
-std::vector<paddle::Tensor> Swiglu(const paddle::Tensor& x) {
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32, "x must be float32");
-  const int64_t T = x.shape()[0], F2 = x.shape()[1], F = F2 / 2;
-  auto out = paddle::empty({T, F}, paddle::DataType::FLOAT32, x.place());
-  fdx::swiglu(x.data<float>(), T, F, out.data<float>());
-  return {out};
-}
-
-std::vector<std::vector<int64_t>> SwigluShape(const std::vector<int64_t>& x) { return {{x[0], x[1] / 2}}; }
-
-std::vector<paddle::DataType> SwigluDtype(const paddle::DataType& x) { return {x}; }
-
-PD_BUILD_OP(fdx_swiglu)
-    .Inputs({"x"})
-    .Outputs({"out"})
-    .SetKernelFn(PD_KERNEL(Swiglu))
-    .SetInferShapeFn(PD_INFER_SHAPE(SwigluShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(SwigluDtype));

@@ -11,7 +11,7 @@ ops per layer:
 matmul.
 
 In the packed modes (int8, bfloat16), the whole layer stack is one call of the
-C++ op ``fdx_decoder_layers`` (fdx/csrc/decoder_layers.cc), which runs those
+C++ op ``fdx_decoder_layers`` (fdx/csrc/paddle_ops.cc), which runs those
 same kernels in the same order (bit-identical, without ~8 op dispatches a
 layer); :attr:`LlamaModel.fused_layers` ``= False`` keeps the per-layer ops.
 A model with per-head q/k RMSNorm (``ModelArgs.qk_norm``, Qwen3) always

@@ -39,7 +39,7 @@ straight from GGUF Q4_0/Q4_1/Q8_0 blocks), ``fdx_qgemm`` (csrc/qgemm.cc:
 the batch-invariant int8 GEMM over packed blocks, every row count),
 ``fdx_add_rms_norm`` and
 ``fdx_swiglu`` (csrc/small_ops.cc), and ``fdx_decoder_layers``
-(csrc/decoder_layers.cc: every decoder layer of an int8 step in one call,
+(csrc/paddle_ops.cc: every decoder layer of an int8 step in one call,
 through the same kernels, whose plain C++ entry points csrc/kernels.h
 declares), and ``fdx_moe`` (csrc/moe.cc: a mixture-of-experts block --
 router, top-k, the grouping by expert, both expert GEMMs and the weighted
@@ -66,7 +66,7 @@ CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 #: builds made at install time (``python -m fdx.model.native``), inside the installed package
 PREBUILT = os.path.join(os.path.dirname(CSRC), "_ops")
 BUILD_COMMAND = f"{os.path.basename(sys.executable) or 'python'} -m fdx.model.native"
-SOURCES = ("paged_attention.cc", "qgemv.cc", "qgemm.cc", "small_ops.cc", "decoder_layers.cc", "moe.cc")
+SOURCES = ("paddle_ops.cc", "paged_attention.cc", "qgemv.cc", "qgemm.cc", "small_ops.cc", "moe.cc")
 HEADERS = ("simd_math.h", "kernels.h")
 #: plain C libraries beside the op module (ctypes, not Paddle ops): tensor parallelism's collectives
 STANDALONE = ("tp_comm.cc",)

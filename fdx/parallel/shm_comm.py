@@ -69,7 +69,7 @@ def segment_size(world: int, slot_elems: int) -> int:
 
 
 class TPCommHandle(ctypes.Structure):
-    """fdx::TPComm (fdx/csrc/decoder_layers.cc): the all-reduce the fused
+    """fdx::TPComm (fdx/csrc/paddle_ops.cc): the all-reduce the fused
     decoder-layer op calls between its halves, with this rank's arguments."""
 
     _fields_ = [("all_reduce", ctypes.c_void_p), ("base", ctypes.c_void_p), ("rank", ctypes.c_int32),
