@@ -1052,15 +1052,24 @@ def test_gguf_float32_matches_transformers(gguf_dir: Path, name: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
-@pytest.mark.parametrize("name", ["qwen3", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe", "mistral", "llama3", "phi3"])
 def test_gguf_float32_file_in_packed_modes_is_the_hf_folder(gguf_dir: Path, name: str, dtype: str) -> None:
     """An F32 GGUF in int8 / bfloat16 gives the HF folder's logits bit for bit
-    (the same weights, packed alike), so the folder's packed-mode results hold
-    for it (Phi-3 aside: its rope factors are float32 in the GGUF)."""
+    (the same weights, packed alike; Mistral's q/k un-permuted exactly), so
+    the folder's packed-mode results hold for it.  Llama 3 and Phi-3 carry
+    their rope factors as float32 in the GGUF (``rope_freqs``,
+    ``rope_factors_long/short``), which fdx otherwise computes from the
+    config: their rotations differ by float32 rounding, which int8's per-block
+    activation scales carry into every product (measured: up to 2.6e-6), so
+    those two are held to the same top-1 and 1e-4."""
     s = goldens(name)[0]
     a = teacher_forced(make_runner(name, dtype, arch_gguf(gguf_dir, name)), s["prompt"], s["tokens"][:8])
     b = teacher_forced(make_runner(name, dtype), s["prompt"], s["tokens"][:8])
-    np.testing.assert_array_equal(a, b)
+    if name in ("llama3", "phi3"):
+        np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
+    else:
+        np.testing.assert_array_equal(a, b)
 
 
 def test_gguf_phi3_window_zero_is_no_window(gguf_dir: Path) -> None:
