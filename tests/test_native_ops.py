@@ -759,3 +759,16 @@ def test_dtype_choice_on_the_cpu_runner() -> None:
         resolve_compute("bfloat16", ops, SimpleNamespace(hidden_size=100, q_size=100, intermediate_size=300))
     with pytest.raises(ModelLoadError, match="auto, int8, bfloat16, float32"):
         resolve_compute("float16", ops, args)
+
+
+def test_a_failing_compile_is_one_line_naming_the_file(tmp_path: Any) -> None:
+    """The ops build's error (what ``python -m fdx.model.native`` and the
+    fallback's warning print) is one line: the file and the compiler's first error."""
+    from fdx.model.ops_build import BuildError, compile_op_library
+
+    src = tmp_path / "broken.cc"
+    src.write_text("int f( { return 0; }\n")
+    with pytest.raises(BuildError) as info:
+        compile_op_library("fdx_broken", [str(src)], ["-O0"], [], [], str(tmp_path / "build"))
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("compiling broken.cc failed: ") and "error" in msg, msg

@@ -30,7 +30,7 @@ BASE_FLAGS = ("-std=c++17", "-fPIC", "-w", "-DNDEBUG", "-fwrapv", "-D_GLIBCXX_US
 
 
 class BuildError(RuntimeError):
-    """The compiler failed (the message carries its last lines of output)."""
+    """The compiler failed (the message names the file and the compiler's first error)."""
 
 
 def _compiler() -> str:
@@ -42,15 +42,19 @@ def _compiler() -> str:
 
 def _run(cmd: list[str], what: str) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-12:])
-        raise BuildError(f"compiling {what} failed:\n{tail}")
+    if r.returncode != 0:  # one line: the compiler's first error (else its last line)
+        lines = (r.stderr or r.stdout or "").strip().splitlines() or ["no output"]
+        first = next((ln for ln in lines if "error" in ln), lines[-1])
+        raise BuildError(f"compiling {what} failed: {first.strip()}")
 
 
 def compile_op_library(module: str, sources: list[str], cflags: list[str], ldflags: list[str],
                        include_dirs: list[str], build_dir: str) -> str:
     """Build ``sources`` into ``<build_dir>/<module>/<module>.so`` (returned);
     :class:`BuildError` names the source that failed."""
+    from fdx.logs import import_paddle_quietly
+
+    import_paddle_quietly()  # its "No ccache found" (on importing cpp_extension) goes to the debug log
     from paddle.utils.cpp_extension import extension_utils as eu
 
     cxx = _compiler()
