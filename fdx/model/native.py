@@ -17,7 +17,10 @@ set falls back with one log line.
 
 **Built at install time.**  ``python -m fdx.model.native`` (``make install``
 runs it after ``pip install``) builds the ops for this machine's kernel set
-into the installed package, ``fdx/_ops/<isa>-<hash>``; :func:`load_ops`
+into the installed package, ``fdx/_ops/<isa>-<hash>``, with
+:func:`fdx.model.ops_build.compile_op_library` (one compiler per core; the
+kernels are plain C++, only csrc/paddle_ops.cc includes Paddle: ~12 s on 2
+cores); :func:`load_ops`
 loads such a build straight from its ``.so`` (about a second, no compiler
 run), so ``fdx serve`` starts without compiling, whatever
 ``$FDX_CACHE_DIR`` holds.  Other builds (``FDX_NATIVE_ISA=avx2`` on an
