@@ -31,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
+from ref_ops import op_source  # noqa: E402
 
 H, KV, D, BS = 9, 3, 64, 16
 
@@ -41,11 +42,11 @@ def build_ref(ref: str) -> object:
 
     git = lambda path: subprocess.run(["git", "-C", ROOT, "show", f"{ref}:{path}"], check=True,  # noqa: E731
                                       capture_output=True, text=True).stdout
-    src = git("fdx/csrc/paged_attention.cc")
+    src = op_source(git, "paged_attention.cc")
     header = git("fdx/csrc/kernels.h").replace("#pragma once", "")
     header = re.sub(r"\bnamespace fdx\b", "namespace fdx_ref", header)
     src = src.replace('#include "kernels.h"', header)
-    for name in ("paged_attention(", "check_attention_meta(", "AttnShape"):
+    for name in ("paged_attention(", "check_attention_meta(", "AttnShape", "require("):
         src = src.replace("fdx::" + name, "fdx_ref::" + name)
     src = src.replace("fdx_paged_attention", "fdx_paged_attention_ref")
     src = re.sub(r"\bPagedAttention", "RefPagedAttention", src)

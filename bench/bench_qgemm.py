@@ -31,6 +31,7 @@ import warnings
 from typing import Any
 
 import numpy as np
+from ref_ops import op_source
 
 os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 
@@ -70,12 +71,14 @@ def load_ref_op(ref: str) -> Any:
     for h in native.HEADERS:
         with open(os.path.join(build, h), "w") as f:
             f.write(show(f"fdx/csrc/{h}"))
-    src = show("fdx/csrc/qgemm.cc")
-    # another op name and no fdx::qgemm symbol (the loaded fdx ops define one)
+    src = op_source(show, "qgemm.cc")
+    # another op name and no fdx::qgemm / fdx::qgemm_kernels symbol (the loaded fdx ops define them)
     src = src.replace("PD_BUILD_OP(fdx_qgemm)", "PD_BUILD_OP(fdx_qgemm_ref)")
     src = src.replace("PD_BUILD_OP(fdx_qgemm_dot)", "PD_BUILD_OP(fdx_qgemm_ref_dot)")
     src = re.sub(r"void fdx::qgemm\(", "static void qgemm_ref_impl(", src)
     src = src.replace("fdx::qgemm(x.data", "qgemm_ref_impl(x.data")
+    src = re.sub(r"void fdx::qgemm_kernels\(", "static void qgemm_ref_kernels(", src)
+    src = src.replace("fdx::qgemm_kernels(out", "qgemm_ref_kernels(out")
     path = os.path.join(build, "qgemm_ref.cc")
     with open(path, "w") as f:
         f.write(src)
