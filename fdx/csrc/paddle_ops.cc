@@ -85,6 +85,13 @@ void check_packed(const paddle::Tensor& w, int kind, int64_t K, int64_t N, const
            what, " does not match its layer's widths");
 }
 
+// w is kind's weight for x [*, K] @ W -> [*, N]: float32 [K, N], or packed for N outputs (check_packed).
+void check_weight(const paddle::Tensor& w, int kind, int64_t K, int64_t N, const char* what) {
+  if (kind != 0) return check_packed(w, kind, K, N, what);
+  PD_CHECK(w.dtype() == paddle::DataType::FLOAT32 && w.shape().size() == 2 && w.shape()[0] == K && w.shape()[1] == N,
+           what, ": a float32 weight must be [K, N] and match the block's widths");
+}
+
 }  // namespace
 
 std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& x, const paddle::Tensor& rope, const paddle::Tensor& meta,
@@ -400,24 +407,6 @@ PD_BUILD_OP(fdx_fgemm)
     .SetInferDtypeFn(PD_INFER_DTYPE(FGemmDtype));
 
 // ---------------------------------------------------------------- fdx_moe (moe.cc)
-namespace {
-
-// w is kind's weight for x [*, K] @ W -> [*, N] (float32 [K, N], or packed for N outputs).
-void check_weight(const paddle::Tensor& w, int kind, int64_t K, int64_t N, const char* what) {
-  if (kind == 0) {
-    PD_CHECK(w.dtype() == paddle::DataType::FLOAT32 && w.shape().size() == 2 && w.shape()[0] == K &&
-                 w.shape()[1] == N,
-             what, ": a float32 weight must be [K, N] and match the block's widths");
-    return;
-  }
-  PD_CHECK(w.dtype() == paddle::DataType::UINT8 && w.shape().size() == 3, what, " must be a packed uint8 weight");
-  PD_CHECK(K % 32 == 0 && w.shape()[0] == (N + 7) / 8 && w.shape()[1] == K / 32 &&
-               w.shape()[2] == fdx::packed_block_bytes(kind),
-           what, " does not match the block's widths");
-}
-
-}  // namespace
-
 std::vector<paddle::Tensor> Moe(const paddle::Tensor& h, const paddle::Tensor& router, const Tensors& gate_up,
                                 const Tensors& down, int kind, int num_experts, int top_k, bool renormalize,
                                 int first) {
