@@ -67,6 +67,10 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     c.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default 512)")
     c.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     c.add_argument("--num-kv-blocks", type=int, help="KV blocks in the device pool (default: from --kv-cache-memory)")
+    c.add_argument("--kv-cache-dtype", metavar="auto|float32|bfloat16",
+                   help="the KV cache's dtype: auto (default: float32 on the CPU, the compute dtype on GPUs), "
+                        "float32, or bfloat16 (CPU: with --dtype int8 or bfloat16; half the bytes, faster decode "
+                        "at long contexts)")
     c.add_argument("--kv-cache-memory", help="KV pool size, e.g. 2G (default 1G)")
     c.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None)
     c.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")

@@ -42,6 +42,16 @@ def split_device(spec: str) -> tuple[str, int | None]:
     return name, int(idx)
 
 
+#: ``--kv-cache-dtype`` values (vLLM's flag): ``auto`` lets the runner pick
+#: (float32 on the CPU, the compute dtype on GPUs)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _kv_cache_dtype(inst: Any, att: attrs.Attribute, value: str) -> None:
+    if value not in KV_CACHE_DTYPES:
+        raise ConfigError(f"{_flag(att.name)} {value}: unknown; choose one of {', '.join(KV_CACHE_DTYPES)}")
+
+
 def _device(inst: Any, att: attrs.Attribute, value: str) -> None:
     split_device(value)
 
@@ -93,6 +103,9 @@ class EngineConfig:
     block_size: int = attrs.field(default=16, validator=_positive)
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)
     kv_cache_memory: int = attrs.field(default=1 << 30, validator=_positive)  # bytes
+    #: the KV pool's dtype (``KV_CACHE_DTYPES``); bfloat16 halves the bytes
+    #: decode attention reads (the CPU runner's int8 / bfloat16 compute)
+    kv_cache_dtype: str = attrs.field(default="auto", validator=_kv_cache_dtype)
 
     # components (chosen by name from the registries)
     #: how ``fdx serve`` lays out its processes (``None``: implied by the flags,

@@ -130,6 +130,11 @@ def probe() -> dict[str, np.ndarray]:
         for window in (7, 50):  # sliding windows: shorter than a block of keys, and spanning several
             o = ops.fdx_paged_attention(T(qkv), cache, rope, T(meta), T(tables), H, KV, BS, float(D) ** -0.5, window)
             out[f"attention_D{D}_prefill_window{window}"] = o.numpy()
+        # a bfloat16 cache: the rounding of the written keys and values, and their widening when read
+        cb = paddle.zeros([2, NB, KV, BS, D], "bfloat16")
+        o = ops.fdx_paged_attention(T(qkv), cb, rope, T(meta), T(tables), H, KV, BS, float(D) ** -0.5, 0)
+        out[f"attention_D{D}_prefill_bf16_cache"] = o.numpy()
+        out[f"attention_D{D}_bf16_cache"] = cb.astype("float32").numpy()
 
     # the mixture-of-experts op, every mode: routing, grouping, both GEMMs, the sums (and a rank's experts)
     E, H, F = 8, 128, 64

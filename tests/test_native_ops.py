@@ -562,6 +562,54 @@ def test_paged_attention_matches_numpy(ops: Any, window: int) -> None:
     np.testing.assert_allclose(c[0, tables[1, p // BS], :, p % BS], ks[1][p], rtol=1e-6, atol=1e-6)
 
 
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """float32 rounded to bfloat16 (nearest even; no denormals or NaN here), as float32."""
+    u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("D", [64, 36])
+def test_paged_attention_bfloat16_cache_is_the_float32_sequence_on_rounded_values(ops: Any, D: int) -> None:
+    """``--kv-cache-dtype bfloat16``: the op writes each new key and value
+    rounded to bfloat16 and reads them back exactly, so its output is the
+    float32 cache's, bit for bit, on the rounded values.  Made comparable by
+    feeding keys and values that are already bfloat16 and a RoPE table whose
+    rows at the new tokens' positions are the identity (cos 1, sin 0), so
+    both caches receive the same values; prefill chunks and decode rows
+    over a cache already holding other keys (D = 36: the tails of a row)."""
+    import paddle
+
+    rng = np.random.default_rng(11 + D)
+    H, KV, BS, NB = 6, 2, 8, 40
+    lens = [37, 90, 3]
+    tables = rng.permutation(NB)[: 3 * 12].reshape(3, 12).astype(np.int32)
+    P = max(lens) + 1
+    rope = rng.standard_normal((P, D)).astype(np.float32)
+    rope[:, : D // 2], rope[:, D // 2 :] = 1.0, 0.0  # identity rotation everywhere: rope(k) = k, exactly
+    old = _bf16(rng.standard_normal((2, NB, KV, BS, D)).astype(np.float32))
+    c32 = paddle.to_tensor(old)
+    cb = paddle.to_tensor(old).astype("bfloat16")
+    assert np.array_equal(cb.astype("float32").numpy(), old)  # Paddle's cast rounds as fdx does: exact here
+    W = (H + 2 * KV) * D
+    for seq_pos in ([(0, p) for p in range(20, 37)] + [(1, p) for p in range(80, 90)], [(0, 37), (1, 90), (2, 2)]):
+        meta = np.array(seq_pos, dtype=np.int32)
+        qkv = rng.standard_normal((len(meta), W)).astype(np.float32)
+        qkv[:, H * D :] = _bf16(qkv[:, H * D :])
+        args = (paddle.to_tensor(rope), paddle.to_tensor(meta), paddle.to_tensor(tables), H, KV, BS, float(D) ** -0.5, 0)
+        o32 = ops.fdx_paged_attention(paddle.to_tensor(qkv), c32, *args).numpy()
+        ob = ops.fdx_paged_attention(paddle.to_tensor(qkv), cb, *args).numpy()
+        np.testing.assert_array_equal(ob, o32)
+        np.testing.assert_array_equal(cb.astype("float32").numpy(), c32.numpy())
+    # a key that is not a bfloat16 value is stored rounded to nearest even
+    qkv = np.zeros((1, W), np.float32)
+    qkv[0, H * D : H * D + 5] = [1.0 + 2.0**-9, 1.0 + 3 * 2.0**-9, -(1.0 + 2.0**-8), -(1.0 + 3 * 2.0**-8), 3.0e-39]
+    meta = np.array([(2, 0)], dtype=np.int32)
+    ops.fdx_paged_attention(paddle.to_tensor(qkv), cb, paddle.to_tensor(rope), paddle.to_tensor(meta),
+                            paddle.to_tensor(tables), H, KV, BS, float(D) ** -0.5, 0)
+    got = cb.astype("float32").numpy()[0, tables[2, 0], 0, 0, :5]  # ties to even both ways; a denormal to 0
+    np.testing.assert_array_equal(got, np.array([1.0, 1.0 + 2.0**-7, -1.0, -(1.0 + 2.0**-6), 0.0], np.float32))
+
+
 def test_paged_attention_window_zero_is_no_window(ops: Any) -> None:
     """Window 0 and a window as long as the context give the very bits of
     each other (the same keys, the same operations); a shorter one differs."""

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 
 namespace fdx {
@@ -19,6 +20,25 @@ namespace fdx {
 // Paddle ops turn into the op's error (a Python exception).
 inline void require(bool ok, const char* what) {
   if (!ok) throw std::invalid_argument(what);
+}
+
+// fp32 -> the bfloat16 bit pattern: round to nearest even, denormals to
+// (signed) zero, NaN kept quiet -- the rounding of fdx's bf16 weights
+// (fdx/model/packed_weights.py pack_bf16), activations and KV cache.
+inline uint32_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7F800000u) == 0) return (u >> 16) & 0x8000u;                    // zero or denormal: +-0
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return ((u >> 16) | 0x40u) & 0xFFFFu;  // NaN
+  return ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) & 0xFFFFu;
+}
+
+// The float32 of a bfloat16 bit pattern (exact).
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
 }
 
 // Bytes of one packed block (8 output columns x 32 inputs): kind 4 (Q4_0/Q4_1),
@@ -60,6 +80,7 @@ struct AttnShape {
   int64_t P;     // rows of the RoPE table
   float scale;   // softmax scale
   int window = 0;  // sliding window: keys pos - window < j <= pos (0: every key 0..pos)
+  bool bf16_cache = false;  // the cache holds bfloat16 (uint16 bit patterns), else float32
 };
 
 // Throws (require) unless every token's sequence, position and block ids are
@@ -69,7 +90,7 @@ void check_attention_meta(const AttnShape& s, const int* meta, const int* tables
 // RoPE q and k of qkv [T, (H + 2 KV) D], write k and v into the cache
 // (kcache: [2, NB, KV, BS, D], K half first; written in place), attend;
 // out [T, H D].
-void paged_attention(const AttnShape& s, const float* qkv, float* kcache, const float* rope, const int* meta,
+void paged_attention(const AttnShape& s, const float* qkv, void* kcache, const float* rope, const int* meta,
                      const int* tables, float* out);
 
 // small_ops.cc: res_out = x + residual (residual may be null), out =

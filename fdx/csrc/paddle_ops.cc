@@ -62,6 +62,11 @@ namespace {
 using Tensors = std::vector<paddle::Tensor>;
 
 // Runs a kernel's checks (fdx::require): a failing one is the op's error, as a PD_CHECK's.
+// A KV cache the attention reads: float32, or bfloat16 (paged_attention.cc's BFLOAT16 CACHE).
+bool kv_cache_dtype_ok(const paddle::Tensor& c) {
+  return c.dtype() == paddle::DataType::FLOAT32 || c.dtype() == paddle::DataType::BFLOAT16;
+}
+
 template <typename F>
 void checked(F&& f) {
   try {
@@ -111,15 +116,18 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& x, const paddle:
   const int64_t T = x.shape()[0], E = x.shape()[1];
   const auto& c0 = caches[0].shape();
   PD_CHECK(c0.size() == 5 && c0[0] == 2, "caches must be [2, NB, KV, BS, D]");
+  PD_CHECK(kv_cache_dtype_ok(caches[0]), "caches must be float32 or bfloat16");
   fdx::AttnShape sh{T, num_heads, static_cast<int>(c0[2]), static_cast<int>(c0[4]), static_cast<int>(c0[3]),
-                    c0[1], tables.shape()[0], tables.shape()[1], rope.shape()[0], scale};
+                    c0[1], tables.shape()[0], tables.shape()[1], rope.shape()[0], scale, 0,
+                    caches[0].dtype() == paddle::DataType::BFLOAT16};
+  PD_CHECK(sh.D <= 512, "head size must be <= 512");
   PD_CHECK(sh.H % sh.KV == 0, "num_heads must be a multiple of the kv heads");
   PD_CHECK(rope.shape()[1] == sh.D, "rope width mismatch");
   const int64_t Q = (int64_t)sh.H * sh.D, W = (int64_t)(sh.H + 2 * sh.KV) * sh.D;
   const int64_t F2 = w_gate_up[0].shape()[0] * 8, F = F2 / 2;
   PD_CHECK(E % 32 == 0 && Q % 32 == 0 && F % 32 == 0, "layer widths must be multiples of 32");
   for (size_t l = 0; l < L; ++l) {
-    PD_CHECK(caches[l].dtype() == paddle::DataType::FLOAT32 && caches[l].shape() == c0, "caches differ in shape");
+    PD_CHECK(caches[l].dtype() == caches[0].dtype() && caches[l].shape() == c0, "caches differ in shape or dtype");
     PD_CHECK(attn_norm[l].numel() == E && ffn_norm[l].numel() == E, "norm weight width mismatch");
     PD_CHECK(b_qkv[l].numel() == 0 || b_qkv[l].numel() == W, "qkv bias width mismatch");
     check_packed(w_qkv[l], kinds[4 * l], E, W, "w_qkv");
@@ -148,7 +156,7 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& x, const paddle:
         for (int64_t i = 0; i < W; ++i) qkv[t * W + i] += b[i];
     }
     sh.window = windows[l];
-    fdx::paged_attention(sh, qkv.data(), const_cast<float*>(caches[l].data<float>()), rope.data<float>(),
+    fdx::paged_attention(sh, qkv.data(), const_cast<void*>(caches[l].data()), rope.data<float>(),
                          meta.data<int>(), tables.data<int>(), att.data());
     fdx::qgemm(att.data(), w_o[l].data<uint8_t>(), kinds[4 * l + 1], xb, T, Q, E);
     all_reduce(comm, xb, T * E);  // row-parallel o: the ranks' partial sums
@@ -253,12 +261,14 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const padd
                                            const paddle::Tensor& tables, int num_heads, int num_kv_heads,
                                            int block_size, float scale, int window) {
   PD_CHECK(qkv.dtype() == paddle::DataType::FLOAT32, "qkv must be float32");
-  PD_CHECK(kv_cache.dtype() == paddle::DataType::FLOAT32, "kv_cache must be float32");
+  PD_CHECK(kv_cache_dtype_ok(kv_cache), "kv_cache must be float32 or bfloat16");
   PD_CHECK(meta.dtype() == paddle::DataType::INT32 && tables.dtype() == paddle::DataType::INT32,
            "meta/tables must be int32");
   PD_CHECK(kv_cache.shape().size() == 5, "kv_cache must be [2, NB, KV, BS, D]");
   fdx::AttnShape sh{qkv.shape()[0], num_heads, num_kv_heads, static_cast<int>(kv_cache.shape()[4]), block_size,
-                    kv_cache.shape()[1], tables.shape()[0], tables.shape()[1], rope.shape()[0], scale, window};
+                    kv_cache.shape()[1], tables.shape()[0], tables.shape()[1], rope.shape()[0], scale, window,
+                    kv_cache.dtype() == paddle::DataType::BFLOAT16};
+  PD_CHECK(sh.D <= 512, "head size must be <= 512");
   PD_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   PD_CHECK(kv_cache.shape()[2] == sh.KV && kv_cache.shape()[3] == sh.BS, "kv_cache geometry mismatch");
   PD_CHECK(qkv.shape()[1] == (int64_t)(sh.H + 2 * sh.KV) * sh.D, "qkv width mismatch");
@@ -267,7 +277,7 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const padd
   // validate metadata once (never touch memory outside the cache)
   checked([&] { fdx::check_attention_meta(sh, meta.data<int>(), tables.data<int>()); });
   auto out = paddle::empty({sh.T, (int64_t)sh.H * sh.D}, paddle::DataType::FLOAT32, qkv.place());
-  fdx::paged_attention(sh, qkv.data<float>(), const_cast<float*>(kv_cache.data<float>()), rope.data<float>(),
+  fdx::paged_attention(sh, qkv.data<float>(), const_cast<void*>(kv_cache.data()), rope.data<float>(),
                        meta.data<int>(), tables.data<int>(), out.data<float>());
   return {out};
 }

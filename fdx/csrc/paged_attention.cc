@@ -4,6 +4,7 @@
 // in sync with fdx/model/native.py and fdx/model/llama.py):
 //   qkv       [T, (H + 2*KV) * D] float32   fused q/k/v projections (bias added)
 //   kv_cache  [2, NB, KV, BS, D]  float32   K at [0], V at [1]; WRITTEN IN PLACE
+//                                 (or bfloat16: AttnShape::bf16_cache, see BFLOAT16 CACHE)
 //   rope      [P, D]              float32   cos in [:, :D/2], sin in [:, D/2:]
 //   meta      [T, 2]              int32     (sequence index, position) per token
 //   tables    [S, MAXB]           int32     block table per sequence
@@ -43,10 +44,18 @@
 // work item is (a run of <= kRun consecutive tokens of one sequence, a kv
 // head); key blocks stay in L1 while every row of the item uses them, and
 // the G query heads of a token share each key/value load.
+//
+// BFLOAT16 CACHE.  With AttnShape::bf16_cache the cache holds each K and V
+// value rounded to bfloat16 (fdx::bf16_bits: nearest even, denormals to
+// zero) -- half the bytes, and decode attention is bound by reading them.
+// A load widens a value back to its float32 exactly (16 zero bits below), so
+// everything above runs unchanged on the rounded values: the same sequence,
+// the same bits on every kernel set and thread count, batch-invariant.
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -63,6 +72,41 @@ constexpr int kRows = 3;          // query rows per register tile of the weighte
 constexpr int kVecs = 4;          // output vectors per register tile of the weighted sum
 
 inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+// ---- reading the cache: float32, or bfloat16 widened exactly ----------------
+using bf16_t = uint16_t;
+inline v::vf load_kv(const float* p) { return v::load(p); }
+inline v::vf load_kv(const bf16_t* p) {
+#if defined(__AVX512F__)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#else
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+#endif
+}
+// Asks for the cache lines of n values from p (keys and values are read in
+// key order, but consecutive key blocks sit anywhere in the cache: the
+// hardware prefetcher loses the stream at every block edge).
+template <typename C>
+inline void prefetch_kv(const C* p, int n) {
+  const char* b = reinterpret_cast<const char*>(p);
+  for (int i = 0; i < n * static_cast<int>(sizeof(C)); i += 64) _mm_prefetch(b + i, _MM_HINT_T0);
+}
+constexpr int kAhead = 16;  // keys read ahead
+
+// the first n (< L) values, zeros after them
+inline v::vf load_kv_first(const float* p, int n) { return v::load_first(p, n); }
+inline v::vf load_kv_first(const bf16_t* p, int n) {
+  alignas(64) bf16_t t[L] = {};
+  std::memcpy(t, p, sizeof(bf16_t) * n);
+  return load_kv(t);
+}
+// the first n (< 16) values as the 16 canonical lanes, zeros after them
+inline v::v16 load16_kv_first(const float* p, int n) { return v::load16_first(p, n); }
+inline v::v16 load16_kv_first(const bf16_t* p, int n) {
+  alignas(64) float t[16] = {};
+  for (int i = 0; i < n; ++i) t[i] = fdx::bf16_to_float(p[i]);
+  return v::load16_first(t, n);
+}
 
 inline v::vf fmsub(v::vf a, v::vf b, v::vf c) {  // a*b - c
 #if defined(__AVX512F__)
@@ -139,8 +183,8 @@ constexpr int kTileKeys = 12 / NR / v::kParts;
 constexpr int kKeyAlign = 12;  // every tile width divides it
 
 // out[r][0..KT) = dot(q[r], k[0..KT)) * scale over D floats for NR (1, 2) rows.
-template <int NR, int DT>
-inline void score_tile(const float* const* q, const float* const* k, int Drt, float scale, float* const* out) {
+template <int NR, int DT, typename C>
+inline void score_tile(const float* const* q, const C* const* k, int Drt, float scale, float* const* out) {
   constexpr int KT = kTileKeys<NR>;
   constexpr int ND = NR * KT;  // 12 or 6 dots
   const int D = DT ? DT : Drt;  // DT: the head size when known at compile time (same operations)
@@ -157,7 +201,7 @@ inline void score_tile(const float* const* q, const float* const* k, int Drt, fl
       if constexpr (kQInRegs)
         for (int r = 0; r < NR; ++r) qv[r] = v::load(q[r] + d + i * L);
       for (int j = 0; j < KT; ++j) {
-        v::vf kv = v::load(k[j] + d + i * L);
+        v::vf kv = load_kv(k[j] + d + i * L);
         if (NR > 1) in_register(kv);
         for (int r = 0; r < NR; ++r) {
           v::vf pr = v::mul(kQInRegs ? qv[r] : v::load(q[r] + d + i * L), kv);
@@ -172,7 +216,7 @@ inline void score_tile(const float* const* q, const float* const* k, int Drt, fl
     v::v16 qv[NR];
     for (int r = 0; r < NR; ++r) qv[r] = v::load16_first(q[r] + d, n);
     for (int j = 0; j < KT; ++j) {
-      const v::v16 kv = v::load16_first(k[j] + d, n);
+      const v::v16 kv = load16_kv_first(k[j] + d, n);
       for (int r = 0; r < NR; ++r) {
         for (int i = 0; i < v::kParts; ++i) {
           v::vf pr = v::mul(qv[r].p[i], kv.p[i]);
@@ -218,34 +262,37 @@ inline void score_tile(const float* const* q, const float* const* k, int Drt, fl
 // s_r[j] = dot(q_r, k_j) * scale for keys j in [j0, j1) (j0 a multiple of
 // kKeyAlign; s_r[j1 .. j1 rounded up to kKeyAlign) are written with scratch),
 // k_j = kc + off[j].
-template <int NR, int DT>
-inline void score_keys(const float* const* q, const float* kc, const int64_t* off, int j0, int j1, int D,
-                       float scale, float* const* s) {
+template <int NR, int DT, typename C>
+inline void score_keys(const float* const* q, const C* kc, const int64_t* off, int j0, int j1, int D,
+                       float scale, float* const* s, bool pf) {
   constexpr int KT = kTileKeys<NR>;
   float* out[NR];
   for (int j = j0; j < j1; j += KT) {
-    const float* k[KT];
+    const C* k[KT];
     for (int i = 0; i < KT; ++i) k[i] = kc + off[std::min(j + i, j1 - 1)];
+    if (pf)
+      for (int i = j + kAhead; i < std::min(j + kAhead + KT, j1); ++i) prefetch_kv(kc + off[i], D);
     for (int r = 0; r < NR; ++r) out[r] = s[r] + j;
-    score_tile<NR, DT>(q, k, D, scale, out);
+    score_tile<NR, DT, C>(q, k, D, scale, out);
   }
 }
 
 // acc[r][c*L ..] += sum over keys j in [j0, j1) of p[r][j] * v_j[d0 + c*L ..]
 // for NR rows and NV vectors (the last one masked to `last` lanes if TAIL);
 // v_j = vc + off[j] + d0.
-template <int NR, int NV, bool TAIL>
-inline void pv_tile(const float* const* p, const float* vc, const int64_t* off, int j0, int j1, int last,
-                    float* const* acc) {
+template <int NR, int NV, bool TAIL, typename C>
+inline void pv_tile(const float* const* p, const C* vc, const int64_t* off, int j0, int j1, int last,
+                    float* const* acc, bool pf) {
   v::vf a[NR][NV];
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < NV; ++c) a[r][c] = v::load(acc[r] + c * L);
   for (int j = j0; j < j1; ++j) {
-    const float* vr = vc + off[j];
+    const C* vr = vc + off[j];
+    if (pf && j + kAhead < j1) prefetch_kv(vc + off[j + kAhead], NV * L);
     v::vf pb[NR];
     for (int r = 0; r < NR; ++r) pb[r] = v::set1(p[r][j]);
     for (int c = 0; c < NV; ++c) {
-      v::vf vv = (TAIL && c == NV - 1) ? v::load_first(vr + c * L, last) : v::load(vr + c * L);
+      v::vf vv = (TAIL && c == NV - 1) ? load_kv_first(vr + c * L, last) : load_kv(vr + c * L);
       in_register(vv);
       for (int r = 0; r < NR; ++r) a[r][c] = v::fmadd(pb[r], vv, a[r][c]);
     }
@@ -254,15 +301,15 @@ inline void pv_tile(const float* const* p, const float* vc, const int64_t* off, 
     for (int c = 0; c < NV; ++c) v::store(acc[r] + c * L, a[r][c]);
 }
 
-template <int NR>
-inline void pv_rows(const float* const* p, const float* vc, const int64_t* off, int j0, int j1, int nv, bool tail,
-                    int last, float* const* acc) {
+template <int NR, typename C>
+inline void pv_rows(const float* const* p, const C* vc, const int64_t* off, int j0, int j1, int nv, bool tail,
+                    int last, float* const* acc, bool pf) {
 #define FDX_PV(NV)                                                    \
   case NV:                                                            \
     if (tail)                                                         \
-      pv_tile<NR, NV, true>(p, vc, off, j0, j1, last, acc);           \
+      pv_tile<NR, NV, true, C>(p, vc, off, j0, j1, last, acc, pf);    \
     else                                                              \
-      pv_tile<NR, NV, false>(p, vc, off, j0, j1, last, acc);          \
+      pv_tile<NR, NV, false, C>(p, vc, off, j0, j1, last, acc, pf);   \
     break;
   switch (nv) {
     FDX_PV(1)
@@ -327,8 +374,8 @@ inline int first_key(const Geometry& ge, int p) {
 
 // Attention of the rows (t, kh*G + g) for tokens t in [t0, t1) (all of one
 // sequence) and g < G; q' is read from o and the result written over it.
-template <bool kWindow>
-void attend_item(const Geometry& ge, const float* kc, const float* vc, const int* mt, const int* tb, int64_t t0,
+template <bool kWindow, typename C>
+void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, const int* tb, int64_t t0,
                  int64_t t1, int kh, float* o, Scratch& w) {
   const int H = ge.H, KV = ge.KV, D = ge.D, BS = ge.BS, G = ge.G;
   const int nt = static_cast<int>(t1 - t0), R = nt * G;
@@ -358,6 +405,7 @@ void attend_item(const Geometry& ge, const float* kc, const float* vc, const int
       const int kbeg = std::max(kb, lo / kKeyAlign * kKeyAlign);  // score tiles start on kKeyAlign
       const int kend = std::min(kb + ge.kblock, n);
       for (int g0 = 0; g0 < G; g0 += 2) {
+        const bool pf = t == t0 && g0 == 0;  // the item's first pass over these keys reads ahead
         const int nr = std::min(2, G - g0);
         const float* q[2];
         float* out[2];
@@ -366,12 +414,12 @@ void attend_item(const Geometry& ge, const float* kc, const float* vc, const int
           out[r] = srow(t, g0 + r);
         }
         switch (nr * 1000 + (D == 64 || D == 128 ? D : 0)) {
-          case 1000: score_keys<1, 0>(q, kc, off, kbeg, kend, D, ge.scale, out); break;
-          case 1064: score_keys<1, 64>(q, kc, off, kbeg, kend, D, ge.scale, out); break;
-          case 1128: score_keys<1, 128>(q, kc, off, kbeg, kend, D, ge.scale, out); break;
-          case 2064: score_keys<2, 64>(q, kc, off, kbeg, kend, D, ge.scale, out); break;
-          case 2128: score_keys<2, 128>(q, kc, off, kbeg, kend, D, ge.scale, out); break;
-          default: score_keys<2, 0>(q, kc, off, kbeg, kend, D, ge.scale, out); break;
+          case 1000: score_keys<1, 0, C>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
+          case 1064: score_keys<1, 64, C>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
+          case 1128: score_keys<1, 128, C>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
+          case 2064: score_keys<2, 64, C>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
+          case 2128: score_keys<2, 128, C>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
+          default: score_keys<2, 0, C>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
         }
       }
     }
@@ -391,6 +439,7 @@ void attend_item(const Geometry& ge, const float* kc, const float* vc, const int
       const int kend = std::min(kb + ge.kblock, n);
       if (jb >= kend) continue;
       for (int g0 = 0; g0 < G; g0 += kRows) {
+        const bool pf = t == t0 && g0 == 0;
         const int nr = std::min(kRows, G - g0);
         const float* p[kRows];
         float* a[kRows];
@@ -399,11 +448,11 @@ void attend_item(const Geometry& ge, const float* kc, const float* vc, const int
           const int nv = std::min(kVecs, nvec - c0);
           const bool tail = odd && c0 + nv == nvec;
           for (int r = 0; r < nr; ++r) a[r] = arow(t, g0 + r) + c0 * L;
-          const float* vcd = vc + c0 * L;
+          const C* vcd = vc + c0 * L;
           switch (nr) {
-            case 1: pv_rows<1>(p, vcd, off, jb, kend, nv, tail, last, a); break;
-            case 2: pv_rows<2>(p, vcd, off, jb, kend, nv, tail, last, a); break;
-            default: pv_rows<3>(p, vcd, off, jb, kend, nv, tail, last, a); break;
+            case 1: pv_rows<1, C>(p, vcd, off, jb, kend, nv, tail, last, a, pf); break;
+            case 2: pv_rows<2, C>(p, vcd, off, jb, kend, nv, tail, last, a, pf); break;
+            default: pv_rows<3, C>(p, vcd, off, jb, kend, nv, tail, last, a, pf); break;
           }
         }
       }
@@ -429,13 +478,22 @@ void fdx::check_attention_meta(const AttnShape& sh, const int* mt, const int* bt
   }
 }
 
-void fdx::paged_attention(const AttnShape& sh, const float* x, float* kc, const float* rp, const int* mt,
-                          const int* bt, float* o) {
+namespace {
+
+// One K or V row of D floats into its cache slot: as is, or rounded to bfloat16.
+inline void put_row(float* dst, const float* src, int D) { std::memcpy(dst, src, sizeof(float) * D); }
+inline void put_row(bf16_t* dst, const float* src, int D) {
+  for (int i = 0; i < D; ++i) dst[i] = static_cast<bf16_t>(fdx::bf16_bits(src[i]));
+}
+
+template <typename C>
+void attention(const fdx::AttnShape& sh, const float* x, C* kc, const float* rp, const int* mt, const int* bt,
+               float* o) {
   const int64_t T = sh.T, MAXB = sh.MAXB;
   if (T <= 0) return;
   const int H = sh.H, KV = sh.KV, D = sh.D, BS = sh.BS, half = D / 2;
   const int64_t W = (int64_t)(H + 2 * KV) * D;
-  float* vc = kc + (size_t)sh.NB * KV * BS * D;
+  C* vc = kc + (size_t)sh.NB * KV * BS * D;
   const Geometry ge{H, KV, D, BS, H / KV, MAXB, static_cast<int>(std::max<int64_t>(kKeyAlign, 4096 / D / kKeyAlign * kKeyAlign)), sh.scale,
                       sh.window};
 
@@ -469,8 +527,14 @@ void fdx::paged_attention(const AttnShape& sh, const float* x, float* kc, const 
       const int off = p % BS;
       for (int kh = 0; kh < KV; ++kh) {
         const size_t slot = (((size_t)blk * KV + kh) * BS + off) * D;
-        rope_rotate(xt + (size_t)(H + kh) * D, kc + slot, cs, half);
-        std::memcpy(vc + slot, xt + (size_t)(H + KV + kh) * D, sizeof(float) * D);
+        if constexpr (std::is_same_v<C, float>) {
+          rope_rotate(xt + (size_t)(H + kh) * D, kc + slot, cs, half);
+        } else {
+          float kr[512];  // D <= 512 (the op checks)
+          rope_rotate(xt + (size_t)(H + kh) * D, kr, cs, half);
+          put_row(kc + slot, kr, D);
+        }
+        put_row(vc + slot, xt + (size_t)(H + KV + kh) * D, D);
       }
     }
 #pragma omp barrier
@@ -487,4 +551,12 @@ void fdx::paged_attention(const AttnShape& sh, const float* x, float* kc, const 
         attend_item<false>(ge, kc, vc, mt, tb, t0, runs[r + 1], kh, o, scratch);
     }
   }
+}
+
+}  // namespace
+
+void fdx::paged_attention(const AttnShape& sh, const float* x, void* kcache, const float* rp, const int* mt,
+                          const int* bt, float* o) {
+  if (sh.bf16_cache) attention(sh, x, static_cast<bf16_t*>(kcache), rp, mt, bt, o);
+  else attention(sh, x, static_cast<float*>(kcache), rp, mt, bt, o);
 }

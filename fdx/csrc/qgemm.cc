@@ -645,16 +645,7 @@ bool amx_enabled() { return false; }
 
 // ---------------------------------------------------------------- bfloat16
 
-// fp32 -> the bf16 bit pattern: round to nearest even, denormals to (signed)
-// zero, NaN kept quiet.  The packer (fdx/model/packed_weights.py pack_bf16)
-// rounds the weights the same way.
-inline uint32_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7F800000u) == 0) return (u >> 16) & 0x8000u;           // zero or denormal: +-0
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return ((u >> 16) | 0x40u) & 0xFFFFu;  // NaN
-  return ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) & 0xFFFFu;
-}
+using fdx::bf16_bits;  // kernels.h: the rounding the packer uses too
 
 // Row m of x rounded to bf16.  AVX2: as float32 values (the kernel
 // broadcasts them); vdpbf16ps: as K/2 dwords of bf16 pairs (low = even k).

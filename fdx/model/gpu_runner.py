@@ -147,6 +147,9 @@ class GPUModelRunner(TensorParallelRunner):
         paddle.disable_static()
         self.dtype = resolve_dtype(config.dtype, self.place)
         _check_dtype_works(self.dtype, self.place)
+        if config.kv_cache_dtype not in ("auto", self.dtype):
+            raise ModelLoadError(f"--kv-cache-dtype {config.kv_cache_dtype}: the gpu runner keeps its KV cache in "
+                                 f"the compute dtype ({self.dtype}); leave it auto or set --dtype")
         ckpt = self._open_checkpoint(config)
         self._take_shard(config, link)  # tensor parallelism: this rank's geometry (fdx.model.tp_runner)
         if self.shard is not None:

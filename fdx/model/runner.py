@@ -12,6 +12,7 @@ Invariants (from :class:`fdx.core.interfaces.ModelRunner`):
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -65,8 +66,25 @@ def resolve_compute(requested: str, ops: Any, args: Any) -> str:
     return "float32"
 
 
+def kv_pool_dtype(requested: str, compute: str, native_attention: bool) -> str:
+    """The CPU runner's KV pool dtype for ``--kv-cache-dtype``: ``auto`` is
+    float32; bfloat16 needs int8 or bfloat16 compute (float32 is the exact
+    path, HF's logits to 1e-3) and the C++ attention, which reads and writes
+    it (paged_attention.cc's BFLOAT16 CACHE)."""
+    if requested in ("auto", "float32"):
+        return "float32"
+    if compute == "float32":
+        raise ModelLoadError(f"--kv-cache-dtype {requested}: float32 compute keeps a float32 KV cache (the exact "
+                             "path); use --dtype int8 or bfloat16")
+    if not native_attention:
+        raise ModelLoadError(f"--kv-cache-dtype {requested}: needs fdx's C++ attention op, which this model does "
+                             "not run (Gemma 2's soft-capped attention, or the ops did not load); leave it auto")
+    return requested
+
+
 class PaddleModelRunner(TensorParallelRunner):
-    """The ``cpu`` runner: float32 KV, :class:`LlamaModel` in int8, bfloat16 or
+    """The ``cpu`` runner: a float32 KV pool (bfloat16 with
+    ``--kv-cache-dtype bfloat16``), :class:`LlamaModel` in int8, bfloat16 or
     float32 compute (``--dtype``; C++ ops where the device has them), the NumPy
     sampler.  What it shares with the ``gpu`` runner is in
     :class:`~fdx.model.runner_base.PagedRunnerBase` and, for tensor
@@ -111,6 +129,8 @@ class PaddleModelRunner(TensorParallelRunner):
         self.attention_impl = "native" if ops is not None else "paddle"
         #: "int8", "bfloat16" or "float32" (see fdx.model.llama)
         self.compute = resolve_compute(config.dtype, ops, self.kv_args)
+        if config.kv_cache_dtype not in ("auto", "float32"):  # Gemma 2 (the Paddle attention) shows after the model
+            self.dtype = kv_pool_dtype(config.kv_cache_dtype, self.compute, ops is not None)
         self._size_kv_pool()
         if self.shard is not None:
             ckpt = self._join_group(ckpt, link, on_layer)
@@ -118,6 +138,7 @@ class PaddleModelRunner(TensorParallelRunner):
                                 vocab_start=self.shard.vocab_start if self.shard else 0, vocab_size=self.vocab_size)
         if self.model.paddle_attention:  # Gemma 2's soft-caps: the pure-Paddle attention
             self.attention_impl = "paddle"
+            kv_pool_dtype(config.kv_cache_dtype, self.compute, False)
         with paddle.no_grad():
             self.model.load(ckpt, progress=self.shard is None)
         del ckpt
@@ -173,7 +194,14 @@ class PaddleModelRunner(TensorParallelRunner):
         return np.stack([ids, ids + self.num_kv_blocks], axis=1)[:, :, None]
 
     def _host_pools(self) -> list[np.ndarray] | None:
-        """The float32 pool in host memory, through DLPack (no copy)."""
-        if self.caches is None or self.dtype != "float32":
+        """The pool in host memory, no copy: float32 through DLPack; bfloat16
+        (which NumPy and DLPack's consumers lack) as its uint16 bit patterns
+        over the tensor's memory (the arrays live no longer than
+        :attr:`caches`: they are made per call)."""
+        if self.caches is None:
             return None
-        return [np.from_dlpack(c).reshape(2, self.num_kv_blocks, -1) for c in self.caches]
+        if self.dtype == "float32":
+            return [np.from_dlpack(c).reshape(2, self.num_kv_blocks, -1) for c in self.caches]
+        return [np.ctypeslib.as_array(ctypes.cast(c.data_ptr(), ctypes.POINTER(ctypes.c_uint16)),
+                                      shape=(int(np.prod(c.shape)),)).reshape(2, self.num_kv_blocks, -1)
+                for c in self.caches]

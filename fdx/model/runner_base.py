@@ -496,6 +496,11 @@ class PagedRunnerBase(ModelRunner):
         dst = self._check_ids([d for _, d in pairs])
         if src.size == 0:
             return
+        pools = self._host_pools()
+        if pools is not None:  # in host memory: NumPy copies (Paddle's CPU scatter has no bfloat16)
+            for a in pools:
+                a[:, dst] = a[:, src]
+            return
         isrc = paddle.to_tensor(self._block_rows(src).reshape(-1))
         idst = paddle.to_tensor(self._block_rows(dst).reshape(-1))
         for view in self._views():
