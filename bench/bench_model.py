@@ -18,6 +18,7 @@ figures.
     .venv/bin/python bench/bench_model.py [--decode-steps 64] [--no-peer] [--dtype int8|float32]
     .venv/bin/python bench/bench_model.py --compare-dtypes int8,float32 [--repeats 3]
     .venv/bin/python bench/bench_model.py --compare-dtypes int8,int8:per-layer   # the fused layer op's gain
+    .venv/bin/python bench/bench_model.py --compare-dtypes int8,int8:kv-bf16 --prompt-len 256  # a bfloat16 KV cache
     .venv/bin/python bench/bench_model.py --moe [--dtype int8]   # a random Qwen3-MoE: decode, expert vs dense GEMM
 
 ``--moe`` runs bench_tp's random Qwen3-MoE (hidden 512, 12 layers, 8
@@ -55,7 +56,8 @@ def build_runner(args: argparse.Namespace):  # noqa: ANN201
     from fdx.plugins.hardware.cpu import CPUDevice
 
     model = {"model": args.model} if getattr(args, "model", None) else {}
-    cfg = make_config(num_kv_blocks=args.blocks, max_model_len=4096, max_num_seqs=64, dtype=args.dtype, **model)
+    cfg = make_config(num_kv_blocks=args.blocks, max_model_len=4096, max_num_seqs=64, dtype=args.dtype,
+                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), **model)
     r = PaddleModelRunner(cfg, CPUDevice())
     if args.attention == "paddle":
         r.model.ops = None
@@ -149,13 +151,16 @@ def bench_modes(args: argparse.Namespace, modes: list[str]) -> dict[str, dict[st
     each in this process, measured in alternation (the order flips every
     round), best of ``--repeats``: the ratios survive a noisy machine."""
     runners = {}
+    kv = args.kv_cache_dtype
     for m in modes:
         args.dtype, _, variant = m.partition(":")
+        args.kv_cache_dtype = "bfloat16" if variant == "kv-bf16" else kv
         runners[m] = build_runner(args)
         if variant == "per-layer":  # int8 without the fused fdx_decoder_layers op
             runners[m].model.fused_layers = False
-        elif variant:
-            raise SystemExit(f"mode {m!r}: the only variant is ':per-layer' (e.g. int8:per-layer)")
+        elif variant and variant != "kv-bf16":
+            raise SystemExit(f"mode {m!r}: the variants are ':per-layer' (int8 without the fused layer op) and "
+                             "':kv-bf16' (--kv-cache-dtype bfloat16)")
         step(runners[m], make_requests(runners[m], prompts_of(2, 16, 9), 4))  # warm-up
 
     def prefill(r, k: int) -> dict[str, float]:  # noqa: ANN001
@@ -343,6 +348,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="best of N (filters out a busy machine)")
     ap.add_argument("--attention", choices=("native", "paddle"), default="native")
     ap.add_argument("--dtype", default="auto", help="fdx's compute mode: auto, int8, float32")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the KV pool's dtype: auto, float32, bfloat16")
     ap.add_argument("--compare-dtypes", metavar="A,B", help="time these compute modes side by side in one process "
                     "(alternating; e.g. int8,float32) and print their ratio instead of the peer comparison")
     ap.add_argument("--no-peer", action="store_true")

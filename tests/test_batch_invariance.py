@@ -30,14 +30,17 @@ TOPICS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["int8", "bfloat16"])
+@pytest.fixture(scope="module", params=["int8", "bfloat16", "int8/kv-bfloat16"])
 def llm(request: pytest.FixtureRequest) -> Any:
+    """The packed modes; the last one with ``--kv-cache-dtype bfloat16``."""
     import fdx
 
+    dtype, _, kv = request.param.partition("/kv-")
     # 64 requests of ~3 blocks (16 tokens) each overflow 64 blocks: the 64-batch preempts
-    engine = fdx.LLM(dtype=request.param, num_kv_blocks=64, max_model_len=512, max_num_seqs=64,
-                     max_num_batched_tokens=512)
-    assert engine.engine.runner.compute == request.param
+    engine = fdx.LLM(dtype=dtype, num_kv_blocks=64, max_model_len=512, max_num_seqs=64,
+                     max_num_batched_tokens=512, kv_cache_dtype=kv or "auto")
+    assert engine.engine.runner.compute == dtype
+    assert engine.engine.runner.dtype == (kv or "float32")
     return engine
 
 

@@ -56,6 +56,18 @@ def test_cli_bad_flag_value_is_one_line() -> None:
     assert r.stderr.strip().splitlines() == ["fdx: error: --max-num-seqs must be > 0, got 0"]
 
 
+def test_kv_cache_dtype_is_checked_and_lists_the_choices() -> None:
+    assert make_config().kv_cache_dtype == "auto"
+    assert make_config(kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="--kv-cache-dtype fp8: unknown; choose one of auto, float32, bfloat16"):
+        make_config(kv_cache_dtype="fp8")
+    r = subprocess.run([sys.executable, "-m", "fdx", "serve", "--kv-cache-dtype", "fp8"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "fdx: error: --kv-cache-dtype fp8: unknown; choose one of auto, float32, bfloat16"]
+
+
 def test_cli_bad_model_is_one_line_before_any_process_starts(tmp_path) -> None:  # type: ignore[no-untyped-def]
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"garbage")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -17,13 +18,16 @@ from fdx.core.request import Request
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def runner() -> Any:
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def runner(request: pytest.FixtureRequest) -> Any:
+    """The default runner (int8 compute) with each KV pool dtype."""
     from fdx.config import make_config
     from fdx.model.runner import PaddleModelRunner
     from fdx.plugins.hardware.cpu import CPUDevice
 
-    return PaddleModelRunner(make_config(num_kv_blocks=64, max_model_len=512), CPUDevice())
+    r = PaddleModelRunner(make_config(num_kv_blocks=64, max_model_len=512, kv_cache_dtype=request.param), CPUDevice())
+    assert r.dtype == request.param and str(r.caches[0].dtype) == f"paddle.{request.param}"
+    return r
 
 
 def _req(runner: Any, ids: list[int], blocks: list[int], n: int = 8) -> Request:
@@ -55,18 +59,24 @@ def test_kv_blocks_roundtrip_through_bytes(runner: Any) -> None:
     _advance(runner, a, 32)  # two full blocks computed
     payloads = runner.read_kv_blocks([3, 9])
     assert len(payloads) == 2 and all(len(p) == runner.bytes_per_block for p in payloads)
-    assert runner.bytes_per_block == 30 * 2 * 3 * 16 * 64 * 4
+    assert runner.bytes_per_block == 30 * 2 * 3 * 16 * 64 * (4 if runner.dtype == "float32" else 2)
     runner.write_kv_blocks([40, 41], payloads)
     assert runner.read_kv_blocks([40, 41]) == payloads
-    # the host path (NumPy over the pool's own memory) and Paddle's gather/scatter agree byte for byte
-    assert runner._host_pools() is not None
-    runner._host_pools = lambda: None
-    try:
-        assert runner.read_kv_blocks([3, 9, 40]) == payloads + payloads[:1]
+    assert runner._host_pools() is not None  # NumPy over the pool's own memory (bfloat16: its uint16 bits)
+    if runner.dtype == "float32":  # the host path and Paddle's gather/scatter agree byte for byte
+        runner._host_pools = lambda: None
+        try:
+            assert runner.read_kv_blocks([3, 9, 40]) == payloads + payloads[:1]
+            runner.write_kv_blocks([44], payloads[1:])
+        finally:
+            del runner._host_pools
+    else:  # a block's bytes are the bfloat16 bit patterns of the pool (the fingerprint says which)
         runner.write_kv_blocks([44], payloads[1:])
-    finally:
-        del runner._host_pools
+        k0 = np.frombuffer(payloads[0], np.uint16)[: 16 * 64]  # layer 0, K, kv head 0: block 3's 16 slots
+        np.testing.assert_array_equal(k0, runner.caches[0][0, 3, 0].reshape([-1]).view("uint16").numpy())
     assert runner.read_kv_blocks([44]) == payloads[1:]
+    runner.copy_kv_blocks([(9, 45)])  # copy on write (a forked beam's partial block)
+    assert runner.read_kv_blocks([45]) == payloads[1:]
     # a request whose first 32 tokens come from the imported blocks continues identically
     b = _req(runner, PROMPT, [40, 41, 42, 43])
     b.num_computed_tokens = 32
@@ -120,3 +130,29 @@ def test_bad_batches_are_rejected(runner: Any) -> None:
     with pytest.raises(FdxError, match="out of range"):
         runner.execute(ScheduledBatch([ScheduledSeq(r, 40)]))
     assert runner.execute(ScheduledBatch([])).token_ids.size == 0
+
+
+@pytest.mark.parametrize("model, dtype, runner_name, why", [
+    ("smollm2", "float32", "cpu", "float32 compute keeps a float32 KV cache"),
+    ("gemma2", "int8", "cpu", "needs fdx's C++ attention op"),
+    ("smollm2", "float32", "gpu", "the gpu runner keeps its KV cache in the compute dtype (float32)"),
+])
+def test_a_bfloat16_kv_cache_the_runner_cannot_keep_is_refused(model: str, dtype: str, runner_name: str,
+                                                               why: str) -> None:
+    """``--kv-cache-dtype bfloat16`` is an error, never ignored, where the
+    runner would not keep the cache in bfloat16."""
+    from pathlib import Path
+
+    from fdx.config import make_config
+    from fdx.core.errors import ModelLoadError
+    from fdx.model.gpu_runner import GPUModelRunner
+    from fdx.model.runner import PaddleModelRunner
+    from fdx.plugins.hardware.cpu import CPUDevice
+
+    if model != "smollm2":
+        model = str(Path(__file__).parent / "data" / "arch" / model)
+    cls = GPUModelRunner if runner_name == "gpu" else PaddleModelRunner
+    cfg = make_config(model=model, dtype=dtype, num_kv_blocks=8, max_model_len=256, kv_cache_dtype="bfloat16")
+    with pytest.raises(ModelLoadError, match=re.escape("--kv-cache-dtype bfloat16: " + why)):
+        cls(cfg, CPUDevice())
+

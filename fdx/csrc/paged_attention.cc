@@ -355,7 +355,22 @@ __attribute__((noinline)) void softmax(float* r, int n) {
 struct Scratch {
   std::vector<float> sc, acc;
   std::vector<int64_t> off;
+  std::vector<float> kw, vw;    // a bfloat16 cache's key block, widened (runs of several tokens)
+  std::vector<int64_t> offw;    // offsets into kw / vw
 };
+
+// Rows j in [j0, j1) of the cache (at c + off[j], D values each) as float32,
+// row j at dst + (j - j0) * D: exact (bfloat16 -> float32).
+inline void widen_rows(const bf16_t* c, const int64_t* off, int j0, int j1, int D, float* dst) {
+  for (int j = j0; j < j1; ++j) {
+    const bf16_t* src = c + off[j];
+    float* d = dst + (int64_t)(j - j0) * D;
+    int i = 0;
+    for (; i + L <= D; i += L) v::store(d + i, load_kv(src + i));
+    for (; i < D; ++i) d[i] = fdx::bf16_to_float(src[i]);
+  }
+}
+inline void widen_rows(const float*, const int64_t*, int, int, int, float*) {}  // never called
 
 struct Geometry {
   int H, KV, D, BS, G;
@@ -393,19 +408,30 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
   w.sc.resize(R * stride);
   w.acc.assign(R * Dp, 0.f);
   const int64_t* off = w.off.data();
+  // A run of several tokens reads each key block of a bfloat16 cache many
+  // times: it is widened to float32 once per block instead (the same values,
+  // so the same bits as reading the cache itself; decode reads it directly).
+  const bool widen = !std::is_same_v<C, float> && nt > 1;
+  if (widen) {
+    w.kw.resize((size_t)ge.kblock * D);
+    w.vw.resize((size_t)ge.kblock * D);
+    w.offw.resize(nmax);
+    for (int j = 0; j < nmax; ++j) w.offw[j] = (int64_t)(j % ge.kblock) * D;  // kb steps by kblock from 0
+  }
   auto qrow = [&](int64_t t, int g) { return o + ((size_t)t * H + (size_t)kh * G + g) * D; };
   auto srow = [&](int64_t t, int g) { return w.sc.data() + ((t - t0) * G + g) * stride; };
   auto arow = [&](int64_t t, int g) { return w.acc.data() + ((t - t0) * G + g) * Dp; };
 
   // scores: the G heads of a token in tiles of 2 rows (and 1), 12 / rows keys at a time
-  for (int kb = 0; kb < nmax; kb += ge.kblock) {
+  auto scores = [&](const auto* kc, const int64_t* off, int kb, bool read_ahead) {
+    using K = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
     for (int64_t t = t0; t < t1; ++t) {
       const int n = mt[2 * t + 1] + 1, lo = first_key<kWindow>(ge, n - 1);
       if (n <= kb || kb + ge.kblock <= lo) continue;
       const int kbeg = std::max(kb, lo / kKeyAlign * kKeyAlign);  // score tiles start on kKeyAlign
       const int kend = std::min(kb + ge.kblock, n);
       for (int g0 = 0; g0 < G; g0 += 2) {
-        const bool pf = t == t0 && g0 == 0;  // the item's first pass over these keys reads ahead
+        const bool pf = read_ahead && t == t0 && g0 == 0;  // the item's first pass over these keys
         const int nr = std::min(2, G - g0);
         const float* q[2];
         float* out[2];
@@ -414,14 +440,22 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
           out[r] = srow(t, g0 + r);
         }
         switch (nr * 1000 + (D == 64 || D == 128 ? D : 0)) {
-          case 1000: score_keys<1, 0, C>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
-          case 1064: score_keys<1, 64, C>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
-          case 1128: score_keys<1, 128, C>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
-          case 2064: score_keys<2, 64, C>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
-          case 2128: score_keys<2, 128, C>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
-          default: score_keys<2, 0, C>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
+          case 1000: score_keys<1, 0, K>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
+          case 1064: score_keys<1, 64, K>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
+          case 1128: score_keys<1, 128, K>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
+          case 2064: score_keys<2, 64, K>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
+          case 2128: score_keys<2, 128, K>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
+          default: score_keys<2, 0, K>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
         }
       }
+    }
+  };
+  for (int kb = 0; kb < nmax; kb += ge.kblock) {
+    if (widen) {
+      widen_rows(kc, off, kb, std::min(kb + ge.kblock, nmax), D, w.kw.data());
+      scores(w.kw.data(), w.offw.data(), kb, false);
+    } else {
+      scores(kc, off, kb, true);
     }
   }
   // softmax weights
@@ -433,13 +467,14 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
   const int nvec = static_cast<int>(Dp / L);
   const bool odd = D % L != 0;
   const int last = odd ? D % L : L;
-  for (int kb = 0; kb < nmax; kb += ge.kblock) {
+  auto values = [&](const auto* vc, const int64_t* off, int kb, bool read_ahead) {
+    using V = std::remove_const_t<std::remove_pointer_t<decltype(vc)>>;
     for (int64_t t = t0; t < t1; ++t) {
       const int n = mt[2 * t + 1] + 1, jb = std::max(kb, first_key<kWindow>(ge, n - 1));
       const int kend = std::min(kb + ge.kblock, n);
       if (jb >= kend) continue;
       for (int g0 = 0; g0 < G; g0 += kRows) {
-        const bool pf = t == t0 && g0 == 0;
+        const bool pf = read_ahead && t == t0 && g0 == 0;
         const int nr = std::min(kRows, G - g0);
         const float* p[kRows];
         float* a[kRows];
@@ -448,14 +483,22 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
           const int nv = std::min(kVecs, nvec - c0);
           const bool tail = odd && c0 + nv == nvec;
           for (int r = 0; r < nr; ++r) a[r] = arow(t, g0 + r) + c0 * L;
-          const C* vcd = vc + c0 * L;
+          const V* vcd = vc + c0 * L;
           switch (nr) {
-            case 1: pv_rows<1, C>(p, vcd, off, jb, kend, nv, tail, last, a, pf); break;
-            case 2: pv_rows<2, C>(p, vcd, off, jb, kend, nv, tail, last, a, pf); break;
-            default: pv_rows<3, C>(p, vcd, off, jb, kend, nv, tail, last, a, pf); break;
+            case 1: pv_rows<1, V>(p, vcd, off, jb, kend, nv, tail, last, a, pf); break;
+            case 2: pv_rows<2, V>(p, vcd, off, jb, kend, nv, tail, last, a, pf); break;
+            default: pv_rows<3, V>(p, vcd, off, jb, kend, nv, tail, last, a, pf); break;
           }
         }
       }
+    }
+  };
+  for (int kb = 0; kb < nmax; kb += ge.kblock) {
+    if (widen) {
+      widen_rows(vc, off, kb, std::min(kb + ge.kblock, nmax), D, w.vw.data());
+      values(w.vw.data(), w.offw.data(), kb, false);
+    } else {
+      values(vc, off, kb, true);
     }
   }
   // into the output rows (over q, which nothing reads any more)
@@ -483,7 +526,23 @@ namespace {
 // One K or V row of D floats into its cache slot: as is, or rounded to bfloat16.
 inline void put_row(float* dst, const float* src, int D) { std::memcpy(dst, src, sizeof(float) * D); }
 inline void put_row(bf16_t* dst, const float* src, int D) {
-  for (int i = 0; i < D; ++i) dst[i] = static_cast<bf16_t>(fdx::bf16_bits(src[i]));
+  int i = 0;
+#if defined(__AVX512F__)
+  // fdx::bf16_bits, 16 at a time: nearest even; zero/denormal -> signed zero; NaN -> quiet
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
+  for (; i + 16 <= D; i += 16) {
+    const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src + i));
+    const __m512i hi = _mm512_srli_epi32(u, 16);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), _mm512_and_si512(hi, one)), 16);
+    const __mmask16 den = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7F800000));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    r = _mm512_mask_mov_epi32(r, den, _mm512_and_si512(hi, _mm512_set1_epi32(0x8000)));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
+  }
+#endif
+  for (; i < D; ++i) dst[i] = static_cast<bf16_t>(fdx::bf16_bits(src[i]));
 }
 
 template <typename C>
