@@ -68,9 +68,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     c.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     c.add_argument("--num-kv-blocks", type=int, help="KV blocks in the device pool (default: from --kv-cache-memory)")
     c.add_argument("--kv-cache-dtype", metavar="auto|float32|bfloat16",
-                   help="the KV cache's dtype: auto (default: float32 on the CPU, the compute dtype on GPUs), "
-                        "float32, or bfloat16 (CPU: with --dtype int8 or bfloat16; half the bytes, faster decode "
-                        "at long contexts)")
+                   help="the KV cache's dtype: auto (default: on the CPU bfloat16 with int8 compute, float32 with "
+                        "bfloat16 and float32 compute; on GPUs the compute dtype), float32, or bfloat16 (CPU: "
+                        "int8 or bfloat16 compute; half the bytes, faster decode)")
     c.add_argument("--kv-cache-memory", help="KV pool size, e.g. 2G (default 1G)")
     c.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None)
     c.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")

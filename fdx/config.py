@@ -43,7 +43,7 @@ def split_device(spec: str) -> tuple[str, int | None]:
 
 
 #: ``--kv-cache-dtype`` values (vLLM's flag): ``auto`` lets the runner pick
-#: (float32 on the CPU, the compute dtype on GPUs)
+#: (the CPU: bfloat16 with int8 compute, else float32; GPUs: the compute dtype)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -104,7 +104,7 @@ class EngineConfig:
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)
     kv_cache_memory: int = attrs.field(default=1 << 30, validator=_positive)  # bytes
     #: the KV pool's dtype (``KV_CACHE_DTYPES``); bfloat16 halves the bytes
-    #: decode attention reads (the CPU runner's int8 / bfloat16 compute)
+    #: decode attention reads (the CPU runner's default with int8 compute)
     kv_cache_dtype: str = attrs.field(default="auto", validator=_kv_cache_dtype)
 
     # components (chosen by name from the registries)

@@ -682,8 +682,11 @@ def test_gpu_runner_on_the_cpu_place_matches_transformers(name: str) -> None:
 #: expert choice still flips, as the router's input carries the int8 error of
 #: the layers before, and a logit moves by 1.4-1.9), mixtral 93 -> 93/96 (gaps
 #: 0.03-0.10), qwen2_moe 92 -> 90/96 (gaps 0.001-0.19, its routed and shared
-#: experts' Q8_0 error, max 0.10-0.15)
-INT8_SHORT = {"llama3", "mistral", "mistral_swa", "phi3", "qwen3_moe", "qwen2_moe", "mixtral"}
+#: experts' Q8_0 error, max 0.10-0.15).  With int8's default bfloat16 KV cache
+#: (--kv-cache-dtype auto) the near-ties fall otherwise: llama3 93, mistral 93,
+#: mistral_swa 90, phi3 93, mixtral 92 of 96; qwen3_moe 96 and qwen2_moe 94 now
+#: pass (with a float32 pool: 93 and 90).
+INT8_SHORT = {"llama3", "mistral", "mistral_swa", "phi3", "mixtral"}
 #: bfloat16 passes everywhere since the router is float32 (qwen3_moe was 92/96
 #: with a bf16 router, is 94/96: its two misses at fp32 top-2 gaps 0.003, 0.009)
 BF16_SHORT: set[str] = set()

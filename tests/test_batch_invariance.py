@@ -30,9 +30,10 @@ TOPICS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["int8", "bfloat16", "int8/kv-bfloat16"])
+@pytest.fixture(scope="module", params=["int8", "bfloat16", "int8/kv-float32", "bfloat16/kv-bfloat16"])
 def llm(request: pytest.FixtureRequest) -> Any:
-    """The packed modes; the last one with ``--kv-cache-dtype bfloat16``."""
+    """The packed modes with their default KV pools (int8: bfloat16,
+    bfloat16: float32), then each with the other pool (``--kv-cache-dtype``)."""
     import fdx
 
     dtype, _, kv = request.param.partition("/kv-")
@@ -40,7 +41,7 @@ def llm(request: pytest.FixtureRequest) -> Any:
     engine = fdx.LLM(dtype=dtype, num_kv_blocks=64, max_model_len=512, max_num_seqs=64,
                      max_num_batched_tokens=512, kv_cache_dtype=kv or "auto")
     assert engine.engine.runner.compute == dtype
-    assert engine.engine.runner.dtype == (kv or "float32")
+    assert engine.engine.runner.dtype == (kv or ("bfloat16" if dtype == "int8" else "float32"))
     return engine
 
 

@@ -51,8 +51,9 @@ Three compute modes (:attr:`LlamaModel.mode`):
   rounds its activations to bf16 and multiplies them with the weights
   rounded to bf16 at load, accumulating in fp32 (``vdpbf16ps`` where the
   CPU has AVX512-BF16, else an fma sequence specified to give the same
-  bits); batch-invariant by the same construction.  Norms, attention and
-  the KV cache stay float32.
+  bits); batch-invariant by the same construction.  Norms and attention
+  stay float32; the KV cache is float32 by default, bfloat16 with
+  ``--kv-cache-dtype bfloat16`` (int8 compute's default; the runner picks).
 * ``"float32"``: float32 weights and maths; steps of at most
   ``quant_max_rows`` rows read the GGUF blocks through the fp32 GEMV
   ``fdx_qgemv`` (exactly the dequantized weights), larger ones use Paddle's

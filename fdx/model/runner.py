@@ -67,11 +67,18 @@ def resolve_compute(requested: str, ops: Any, args: Any) -> str:
 
 
 def kv_pool_dtype(requested: str, compute: str, native_attention: bool) -> str:
-    """The CPU runner's KV pool dtype for ``--kv-cache-dtype``: ``auto`` is
-    float32; bfloat16 needs int8 or bfloat16 compute (float32 is the exact
-    path, HF's logits to 1e-3) and the C++ attention, which reads and writes
-    it (paged_attention.cc's BFLOAT16 CACHE)."""
-    if requested in ("auto", "float32"):
+    """The CPU runner's KV pool dtype for ``--kv-cache-dtype``.  bfloat16
+    needs int8 or bfloat16 compute (float32 is the exact path: HF's logits
+    to 1e-3) and the C++ attention, which reads and writes it
+    (paged_attention.cc's BFLOAT16 CACHE).  ``auto`` is bfloat16 with int8
+    compute, the speed default (vLLM keeps the cache in the model's 16-bit
+    dtype, llama.cpp in f16): half the bytes, which decode attention is
+    bound by reading (1.2x decode at 32 sequences of ~300 tokens); float32
+    with the accuracy modes, bfloat16 (whose top-1 against float32 the
+    bfloat16 cache moves at near-ties: docs/PERFORMANCE.md) and float32."""
+    if requested == "auto":
+        return "bfloat16" if compute == "int8" and native_attention else "float32"
+    if requested == "float32":
         return "float32"
     if compute == "float32":
         raise ModelLoadError(f"--kv-cache-dtype {requested}: float32 compute keeps a float32 KV cache (the exact "
@@ -83,8 +90,8 @@ def kv_pool_dtype(requested: str, compute: str, native_attention: bool) -> str:
 
 
 class PaddleModelRunner(TensorParallelRunner):
-    """The ``cpu`` runner: a float32 KV pool (bfloat16 with
-    ``--kv-cache-dtype bfloat16``), :class:`LlamaModel` in int8, bfloat16 or
+    """The ``cpu`` runner: a bfloat16 KV pool with int8 compute (float32
+    with bfloat16 and float32 compute; ``--kv-cache-dtype``), :class:`LlamaModel` in int8, bfloat16 or
     float32 compute (``--dtype``; C++ ops where the device has them), the NumPy
     sampler.  What it shares with the ``gpu`` runner is in
     :class:`~fdx.model.runner_base.PagedRunnerBase` and, for tensor
@@ -129,8 +136,9 @@ class PaddleModelRunner(TensorParallelRunner):
         self.attention_impl = "native" if ops is not None else "paddle"
         #: "int8", "bfloat16" or "float32" (see fdx.model.llama)
         self.compute = resolve_compute(config.dtype, ops, self.kv_args)
-        if config.kv_cache_dtype not in ("auto", "float32"):  # Gemma 2 (the Paddle attention) shows after the model
-            self.dtype = kv_pool_dtype(config.kv_cache_dtype, self.compute, ops is not None)
+        # Gemma 2's soft-capped attention runs in Paddle (LlamaModel.paddle_attention), on a float32 cache
+        native_attention = ops is not None and not self.kv_args.attn_softcap
+        self.dtype = kv_pool_dtype(config.kv_cache_dtype, self.compute, native_attention)
         self._size_kv_pool()
         if self.shard is not None:
             ckpt = self._join_group(ckpt, link, on_layer)
@@ -138,7 +146,7 @@ class PaddleModelRunner(TensorParallelRunner):
                                 vocab_start=self.shard.vocab_start if self.shard else 0, vocab_size=self.vocab_size)
         if self.model.paddle_attention:  # Gemma 2's soft-caps: the pure-Paddle attention
             self.attention_impl = "paddle"
-            kv_pool_dtype(config.kv_cache_dtype, self.compute, False)
+            assert self.dtype == "float32", "the Paddle attention reads a float32 cache"
         with paddle.no_grad():
             self.model.load(ckpt, progress=self.shard is None)
         del ckpt

@@ -1,6 +1,6 @@
 """Registers the ``cpu`` model runner: fdx's Paddle runner (``--dtype auto``:
 the batch-invariant int8 GEMM over the GGUF blocks where the C++ ops load,
-else float32; ``--dtype bfloat16``: the bf16 GEMM; float32 KV; mixed prefill/decode forward; NumPy sampling), the default of the
+else float32; ``--dtype bfloat16``: the bf16 GEMM; a bfloat16 KV pool with int8, else float32 (``--kv-cache-dtype``); mixed prefill/decode forward; NumPy sampling), the default of the
 ``cpu`` device.  Paddle and the model are imported only by the factory."""
 
 from __future__ import annotations
