@@ -18,7 +18,7 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--model", help="'smollm2' (default, the embedded SmolLM2-135M-Instruct GGUF), a .gguf file or a Hugging Face folder")
     m.add_argument("--served-model-name", help="model name reported by the API (default: --model)")
-    m.add_argument("--dtype", help="compute/KV dtype: auto (default: int8 compute on the CPU where fdx's C++ ops load, else float32; bfloat16 or float16 on GPUs), int8 (CPU: batch-invariant int8 GEMMs), bfloat16 (CPU: bf16 GEMMs, vdpbf16ps with AVX512-BF16, else fmas; GPUs), float16, float32")
+    m.add_argument("--dtype", help="compute dtype (the KV cache's: --kv-cache-dtype): auto (default: int8 compute on the CPU where fdx's C++ ops load, else float32; bfloat16 or float16 on GPUs), int8 (CPU: batch-invariant int8 GEMMs), bfloat16 (CPU: bf16 GEMMs, vdpbf16ps with AVX512-BF16, else fmas; GPUs), float16, float32")
     m.add_argument("--max-model-len", type=int, help="longest prompt + output, in tokens")
     m.add_argument("--seed", type=int, help="default sampling seed")
     m.add_argument("--generation-config", metavar="auto|vllm|PATH",
