@@ -563,9 +563,10 @@ def test_paged_attention_matches_numpy(ops: Any, window: int) -> None:
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
-    """float32 rounded to bfloat16 (nearest even; no denormals or NaN here), as float32."""
-    u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
-    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+    """float32 rounded to bfloat16 as the kernels round, back as float32."""
+    from fdx.model.packed_weights import bf16_bits_to_f32, bf16_round
+
+    return bf16_bits_to_f32(bf16_round(a)).reshape(a.shape)
 
 
 @pytest.mark.parametrize("D", [64, 36])

@@ -84,7 +84,7 @@ struct AttnShape {
 };
 
 // Throws (require) unless every token's sequence, position and block ids are
-// in range; paged_attention itself trusts them.
+// in range and the head size is at most 512; paged_attention itself trusts them.
 void check_attention_meta(const AttnShape& s, const int* meta, const int* tables);
 
 // RoPE q and k of qkv [T, (H + 2 KV) D], write k and v into the cache

@@ -61,12 +61,12 @@ namespace {
 
 using Tensors = std::vector<paddle::Tensor>;
 
-// Runs a kernel's checks (fdx::require): a failing one is the op's error, as a PD_CHECK's.
 // A KV cache the attention reads: float32, or bfloat16 (paged_attention.cc's BFLOAT16 CACHE).
 bool kv_cache_dtype_ok(const paddle::Tensor& c) {
   return c.dtype() == paddle::DataType::FLOAT32 || c.dtype() == paddle::DataType::BFLOAT16;
 }
 
+// Runs a kernel's checks (fdx::require): a failing one is the op's error, as a PD_CHECK's.
 template <typename F>
 void checked(F&& f) {
   try {
@@ -120,7 +120,6 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& x, const paddle:
   fdx::AttnShape sh{T, num_heads, static_cast<int>(c0[2]), static_cast<int>(c0[4]), static_cast<int>(c0[3]),
                     c0[1], tables.shape()[0], tables.shape()[1], rope.shape()[0], scale, 0,
                     caches[0].dtype() == paddle::DataType::BFLOAT16};
-  PD_CHECK(sh.D <= 512, "head size must be <= 512");
   PD_CHECK(sh.H % sh.KV == 0, "num_heads must be a multiple of the kv heads");
   PD_CHECK(rope.shape()[1] == sh.D, "rope width mismatch");
   const int64_t Q = (int64_t)sh.H * sh.D, W = (int64_t)(sh.H + 2 * sh.KV) * sh.D;
@@ -268,7 +267,6 @@ std::vector<paddle::Tensor> PagedAttention(const paddle::Tensor& qkv, const padd
   fdx::AttnShape sh{qkv.shape()[0], num_heads, num_kv_heads, static_cast<int>(kv_cache.shape()[4]), block_size,
                     kv_cache.shape()[1], tables.shape()[0], tables.shape()[1], rope.shape()[0], scale, window,
                     kv_cache.dtype() == paddle::DataType::BFLOAT16};
-  PD_CHECK(sh.D <= 512, "head size must be <= 512");
   PD_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   PD_CHECK(kv_cache.shape()[2] == sh.KV && kv_cache.shape()[3] == sh.BS, "kv_cache geometry mismatch");
   PD_CHECK(qkv.shape()[1] == (int64_t)(sh.H + 2 * sh.KV) * sh.D, "qkv width mismatch");

@@ -355,8 +355,8 @@ __attribute__((noinline)) void softmax(float* r, int n) {
 struct Scratch {
   std::vector<float> sc, acc;
   std::vector<int64_t> off;
-  std::vector<float> kw, vw;    // a bfloat16 cache's key block, widened (runs of several tokens)
-  std::vector<int64_t> offw;    // offsets into kw / vw
+  std::vector<float> wide;      // a bfloat16 cache's key or value block, widened (runs of several tokens)
+  std::vector<int64_t> offw;    // offsets into wide
 };
 
 // Rows j in [j0, j1) of the cache (at c + off[j], D values each) as float32,
@@ -370,7 +370,6 @@ inline void widen_rows(const bf16_t* c, const int64_t* off, int j0, int j1, int 
     for (; i < D; ++i) d[i] = fdx::bf16_to_float(src[i]);
   }
 }
-inline void widen_rows(const float*, const int64_t*, int, int, int, float*) {}  // never called
 
 struct Geometry {
   int H, KV, D, BS, G;
@@ -408,16 +407,26 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
   w.sc.resize(R * stride);
   w.acc.assign(R * Dp, 0.f);
   const int64_t* off = w.off.data();
-  // A run of several tokens reads each key block of a bfloat16 cache many
-  // times: it is widened to float32 once per block instead (the same values,
-  // so the same bits as reading the cache itself; decode reads it directly).
-  const bool widen = !std::is_same_v<C, float> && nt > 1;
-  if (widen) {
-    w.kw.resize((size_t)ge.kblock * D);
-    w.vw.resize((size_t)ge.kblock * D);
-    w.offw.resize(nmax);
-    for (int j = 0; j < nmax; ++j) w.offw[j] = (int64_t)(j % ge.kblock) * D;  // kb steps by kblock from 0
-  }
+  // pass(cache, offsets, kb, read_ahead) for each key block kb of `cache`
+  // (the keys, then the values).  A run of several tokens reads each block
+  // of a bfloat16 cache many times: it is widened to float32 once instead
+  // (the same values, so the same bits as reading the cache itself; decode
+  // reads it directly).
+  auto by_block = [&](const C* cache, auto&& pass) {
+    if constexpr (std::is_same_v<C, bf16_t>) {
+      if (nt > 1) {
+        w.wide.resize((size_t)ge.kblock * D);
+        w.offw.resize(nmax);
+        for (int j = 0; j < nmax; ++j) w.offw[j] = (int64_t)(j % ge.kblock) * D;  // kb steps by kblock from 0
+        for (int kb = 0; kb < nmax; kb += ge.kblock) {
+          widen_rows(cache, off, kb, std::min(kb + ge.kblock, nmax), D, w.wide.data());
+          pass(static_cast<const float*>(w.wide.data()), w.offw.data(), kb, false);
+        }
+        return;
+      }
+    }
+    for (int kb = 0; kb < nmax; kb += ge.kblock) pass(cache, off, kb, true);
+  };
   auto qrow = [&](int64_t t, int g) { return o + ((size_t)t * H + (size_t)kh * G + g) * D; };
   auto srow = [&](int64_t t, int g) { return w.sc.data() + ((t - t0) * G + g) * stride; };
   auto arow = [&](int64_t t, int g) { return w.acc.data() + ((t - t0) * G + g) * Dp; };
@@ -450,14 +459,7 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
       }
     }
   };
-  for (int kb = 0; kb < nmax; kb += ge.kblock) {
-    if (widen) {
-      widen_rows(kc, off, kb, std::min(kb + ge.kblock, nmax), D, w.kw.data());
-      scores(w.kw.data(), w.offw.data(), kb, false);
-    } else {
-      scores(kc, off, kb, true);
-    }
-  }
+  by_block(kc, scores);
   // softmax weights
   for (int64_t t = t0; t < t1; ++t) {
     const int n = mt[2 * t + 1] + 1, lo = first_key<kWindow>(ge, n - 1);
@@ -493,14 +495,7 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
       }
     }
   };
-  for (int kb = 0; kb < nmax; kb += ge.kblock) {
-    if (widen) {
-      widen_rows(vc, off, kb, std::min(kb + ge.kblock, nmax), D, w.vw.data());
-      values(w.vw.data(), w.offw.data(), kb, false);
-    } else {
-      values(vc, off, kb, true);
-    }
-  }
+  by_block(vc, values);
   // into the output rows (over q, which nothing reads any more)
   for (int64_t t = t0; t < t1; ++t)
     for (int g = 0; g < G; ++g) std::memcpy(qrow(t, g), arow(t, g), sizeof(float) * D);
@@ -509,6 +504,7 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
 }  // namespace
 
 void fdx::check_attention_meta(const AttnShape& sh, const int* mt, const int* bt) {
+  fdx::require(sh.D <= 512, "head size must be <= 512");  // the key row rounded before its bfloat16 store
   for (int64_t t = 0; t < sh.T; ++t) {
     const int s = mt[2 * t], p = mt[2 * t + 1];
     fdx::require(s >= 0 && s < sh.S, "token sequence index out of range");

@@ -124,7 +124,6 @@ class PaddleModelRunner(TensorParallelRunner):
         paddle.set_device(device.paddle_place())
         paddle.disable_static()
         requested_compute(config.dtype)  # an unknown name fails before the checkpoint opens
-        self.dtype = "float32"  # the KV pool's dtype
         ckpt = self._open_checkpoint(config)
         self._take_shard(config, link)  # tensor parallelism: this rank's geometry (fdx.model.tp_runner)
 
@@ -138,7 +137,7 @@ class PaddleModelRunner(TensorParallelRunner):
         self.compute = resolve_compute(config.dtype, ops, self.kv_args)
         # Gemma 2's soft-capped attention runs in Paddle (LlamaModel.paddle_attention), on a float32 cache
         native_attention = ops is not None and not self.kv_args.attn_softcap
-        self.dtype = kv_pool_dtype(config.kv_cache_dtype, self.compute, native_attention)
+        self.dtype = kv_pool_dtype(config.kv_cache_dtype, self.compute, native_attention)  # the KV pool's
         self._size_kv_pool()
         if self.shard is not None:
             ckpt = self._join_group(ckpt, link, on_layer)

@@ -465,9 +465,9 @@ class PagedRunnerBase(ModelRunner):
     def _host_pools(self) -> list[np.ndarray] | None:
         """Per layer, the KV pool as a host NumPy array ``[2, NB, X]`` (K
         then V; ``X`` = one block of one layer's K or V) sharing the pool's
-        memory, so block I/O copies each byte once; ``None`` where NumPy
-        cannot address the pool (device memory, bfloat16): the Paddle
-        gather/scatter path runs then."""
+        memory, so block I/O copies each byte once (bfloat16 as its uint16
+        bit patterns); ``None`` where NumPy cannot address the pool (device
+        memory): the Paddle gather/scatter path runs then."""
         return None
 
     def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
