@@ -46,8 +46,8 @@ def build_ref(ref: str) -> object:
     header = git("fdx/csrc/kernels.h").replace("#pragma once", "")
     header = re.sub(r"\bnamespace fdx\b", "namespace fdx_ref", header)
     src = src.replace('#include "kernels.h"', header)
-    for name in ("paged_attention(", "check_attention_meta(", "AttnShape", "require("):
-        src = src.replace("fdx::" + name, "fdx_ref::" + name)
+    # every fdx name the revision's source uses is its own (its kernels.h, its helpers), but the SIMD layer
+    src = re.sub(r"\bfdx::(?!simd\b)", "fdx_ref::", re.sub(r"\bnamespace fdx\b", "namespace fdx_ref", src))
     src = src.replace("fdx_paged_attention", "fdx_paged_attention_ref")
     src = re.sub(r"\bPagedAttention", "RefPagedAttention", src)
     key = hashlib.sha256((src + git("fdx/csrc/simd_math.h")).encode()).hexdigest()[:12]

@@ -15,7 +15,11 @@ import re
 from typing import Callable
 
 _SECTION = re.compile(r"^// -{10,} (.*)$", re.M)
-_CHECKED = re.compile(r"template <typename F>\nvoid checked\(F&& f\) \{.*?\n\}\n", re.S)
+# the helpers every op section may call: paddle_ops.cc's first anonymous
+# namespace (checked, the weight and cache checks, ...), with the fdx
+# declarations just before it (TPComm) where the revision has them
+_HELPERS = re.compile(r"^(?:namespace fdx \{\n.*?^\}  // namespace fdx\n\n)?namespace \{\n.*?^\}  // namespace\n",
+                      re.S | re.M)
 
 
 def op_source(show: Callable[[str], str], kernel: str) -> str:
@@ -29,7 +33,8 @@ def op_source(show: Callable[[str], str], kernel: str) -> str:
     bodies = [body for title, body in zip(parts[1::2], parts[2::2]) if f"({kernel})" in title]
     if not bodies:
         raise SystemExit(f"no Paddle op of {kernel} in that revision's paddle_ops.cc")
-    checked = _CHECKED.search(ops)
-    helper = f"namespace {{\n{checked.group(0)}}}  // namespace\n" if checked else ""
-    return (src + "\n#include <stdexcept>\n#include <vector>\n\n#include \"paddle/extension.h\"\n\n"
-            "using Tensors = std::vector<paddle::Tensor>;\n\n" + helper + "".join(bodies))
+    found = _HELPERS.search(ops)
+    helpers = found.group(0) if found else ""
+    alias = "" if "using Tensors =" in helpers else "using Tensors = std::vector<paddle::Tensor>;\n\n"
+    return (src + "\n#include <stdexcept>\n#include <vector>\n\n#include \"paddle/extension.h\"\n\n" + alias
+            + helpers + "".join(bodies))
