@@ -227,6 +227,33 @@ def _send_and_check(a: Any, b: Any, rid: str, src: list[int], dst: list[int]) ->
         assert (b.runner.slots[d_ * bs:(d_ + 1) * bs] == a.runner.slots[s_ * bs:(s_ + 1) * bs]).all()
 
 
+def test_mooncake_reads_a_block_again_when_its_lease_expired_mid_get() -> None:
+    """A get that outlasts the object's lease (the master's
+    ``--default_kv_lease_ttl``) fails with LEASE_EXPIRED (-707); the handoff's
+    objects are still there (only the receiver removes them), so the
+    connector reads them again.  With a 1 ms lease the first get, which
+    opens the connection to the sender's segment, always outlasts it: before
+    the retry that handoff failed with a 500 (a loaded CI machine met it
+    with the tests' 0.5 s lease)."""
+    if not have_mooncake():
+        pytest.skip("mooncake_master / mooncake.store not installed (pip install 'fdx[mooncake]')")
+    with MooncakeMaster(lease_ttl_ms=1) as m:
+        a, b = _pair("mooncake", m)
+        try:
+            rng = np.random.default_rng(1)
+            a.runner.slots[:] = rng.integers(0, 1 << 40, a.runner.slots.size)
+            bs = a.runner.block_size
+            sent = a.send(b.address, RequestOutput("r1", (1,), None), list(range(16)))
+            ((_, _, kv),) = _recv(b)
+            assert b.load(kv, list(range(16, 32))) == sent == 16 * bs * 8
+            assert (b.runner.slots[16 * bs:32 * bs] == a.runner.slots[:16 * bs]).all()
+            assert b.stats()["lease_retries"] >= 1
+            assert a.store.batch_is_exist(kv[0]) == [0] * 16  # removed after the load, as always
+        finally:
+            a.close()
+            b.close()
+
+
 def test_mooncake_puts_survive_a_dead_instances_segment_the_master_still_counts() -> None:
     """A restarted prefill instance sends while the master still counts the
     segment of the killed one (until its client_ttl, 10 s): every put

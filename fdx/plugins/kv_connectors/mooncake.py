@@ -66,6 +66,14 @@ STORE_OPTIONS: dict[str, Any] = {
 }
 #: tries of a block's put (the first + retries of the blocks whose put failed, under fresh keys)
 PUT_ATTEMPTS = 3
+#: mooncake's ``LEASE_EXPIRED``: a get whose transfer ended after the object's lease
+#: (the master's ``--default_kv_lease_ttl``, granted when the get looked the key up)
+#: fails with it, since an object out of its lease may be evicted mid-read.  A
+#: handoff's objects are removed only by their receiver, so reading them again
+#: (a fresh lease) is safe; a loaded machine met it with a 0.5 s lease.
+LEASE_EXPIRED = -707
+#: tries of a block's get (the first + retries of the blocks whose lease expired)
+GET_ATTEMPTS = 3
 
 
 class _Staging:
@@ -140,6 +148,7 @@ class MooncakeConnector(ZmqConnector):
         self._out = _Staging(self.store)
         self._in = _Staging(self.store)
         self.store_calls = 0
+        self.lease_retries = 0  # blocks read again after their lease expired mid-get
 
     def send(self, peer: str, msg: Any, block_ids: Sequence[int] = ()) -> int:
         from fdx.core.messages import encode
@@ -178,11 +187,7 @@ class MooncakeConnector(ZmqConnector):
                 raise ValueError(f"{len(keys)} KV blocks received for {len(block_ids)} destination blocks")
             buf = self._in.reserve(size * len(keys))
             base = buf.ctypes.data
-            rcs = self.store.batch_get_into(keys, [base + i * size for i in range(len(keys))], [size] * len(keys))
-            self.store_calls += 1
-            bad = [r for r in rcs if r != size]
-            if bad:
-                raise RuntimeError(f"mooncake batch_get_into of {len(keys)} KV blocks failed: {sorted(set(bad))}")
+            self._get(keys, base, size)
             mv = memoryview(buf)
             self.runner.write_kv_blocks(list(block_ids), [mv[i * size:(i + 1) * size] for i in range(len(keys))])
             n = size * len(keys)
@@ -190,6 +195,27 @@ class MooncakeConnector(ZmqConnector):
             return n
         finally:
             self._remove(keys)
+
+    def _get(self, keys: list[str], base: int, size: int) -> None:
+        """Read the blocks under ``keys`` into ``base + i * size`` (one
+        ``batch_get_into``; the blocks whose lease expired meanwhile read
+        again, up to ``GET_ATTEMPTS`` in all); any other failure raises."""
+        todo = list(range(len(keys)))
+        for attempt in range(1, GET_ATTEMPTS + 1):
+            rcs = self.store.batch_get_into([keys[i] for i in todo], [base + i * size for i in todo],
+                                            [size] * len(todo))
+            self.store_calls += 1
+            failed = [(i, r) for i, r in zip(todo, rcs) if r != size]
+            if not failed:
+                return
+            errors = sorted(set(r for _, r in failed))
+            if errors != [LEASE_EXPIRED] or attempt == GET_ATTEMPTS:
+                raise RuntimeError(f"mooncake batch_get_into of {len(keys)} KV blocks failed: {errors}"
+                                   f" ({len(failed)} blocks, try {attempt})")
+            todo = [i for i, _ in failed]
+            self.lease_retries += len(todo)
+            log.warning("mooncake: the lease of %d of %d KV blocks expired during their get; reading them again",
+                        len(todo), len(keys))
 
     def _put(self, base: int, size: int, n: int) -> list[str]:
         """Put the ``n`` blocks of ``size`` bytes at ``base`` (one
@@ -228,7 +254,7 @@ class MooncakeConnector(ZmqConnector):
             pass
 
     def stats(self) -> dict[str, float]:
-        return {**super().stats(), "store_calls": self.store_calls}
+        return {**super().stats(), "store_calls": self.store_calls, "lease_retries": self.lease_retries}
 
     def close(self) -> None:
         super().close()
