@@ -551,54 +551,88 @@ inline void amx_epilogue(const int32_t* c, const float* dxb, const float* sxb, _
   }
 }
 
+// Tile instructions on a tile number given as a template argument (GCC's
+// _tile_* macros paste the argument's spelling into the mnemonic).
+// amx_stored names the 1 KiB it writes: GCC's _tile_stored clobbers all
+// memory, which forces the 16 accumulators of amx_tile out to the stack and
+// back around every store.
+template <int T>
+inline void amx_zero() {
+  __asm__ volatile("tilezero %%tmm%c0" ::"i"(T));
+}
+template <int T>
+inline void amx_load(const void* base, int64_t stride) {
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(base), "r"(stride), "i"(T));
+}
+template <int C, int A, int B>
+inline void amx_dpbssd() {
+  __asm__ volatile("tdpbssd %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C));
+}
+template <int T>
+inline void amx_stored(int32_t* c) {
+  __asm__ volatile("tilestored %%tmm%c2, (%1,%3,1)"
+                   : "=m"(*reinterpret_cast<int32_t(*)[256]>(c))
+                   : "r"(c), "i"(T), "r"(64L));
+}
+
+// Block b of 16 rows into C tile T (A tile 4 or 5, B tile 6 or 7 by the
+// block's parity).
+template <int T>
+inline void amx_issue(const int8_t* xq, int64_t K, const int8_t* wb, int64_t b) {
+  amx_zero<T>();
+  if (b & 1) {
+    amx_load<5>(xq + b * 32, K);
+    amx_load<7>(wb + b * 512, 64);
+    amx_dpbssd<T, 5, 7>();
+  } else {
+    amx_load<4>(xq + b * 32, K);
+    amx_load<6>(wb + b * 512, 64);
+    amx_dpbssd<T, 4, 6>();
+  }
+}
+
+// Block b into C tile b % 4; block b's sums (C tile b % 4) -> c.
+inline void amx_issue_any(const int8_t* xq, int64_t K, const int8_t* wb, int64_t b) {
+  switch (b & 3) {
+    case 0: amx_issue<0>(xq, K, wb, b); break;
+    case 1: amx_issue<1>(xq, K, wb, b); break;
+    case 2: amx_issue<2>(xq, K, wb, b); break;
+    default: amx_issue<3>(xq, K, wb, b); break;
+  }
+}
+inline void amx_store_any(int64_t b, int32_t* c) {
+  switch (b & 3) {
+    case 0: amx_stored<0>(c); break;
+    case 1: amx_stored<1>(c); break;
+    case 2: amx_stored<2>(c); break;
+    default: amx_stored<3>(c); break;
+  }
+}
+
 // 16 rows x the pair's 16 columns (ncols of them stored), every block.
 //   xq: the rows' int8 activations (K apart), dx/sx [nb][16]: their block scales and scaled sums.
+// Software pipelined over the four C tiles: while the vector units run block
+// b's epilogue, block b + 1's sums are being stored (they are read one
+// epilogue later: a tile store does not forward to loads) and blocks b + 2,
+// b + 3 are on the tile unit.  The epilogues run in block order.
 template <int KIND>
 void amx_tile(const int8_t* xq, const float* dx, const float* sx, int64_t K, int64_t nb, const int8_t* wb,
               const float* dw, const float* mw, float* out, int64_t N, int ncols) {
-  __m512 acc[kAmxRows];  // 16 zmm: kept in registers (the epilogue's loop is unrolled)
+  __asm__ volatile("" ::: "memory");  // the packed B tiles are written before the tile loads read them
+  alignas(64) int32_t c[2][256];      // block b's stored sums in c[b % 2]
+  __m512 acc[kAmxRows];               // 16 zmm, in registers throughout
 #pragma GCC unroll 16
   for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
-  // Blocks in groups of 4: four tdpbssd in flight (C tiles 0-3; the A and
-  // B tiles alternate 4/6, 5/7), then their sums stored and the four
-  // epilogues run in block order; a last group of 1-3 blocks one by one.
-  alignas(64) int32_t c[4][16 * 16];
-  auto epilogue = [&](const int32_t* cb, int64_t b) {
-    amx_epilogue<KIND>(cb, dx + 16 * b, sx + 16 * b, _mm512_loadu_ps(dw + 16 * b), _mm512_loadu_ps(mw + 16 * b), acc);
-  };
-  int64_t b = 0;
-  for (; b + 4 <= nb; b += 4) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_loadd(4, xq + b * 32, K);
-    _tile_loadd(6, wb + b * 512, 64);
-    _tile_dpbssd(0, 4, 6);
-    _tile_loadd(5, xq + (b + 1) * 32, K);
-    _tile_loadd(7, wb + (b + 1) * 512, 64);
-    _tile_dpbssd(1, 5, 7);
-    _tile_loadd(4, xq + (b + 2) * 32, K);
-    _tile_loadd(6, wb + (b + 2) * 512, 64);
-    _tile_dpbssd(2, 4, 6);
-    _tile_loadd(5, xq + (b + 3) * 32, K);
-    _tile_loadd(7, wb + (b + 3) * 512, 64);
-    _tile_dpbssd(3, 5, 7);
-    _tile_stored(0, c[0], 64);
-    _tile_stored(1, c[1], 64);
-    _tile_stored(2, c[2], 64);
-    _tile_stored(3, c[3], 64);
-    for (int i = 0; i < 4; ++i) epilogue(c[i], b + i);
-  }
-  for (; b < nb; ++b) {
-    _tile_zero(0);
-    _tile_loadd(4, xq + b * 32, K);
-    _tile_loadd(6, wb + b * 512, 64);
-    _tile_dpbssd(0, 4, 6);
-    _tile_stored(0, c[0], 64);
-    epilogue(c[0], b);
+  for (int64_t b = 0; b < std::min<int64_t>(3, nb); ++b) amx_issue_any(xq, K, wb, b);
+  amx_stored<0>(c[0]);
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b + 3 < nb) amx_issue_any(xq, K, wb, b + 3);
+    if (b + 1 < nb) amx_store_any(b + 1, c[(b + 1) & 1]);
+    amx_epilogue<KIND>(c[b & 1], dx + 16 * b, sx + 16 * b, _mm512_loadu_ps(dw + 16 * b), _mm512_loadu_ps(mw + 16 * b),
+                       acc);
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << ncols) - 1u);
+#pragma GCC unroll 16
   for (int r = 0; r < kAmxRows; ++r) _mm512_mask_storeu_ps(out + r * N, mask, acc[r]);
 }
 
