@@ -86,6 +86,37 @@ def test_runner_defaults_to_the_devices_choice(plugin_manager) -> None:  # type:
         plugin_manager.unregister(toy)
 
 
+def test_kv_cache_dtype_must_be_what_the_runner_keeps(plugin_manager) -> None:  # type: ignore[no-untyped-def]
+    """``--kv-cache-dtype`` is not silently ignored by a third-party runner:
+    one that does not name its KV dtype (the echo runner) is refused any
+    value but auto, one that names it is refused any other value."""
+    from fdx.config import make_config
+    from fdx.core.engine import build_runner
+    from fdx.core.errors import FdxError
+
+    class Bf16Echo(EchoRunner):
+        kv_cache_dtype = "bfloat16"
+
+    class Bf16Plugin:
+        @fdx.core.hookspecs.hookimpl
+        def fdx_register_model_runners(self, register):  # type: ignore[no-untyped-def]
+            register("echo-bf16", Bf16Echo)
+
+    toy, bf16 = EchoRunnerPlugin(), Bf16Plugin()
+    try:
+        plugins = _plugins(plugin_manager, toy, bf16)
+        assert isinstance(build_runner(make_config(model_runner="echo", num_kv_blocks=8), plugins), EchoRunner)
+        with pytest.raises(FdxError, match=r"--kv-cache-dtype float32: the echo model runner does not implement it"):
+            build_runner(make_config(model_runner="echo", num_kv_blocks=8, kv_cache_dtype="float32"), plugins)
+        assert build_runner(make_config(model_runner="echo-bf16", num_kv_blocks=8, kv_cache_dtype="bfloat16"),
+                            plugins).kv_cache_dtype == "bfloat16"
+        with pytest.raises(FdxError, match=r"the echo-bf16 model runner keeps its KV cache in bfloat16"):
+            build_runner(make_config(model_runner="echo-bf16", num_kv_blocks=8, kv_cache_dtype="float32"), plugins)
+    finally:
+        plugin_manager.unregister(toy)
+        plugin_manager.unregister(bf16)
+
+
 def test_unknown_runner_name_lists_the_choices(plugin_manager) -> None:  # type: ignore[no-untyped-def]
     toy = EchoRunnerPlugin()
     try:

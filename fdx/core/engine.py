@@ -61,6 +61,11 @@ def build_runner(config: EngineConfig, plugins: Plugins) -> ModelRunner:
     runner: ModelRunner = plugins.create("model_runner", name, config=config, device=device)
     if runner.tensor_parallel_size != config.tensor_parallel_size:  # a runner that cannot split leaves it at 1
         raise FdxError(f"--tensor-parallel-size {config.tensor_parallel_size}: the {name} model runner cannot split")
+    if config.kv_cache_dtype != "auto" and runner.kv_cache_dtype != config.kv_cache_dtype:
+        raise FdxError(f"--kv-cache-dtype {config.kv_cache_dtype}: the {name} model runner "
+                       + (f"keeps its KV cache in {runner.kv_cache_dtype}" if runner.kv_cache_dtype
+                          else "does not implement it (it does not name its KV cache's dtype)")
+                       + "; leave it at auto")
     return runner
 
 

@@ -216,6 +216,11 @@ class ModelRunner(abc.ABC):
     tensor_parallel_size: int = 1
     #: the pids of its other ranks' processes
     rank_pids: tuple[int, ...] = ()
+    #: the dtype of the KV pool it keeps (``float32``, ``bfloat16``, ...): a
+    #: ``--kv-cache-dtype`` other than ``auto`` must name it, and a runner
+    #: that does not say (``""``) is refused any but ``auto`` -- the flag
+    #: must not pass silently through a runner that ignores it
+    kv_cache_dtype: str = ""
 
     num_kv_blocks: int
     block_size: int

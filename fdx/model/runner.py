@@ -153,9 +153,9 @@ class PaddleModelRunner(TensorParallelRunner):
         self._group_ready()
         self.sampler = Sampler(self.vocab_size, config.max_logprobs, seed=config.seed)
         log.info(
-            "model %s (%s) on %s: %d KV blocks x %d tokens, attention=%s, compute=%s",
+            "model %s (%s) on %s: %d KV blocks x %d tokens, kv_cache=%s, attention=%s, compute=%s",
             self.source.name, self.args.describe(), device.paddle_place(), self.num_kv_blocks, self.block_size,
-            self.attention_impl, self.compute,
+            self.dtype, self.attention_impl, self.compute,
         )
 
     def _kv_extra(self) -> str:
