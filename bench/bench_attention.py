@@ -11,7 +11,7 @@ size 16) is timed old and new in alternation, ``--rounds`` times, best of
 each; the machine is shared, so read the **ratios**.  The last column says
 whether the two kernels' outputs and caches are bit-identical for the case.
 
-    .venv/bin/python bench/bench_attention.py [--ref df3be2c] [--rounds 7]
+    .venv/bin/python bench/bench_attention.py [--ref df3be2c] [--rounds 7] [--kv-dtype bfloat16] [--layers 30]
 """
 
 from __future__ import annotations
@@ -69,9 +69,12 @@ def build_ref(ref: str) -> object:
                                   extra_include_paths=[d], build_directory=d, verbose=False)
 
 
-def case(seq_pos: list[tuple[int, int]], rng: np.random.Generator) -> dict:
+def case(seq_pos: list[tuple[int, int]], rng: np.random.Generator, kv_dtype: str = "float32", layers: int = 1) -> dict:
     """Inputs for one call: tokens (seq, pos); every sequence's cache
-    filled with random keys/values up to its largest position, blocks shuffled."""
+    filled with random keys/values up to its largest position, blocks shuffled.
+    ``layers`` copies of the cache for each side (old, new): the timed calls
+    go round them, as a step goes through its layers' caches (a working set
+    the size of a real step's comes from memory, not from the L2)."""
     import paddle
 
     S = max(s for s, _ in seq_pos) + 1
@@ -95,17 +98,21 @@ def case(seq_pos: list[tuple[int, int]], rng: np.random.Generator) -> dict:
     rope = np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
     T = len(seq_pos)
     cache = rng.standard_normal((2, NB, KV, BS, D)).astype(np.float32)
+
+    def copies() -> list:
+        return [paddle.to_tensor(cache.copy()).astype(kv_dtype) for _ in range(layers)]
+
     return dict(qkv=paddle.to_tensor(rng.standard_normal((T, (H + 2 * KV) * D)).astype(np.float32)),
-                caches=[paddle.to_tensor(cache), paddle.to_tensor(cache.copy())], rope=paddle.to_tensor(rope),
+                caches=[copies(), copies()], rope=paddle.to_tensor(rope),
                 meta=paddle.to_tensor(np.array(seq_pos, np.int32)), tables=paddle.to_tensor(tables))
 
 
-def timed(op: object, c: dict, cache: object, reps: int) -> float:
-    args = (c["qkv"], cache, c["rope"], c["meta"], c["tables"], H, KV, BS, float(D) ** -0.5)
-    op(*args)  # warm
+def timed(op: object, c: dict, caches: list, reps: int) -> float:
+    rest = (c["rope"], c["meta"], c["tables"], H, KV, BS, float(D) ** -0.5)
+    op(c["qkv"], caches[0], *rest)  # warm
     t = time.perf_counter()
-    for _ in range(reps):
-        out = op(*args)
+    for i in range(reps):
+        out = op(c["qkv"], caches[i % len(caches)], *rest)
     out.numpy()
     return (time.perf_counter() - t) / reps
 
@@ -114,6 +121,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ref", default="df3be2c", help="git revision of the old kernel")
     ap.add_argument("--rounds", type=int, default=7, help="alternations; best of each side")
+    ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"), help="the KV cache's dtype")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="caches per side, gone round by the timed calls (30: a SmolLM2 step's working set)")
     args = ap.parse_args()
 
     from fdx.model import native
@@ -126,22 +136,25 @@ def main() -> None:
     no_window = lambda op: (lambda *a: op(*a, 0)) if "window" in inspect.signature(op).parameters else op  # noqa: E731
     old_op, new_op = no_window(ref.fdx_paged_attention_ref), no_window(new.fdx_paged_attention)
     print(f"machine: {os.cpu_count()} cores (shared), kernel set: {native.loaded_isa()}, "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, old = {args.ref}")
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, old = {args.ref}, KV cache {args.kv_dtype}, "
+          f"{args.layers} cache(s) a side")
     rng = np.random.default_rng(0)
+    mk = lambda seq_pos: case(seq_pos, rng, args.kv_dtype, args.layers)  # noqa: E731
     cases = {
-        "prefill 512 (T=512, 1 seq)": (case([(0, p) for p in range(512)], rng), 3),
-        "decode c=1 ctx 256": (case([(0, 255)], rng), 300),
-        "decode c=32 ctx ~300": (case([(s, 285 + s) for s in range(32)], rng), 20),
-        "decode c=1 ctx 80": (case([(0, 79)], rng), 300),
-        "decode c=32 ctx ~80": (case([(s, 64 + s) for s in range(32)], rng), 50),
+        "prefill 512 (T=512, 1 seq)": (mk([(0, p) for p in range(512)]), 3),
+        "decode c=1 ctx 256": (mk([(0, 255)]), 300),
+        "decode c=32 ctx ~300": (mk([(s, 285 + s) for s in range(32)]), 20),
+        "decode c=1 ctx 80": (mk([(0, 79)]), 300),
+        "decode c=32 ctx ~80": (mk([(s, 64 + s) for s in range(32)]), 50),
     }
     print(f"{'case':30s} {'old':>10s} {'new':>10s} {'old/new':>8s} {'same bits':>10s}")
     for name, (c, reps) in cases.items():
-        fresh = [x.numpy().copy() for x in c["caches"]]
-        outs = [op(c["qkv"], x, c["rope"], c["meta"], c["tables"], H, KV, BS, float(D) ** -0.5).numpy()
+        bits = lambda x: x.astype("float32").numpy().view(np.uint32)  # noqa: E731
+        fresh = [bits(x[0]) for x in c["caches"]]
+        outs = [op(c["qkv"], x[0], c["rope"], c["meta"], c["tables"], H, KV, BS, float(D) ** -0.5).numpy()
                 for op, x in ((old_op, c["caches"][0]), (new_op, c["caches"][1]))]
         same = np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)) and np.array_equal(
-            c["caches"][0].numpy().view(np.uint32), c["caches"][1].numpy().view(np.uint32))
+            bits(c["caches"][0][0]), bits(c["caches"][1][0]))
         assert np.array_equal(fresh[0], fresh[1])
         best_old = best_new = float("inf")
         for _ in range(args.rounds):

@@ -91,7 +91,10 @@ inline void prefetch_kv(const C* p, int n) {
   const char* b = reinterpret_cast<const char*>(p);
   for (int i = 0; i < n * static_cast<int>(sizeof(C)); i += 64) _mm_prefetch(b + i, _MM_HINT_T0);
 }
-constexpr int kAhead = 16;  // keys read ahead
+#ifndef FDX_KV_AHEAD
+#define FDX_KV_AHEAD 32
+#endif
+constexpr int kAhead = FDX_KV_AHEAD;  // keys read ahead
 
 // the first n (< L) values, zeros after them
 inline v::vf load_kv_first(const float* p, int n) { return v::load_first(p, n); }
@@ -261,17 +264,18 @@ inline void score_tile(const float* const* q, const C* const* k, int Drt, float 
 
 // s_r[j] = dot(q_r, k_j) * scale for keys j in [j0, j1) (j0 a multiple of
 // kKeyAlign; s_r[j1 .. j1 rounded up to kKeyAlign) are written with scratch),
-// k_j = kc + off[j].
+// k_j = kc + off[j].  Keys kAhead ahead are prefetched while below pf (the
+// row's key count on an item's first pass, so the stream runs on across
+// the pass's end; 0: none).
 template <int NR, int DT, typename C>
 inline void score_keys(const float* const* q, const C* kc, const int64_t* off, int j0, int j1, int D,
-                       float scale, float* const* s, bool pf) {
+                       float scale, float* const* s, int pf) {
   constexpr int KT = kTileKeys<NR>;
   float* out[NR];
   for (int j = j0; j < j1; j += KT) {
     const C* k[KT];
     for (int i = 0; i < KT; ++i) k[i] = kc + off[std::min(j + i, j1 - 1)];
-    if (pf)
-      for (int i = j + kAhead; i < std::min(j + kAhead + KT, j1); ++i) prefetch_kv(kc + off[i], D);
+    for (int i = j + kAhead; i < std::min(j + kAhead + KT, pf); ++i) prefetch_kv(kc + off[i], D);
     for (int r = 0; r < NR; ++r) out[r] = s[r] + j;
     score_tile<NR, DT, C>(q, k, D, scale, out);
   }
@@ -279,31 +283,41 @@ inline void score_keys(const float* const* q, const C* kc, const int64_t* off, i
 
 // acc[r][c*L ..] += sum over keys j in [j0, j1) of p[r][j] * v_j[d0 + c*L ..]
 // for NR rows and NV vectors (the last one masked to `last` lanes if TAIL);
-// v_j = vc + off[j] + d0.
+// v_j = vc + off[j] + d0.  pf: as score_keys'.
 template <int NR, int NV, bool TAIL, typename C>
 inline void pv_tile(const float* const* p, const C* vc, const int64_t* off, int j0, int j1, int last,
-                    float* const* acc, bool pf) {
+                    float* const* acc, int pf) {
+  // (the loops over r and c unrolled from the start, so the 12 sums become
+  // registers: GCC kept the array's stack copy and stored every sum to it
+  // at each key otherwise)
   v::vf a[NR][NV];
+#pragma GCC unroll 4
   for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) a[r][c] = v::load(acc[r] + c * L);
   for (int j = j0; j < j1; ++j) {
     const C* vr = vc + off[j];
-    if (pf && j + kAhead < j1) prefetch_kv(vc + off[j + kAhead], NV * L);
+    if (j + kAhead < pf) prefetch_kv(vc + off[j + kAhead], NV * L);
     v::vf pb[NR];
+#pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) pb[r] = v::set1(p[r][j]);
+#pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) {
       v::vf vv = (TAIL && c == NV - 1) ? load_kv_first(vr + c * L, last) : load_kv(vr + c * L);
       in_register(vv);
+#pragma GCC unroll 4
       for (int r = 0; r < NR; ++r) a[r][c] = v::fmadd(pb[r], vv, a[r][c]);
     }
   }
+#pragma GCC unroll 4
   for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) v::store(acc[r] + c * L, a[r][c]);
 }
 
 template <int NR, typename C>
 inline void pv_rows(const float* const* p, const C* vc, const int64_t* off, int j0, int j1, int nv, bool tail,
-                    int last, float* const* acc, bool pf) {
+                    int last, float* const* acc, int pf) {
 #define FDX_PV(NV)                                                    \
   case NV:                                                            \
     if (tail)                                                         \
@@ -440,7 +454,7 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
       const int kbeg = std::max(kb, lo / kKeyAlign * kKeyAlign);  // score tiles start on kKeyAlign
       const int kend = std::min(kb + ge.kblock, n);
       for (int g0 = 0; g0 < G; g0 += 2) {
-        const bool pf = read_ahead && t == t0 && g0 == 0;  // the item's first pass over these keys
+        const int pf = read_ahead && t == t0 && g0 == 0 ? n : 0;  // the item's first pass over these keys
         const int nr = std::min(2, G - g0);
         const float* q[2];
         float* out[2];
@@ -476,7 +490,7 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
       const int kend = std::min(kb + ge.kblock, n);
       if (jb >= kend) continue;
       for (int g0 = 0; g0 < G; g0 += kRows) {
-        const bool pf = read_ahead && t == t0 && g0 == 0;
+        const int pf = read_ahead && t == t0 && g0 == 0 ? n : 0;
         const int nr = std::min(kRows, G - g0);
         const float* p[kRows];
         float* a[kRows];
