@@ -1,0 +1,163 @@
+"""What int8 schemes cost in accuracy, simulated on the real model: top-1
+agreement with float32, teacher-forced on the parity prompts (the positions
+of tests/test_int8_accuracy.py), for fdx's int8 and for the schemes a
+faster AMX path would need.
+
+The float32 runner runs with every matmul's input (and, for the ``w8``
+schemes, its weights) rounded through an int8 grid first, then float32
+maths: this models the quantization error, not the kernels' summation order
+(which moves results by float32 rounding only).  Schemes:
+
+* ``a8-block``: activations in 32-element blocks, one scale each (absmax /
+  127, round to nearest) -- fdx's int8 mode today (its weights are the
+  GGUF's Q4_1 / Q8_0 blocks, exactly what float32 dequantizes, so this is
+  all of its error);
+* ``a8-row``: one activation scale per row (token): the int8 sums of a row
+  could stay integer across the blocks of K except for the weights' block
+  scales -- an epilogue of 3 operations a block instead of 4 on the AMX path;
+* ``w8a8``: one activation scale per row and the weights requantized to int8
+  with one scale per output channel: int32 sums over all of K, one epilogue
+  per output (what AMX runs at full speed, as vLLM's bf16 does), at 1 byte a
+  weight instead of Q4_1's 0.625 (single-stream decode reads 1.6x the bytes).
+
+    PYTHONPATH=. .venv/bin/python bench/bench_int8_error.py [--schemes a8-block,a8-row,w8a8] [--tokens 64] [--only down]
+
+Prints top-1 agreement and mean |delta logprob| of float32's token per scheme.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+SCHEMES = ("a8-block", "a8-row", "w8a8")
+MATMULS = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+def fake_quant_rows(x: np.ndarray, block: int) -> np.ndarray:
+    """x [M, K] through an int8 grid: one scale per ``block`` columns of a row
+    (``block`` = K: per row), absmax / 127, round to nearest."""
+    M, K = x.shape
+    xb = x.reshape(M, K // block, block)
+    d = np.abs(xb).max(-1, keepdims=True) / 127.0
+    q = np.where(d > 0, np.rint(xb / np.where(d > 0, d, 1.0)), 0.0)
+    return (q * d).reshape(M, K).astype(np.float32)
+
+
+def per_channel_int8(w: np.ndarray) -> np.ndarray:
+    """w [K, N] through an int8 grid with one scale per output column."""
+    s = np.abs(w).max(0, keepdims=True) / 127.0
+    return (np.rint(w / np.where(s > 0, s, 1.0)) * s).astype(np.float32)
+
+
+def install(runner: Any, scheme: str, only: set[str]) -> Callable[[], None]:
+    """Wrap the float32 runner's matmuls (CPUKernels.linear, lm_head; those
+    named in ``only``) with ``scheme``'s rounding; returns the undo."""
+    import paddle
+
+    from fdx.model import llama
+
+    ops = runner.model.ops
+    lin0, head0 = llama.CPUKernels.linear, llama.CPUKernels.lm_head
+    dense: dict[int, paddle.Tensor] = {}
+
+    def weights_t(q: tuple[Any, int]) -> paddle.Tensor:
+        """The GGUF blocks' float32 weights [K, N], requantized per channel (cached)."""
+        key = id(q[0])
+        if key not in dense:
+            K = int(q[0].shape[1]) * 32 // (18 if q[1] == 2 else 20 if q[1] == 3 else 34 if q[1] == 8 else 0)
+            eye = paddle.to_tensor(np.eye(K, dtype=np.float32))
+            w = ops.fdx_qgemv(eye, q[0], q[1]).numpy()  # eye @ W^T = W^T: [K, N]
+            dense[key] = paddle.to_tensor(per_channel_int8(w))
+        return dense[key]
+
+    def act(h: paddle.Tensor) -> paddle.Tensor:
+        x = h.numpy()
+        return paddle.to_tensor(fake_quant_rows(x, 32 if scheme == "a8-block" else x.shape[1]))
+
+    def linear(self: Any, h: paddle.Tensor, layer: Any, which: str) -> paddle.Tensor:
+        if which not in only:
+            return lin0(self, h, layer, which)
+        if scheme == "w8a8":
+            return paddle.matmul(act(h), weights_t(getattr(layer, llama._LINEAR[which][1])))
+        return lin0(self, act(h), layer, which)
+
+    def lm_head(self: Any, h: paddle.Tensor) -> paddle.Tensor:
+        if "lm_head" not in only:
+            return head0(self, h)
+        if scheme == "w8a8":
+            return paddle.matmul(act(h), weights_t(self.model.q_lm_head))
+        return head0(self, act(h))
+
+    llama.CPUKernels.linear, llama.CPUKernels.lm_head = linear, lm_head  # type: ignore[method-assign]
+
+    def undo() -> None:
+        llama.CPUKernels.linear, llama.CPUKernels.lm_head = lin0, head0  # type: ignore[method-assign]
+
+    return undo
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--tokens", type=int, default=64, help="float32 greedy tokens per prompt")
+    ap.add_argument("--only", default=",".join(MATMULS),
+                    help="the matmuls the scheme applies to (the others stay float32), e.g. --only down")
+    args = ap.parse_args()
+    schemes = args.schemes.split(",")
+    only = set(args.only.split(","))
+    if only - set(MATMULS):
+        sys.exit(f"unknown matmul(s) {sorted(only - set(MATMULS))}; choices: {', '.join(MATMULS)}")
+    for s in schemes:
+        if s not in SCHEMES:
+            sys.exit(f"unknown scheme {s!r}; choices: {', '.join(SCHEMES)}")
+
+    from runnerutil import run_greedy
+    from test_architectures import teacher_forced
+    from test_model_parity import PROMPTS
+
+    from fdx.config import make_config
+    from fdx.model.loader import load_tokenizer
+    from fdx.model.runner import PaddleModelRunner
+    from fdx.plugins.hardware.cpu import CPUDevice
+
+    tok = load_tokenizer(None)
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    fp32 = PaddleModelRunner(make_config(num_kv_blocks=200, max_model_len=1024, dtype="float32"), CPUDevice())
+    assert fp32.model.q_lm_head is not None and fp32.model.ops is not None, "needs the GGUF blocks and fdx's ops"
+    seqs = [p + g for p, g in zip(prompts, run_greedy(fp32, prompts, args.tokens))]
+    want = [teacher_forced(fp32, s[:1], s[1:]) for s in seqs]
+
+    def logsm(x: np.ndarray) -> np.ndarray:
+        m = x.max(-1, keepdims=True)
+        return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+    print(f"matmuls rounded: {', '.join(m for m in MATMULS if m in only)}")
+    print(f"{'scheme':10s} {'top-1':>14s} {'mean |dlogprob|':>16s}")
+    for scheme in schemes:
+        undo = install(fp32, scheme, only)
+        try:
+            got = [teacher_forced(fp32, s[:1], s[1:]) for s in seqs]
+        finally:
+            undo()
+        hits = total = 0
+        dlp = []
+        for w, g in zip(want, got):
+            top = w.argmax(-1)
+            hits += int((g.argmax(-1) == top).sum())
+            total += len(top)
+            rows = np.arange(len(top))
+            dlp.append(np.abs(logsm(w)[rows, top] - logsm(g)[rows, top]))
+        print(f"{scheme:10s} {hits:5d}/{total} {100 * hits / total:5.1f}% {np.concatenate(dlp).mean():16.4f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
