@@ -227,31 +227,64 @@ def _send_and_check(a: Any, b: Any, rid: str, src: list[int], dst: list[int]) ->
         assert (b.runner.slots[d_ * bs:(d_ + 1) * bs] == a.runner.slots[s_ * bs:(s_ + 1) * bs]).all()
 
 
-def test_mooncake_reads_a_block_again_when_its_lease_expired_mid_get() -> None:
-    """A get that outlasts the object's lease (the master's
-    ``--default_kv_lease_ttl``) fails with LEASE_EXPIRED (-707); the handoff's
-    objects are still there (only the receiver removes them), so the
-    connector reads them again.  With a 1 ms lease the first get, which
-    opens the connection to the sender's segment, always outlasts it: before
-    the retry that handoff failed with a 500 (a loaded CI machine met it
-    with the tests' 0.5 s lease)."""
-    if not have_mooncake():
-        pytest.skip("mooncake_master / mooncake.store not installed (pip install 'fdx[mooncake]')")
-    with MooncakeMaster(lease_ttl_ms=1) as m:
-        a, b = _pair("mooncake", m)
-        try:
-            rng = np.random.default_rng(1)
-            a.runner.slots[:] = rng.integers(0, 1 << 40, a.runner.slots.size)
-            bs = a.runner.block_size
-            sent = a.send(b.address, RequestOutput("r1", (1,), None), list(range(16)))
-            ((_, _, kv),) = _recv(b)
-            assert b.load(kv, list(range(16, 32))) == sent == 16 * bs * 8
-            assert (b.runner.slots[16 * bs:32 * bs] == a.runner.slots[:16 * bs]).all()
-            assert b.stats()["lease_retries"] >= 1
-            assert a.store.batch_is_exist(kv[0]) == [0] * 16  # removed after the load, as always
-        finally:
-            a.close()
-            b.close()
+class _ExpiringGets:
+    """The real store, except that its next ``batch_get_into`` calls report
+    LEASE_EXPIRED (-707) for some keys after reading them: what a get does
+    when its transfer outlasts the object's lease (the master's
+    ``--default_kv_lease_ttl``).  Injected, because a real expiry depends on
+    timing: a loaded CI machine met it with the tests' 0.5 s lease, and a
+    1 ms lease also expires on the retries there."""
+
+    def __init__(self, store: Any, expire: list[int]) -> None:
+        self.store, self.expire, self.calls = store, list(expire), []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def batch_get_into(self, keys: list[str], addrs: list[int], sizes: list[int]) -> list[int]:
+        rcs = list(self.store.batch_get_into(keys, addrs, sizes))
+        n = self.expire.pop(0) if self.expire else 0
+        rcs[:n] = [-707] * min(n, len(rcs))
+        self.calls.append((len(keys), n))
+        return rcs
+
+
+def test_mooncake_reads_blocks_again_when_their_lease_expired_mid_get(master: Any) -> None:
+    """A get that reports LEASE_EXPIRED reads those blocks again (the
+    handoff's objects are removed only by their receiver); after three tries,
+    or for any other error, the load fails with the codes, and the keys are
+    removed either way.  Before the retry, the handoff failed with a 500."""
+    a, b = _pair("mooncake", master)
+    try:
+        bs = a.runner.block_size
+        rng = np.random.default_rng(1)
+        a.runner.slots[:] = rng.integers(0, 1 << 40, a.runner.slots.size)
+        real = b.store
+        b.store = spy = _ExpiringGets(real, [5, 2])  # 5 of 16 expire, then 2 of those 5
+        sent = a.send(b.address, RequestOutput("r1", (1,), None), list(range(16)))
+        ((_, _, kv),) = _recv(b)
+        assert b.load(kv, list(range(16, 32))) == sent == 16 * bs * 8
+        assert (b.runner.slots[16 * bs:32 * bs] == a.runner.slots[:16 * bs]).all()
+        assert spy.calls == [(16, 5), (5, 2), (2, 0)] and b.stats()["lease_retries"] == 7
+        assert a.store.batch_is_exist(kv[0]) == [0] * 16  # removed after the load, as always
+        # expired on every try: the load fails after three
+        b.store = _ExpiringGets(real, [16, 16, 16])
+        a.send(b.address, RequestOutput("r2", (1,), None), list(range(16)))
+        ((_, _, kv2),) = _recv(b)
+        with pytest.raises(RuntimeError, match=r"batch_get_into of 16 KV blocks failed: \[-707\] \(16 blocks, try 3\)"):
+            b.load(kv2, list(range(16, 32)))
+        assert a.store.batch_is_exist(kv2[0]) == [0] * 16
+        # another error (the objects are gone): no retry
+        b.store = spy = _ExpiringGets(real, [])
+        a.send(b.address, RequestOutput("r3", (1,), None), [1, 2])
+        ((_, _, kv3),) = _recv(b)
+        real.batch_remove(kv3[0], True)
+        with pytest.raises(RuntimeError, match=r"batch_get_into of 2 KV blocks failed: \[-7\d\d\] \(2 blocks, try 1\)"):
+            b.load(kv3, [16, 17])
+        assert len(spy.calls) == 1
+    finally:
+        a.close()
+        b.close()
 
 
 def test_mooncake_puts_survive_a_dead_instances_segment_the_master_still_counts() -> None:
