@@ -103,15 +103,15 @@ class PagedRunnerBase(ModelRunner):
     honours_sliding_window = False
     #: tensor-parallel ranks of this runner's group (1: none)
     tensor_parallel_size = 1
+    #: the model takes per-row rope factors (:attr:`StepLayout.long_rope`), so a
+    #: LongRoPE model serves sequences past ``original_max_position_embeddings``
+    #: (else a longer ``--max-model-len`` is refused)
+    honours_long_rope = False
 
     @property
     def kv_cache_dtype(self) -> str:  # type: ignore[override]
         """The KV pool's dtype: :attr:`dtype` (the subclass chose it from ``--kv-cache-dtype``)."""
         return str(self.dtype)
-    #: the model takes per-row rope factors (:attr:`StepLayout.long_rope`), so a
-    #: LongRoPE model serves sequences past ``original_max_position_embeddings``
-    #: (else a longer ``--max-model-len`` is refused)
-    honours_long_rope = False
 
     config: EngineConfig
     device: Device

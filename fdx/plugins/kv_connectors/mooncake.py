@@ -18,7 +18,10 @@ restarted within those seconds would otherwise hit on about every other
 block.  Blocks whose put still failed (the own segment was full, or the
 instance contributes none, and the master chose a dead one) are put again
 under fresh keys, up to ``PUT_ATTEMPTS`` times.  The receiver reads them
-with ONE ``batch_get_into`` its own registered staging buffer and scatters
+with ONE ``batch_get_into`` its own registered staging buffer (the blocks
+whose lease expired during the get -- ``LEASE_EXPIRED``, a transfer slower
+than the master's ``--default_kv_lease_ttl`` -- read again, up to
+``GET_ATTEMPTS`` tries) and scatters
 them into its pool from views of that buffer (no per-block copies), then
 removes the keys (``batch_remove``, forced: the objects' lease is still
 running).  A message whose KV is not loaded (the request was aborted
