@@ -119,26 +119,11 @@ def main() -> None:
         if s not in SCHEMES:
             sys.exit(f"unknown scheme {s!r}; choices: {', '.join(SCHEMES)}")
 
-    from runnerutil import run_greedy
     from test_architectures import teacher_forced
-    from test_model_parity import PROMPTS
+    from test_int8_accuracy import float32_references, top1_agreement
 
-    from fdx.config import make_config
-    from fdx.model.loader import load_tokenizer
-    from fdx.model.runner import PaddleModelRunner
-    from fdx.plugins.hardware.cpu import CPUDevice
-
-    tok = load_tokenizer(None)
-    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    fp32 = PaddleModelRunner(make_config(num_kv_blocks=200, max_model_len=1024, dtype="float32"), CPUDevice())
+    fp32, seqs, want = float32_references(args.tokens)
     assert fp32.model.q_lm_head is not None and fp32.model.ops is not None, "needs the GGUF blocks and fdx's ops"
-    seqs = [p + g for p, g in zip(prompts, run_greedy(fp32, prompts, args.tokens))]
-    want = [teacher_forced(fp32, s[:1], s[1:]) for s in seqs]
-
-    def logsm(x: np.ndarray) -> np.ndarray:
-        m = x.max(-1, keepdims=True)
-        return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
-
     print(f"matmuls rounded: {', '.join(m for m in MATMULS if m in only)}")
     print(f"{'scheme':10s} {'top-1':>14s} {'mean |dlogprob|':>16s}")
     for scheme in schemes:
@@ -147,16 +132,8 @@ def main() -> None:
             got = [teacher_forced(fp32, s[:1], s[1:]) for s in seqs]
         finally:
             undo()
-        hits = total = 0
-        dlp = []
-        for w, g in zip(want, got):
-            top = w.argmax(-1)
-            hits += int((g.argmax(-1) == top).sum())
-            total += len(top)
-            rows = np.arange(len(top))
-            dlp.append(np.abs(logsm(w)[rows, top] - logsm(g)[rows, top]))
-        print(f"{scheme:10s} {hits:5d}/{total} {100 * hits / total:5.1f}% {np.concatenate(dlp).mean():16.4f}",
-              flush=True)
+        hits, total, dlp = top1_agreement(want, got)
+        print(f"{scheme:10s} {hits:5d}/{total} {100 * hits / total:5.1f}% {dlp:16.4f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from runnerutil import run_greedy
-from test_architectures import teacher_forced
+from test_architectures import log_softmax, teacher_forced
 from test_model_parity import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -41,31 +41,39 @@ def _runner(dtype: str) -> Any:
     return PaddleModelRunner(make_config(num_kv_blocks=200, max_model_len=1024, dtype=dtype), CPUDevice())
 
 
-@pytest.fixture(scope="module")
-def agreement() -> tuple[int, int, float]:
-    """(top-1 hits, positions, mean |delta logprob| of float32's token)."""
+def float32_references(n_tokens: int = N_TOKENS) -> tuple[Any, list[list[int]], list[np.ndarray]]:
+    """The float32 runner, the parity sequences (chat prompt + its greedy
+    ``n_tokens``) and float32's teacher-forced logits over them."""
     from fdx.model.loader import load_tokenizer
 
     tok = load_tokenizer(None)
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     fp32 = _runner("float32")
-    seqs = [p + g for p, g in zip(prompts, run_greedy(fp32, prompts, N_TOKENS))]
-    want = [teacher_forced(fp32, s[:1], s[1:]) for s in seqs]
-    del fp32
-    int8 = _runner("int8")
-    assert int8.model.mode == "int8"
-    got = [teacher_forced(int8, s[:1], s[1:]) for s in seqs]
+    seqs = [p + g for p, g in zip(prompts, run_greedy(fp32, prompts, n_tokens))]
+    return fp32, seqs, [teacher_forced(fp32, s[:1], s[1:]) for s in seqs]
+
+
+def top1_agreement(want: list[np.ndarray], got: list[np.ndarray]) -> tuple[int, int, float]:
+    """(top-1 hits, positions, mean |delta logprob| of ``want``'s token)."""
     hits = total = 0
     dlp = []
     for w, g in zip(want, got):
         top = w.argmax(-1)
         hits += int((g.argmax(-1) == top).sum())
         total += len(top)
-        lw = w - np.log(np.exp(w - w.max(-1, keepdims=True)).sum(-1, keepdims=True)) - w.max(-1, keepdims=True)
-        lg = g - np.log(np.exp(g - g.max(-1, keepdims=True)).sum(-1, keepdims=True)) - g.max(-1, keepdims=True)
         rows = np.arange(len(top))
-        dlp.append(np.abs(lw[rows, top] - lg[rows, top]))
+        dlp.append(np.abs(log_softmax(w)[rows, top] - log_softmax(g)[rows, top]))
     return hits, total, float(np.concatenate(dlp).mean())
+
+
+@pytest.fixture(scope="module")
+def agreement() -> tuple[int, int, float]:
+    """(top-1 hits, positions, mean |delta logprob| of float32's token)."""
+    fp32, seqs, want = float32_references()
+    del fp32
+    int8 = _runner("int8")
+    assert int8.model.mode == "int8"
+    return top1_agreement(want, [teacher_forced(int8, s[:1], s[1:]) for s in seqs])
 
 
 def test_int8_stays_close_to_float32(agreement: tuple[int, int, float]) -> None:
