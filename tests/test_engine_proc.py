@@ -10,7 +10,7 @@ import zmq
 
 from fdx.core.errors import ControlError
 from fdx.core.engine_proc import handle_input
-from fdx.core.ipc import EngineSide, IpcPaths
+from fdx.core.ipc import EngineSide, IpcPaths, OutputListener
 from fdx.core.messages import (
     AbortRequest,
     AddRequest,
@@ -82,8 +82,7 @@ def test_an_undecodable_input_is_skipped(tmp_path: Any) -> None:
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.bind(paths.input_addr)
-    pull_out = ctx.socket(zmq.PULL)
-    pull_out.bind(paths.output_addr)
+    out = OutputListener(paths)
     side = EngineSide(paths)
     try:
         push.send(b"\xc1 not msgpack")
@@ -99,5 +98,5 @@ def test_an_undecodable_input_is_skipped(tmp_path: Any) -> None:
     finally:
         side.close()
         push.close(0)
-        pull_out.close(0)
+        out.close()
         ctx.term()

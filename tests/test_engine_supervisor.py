@@ -14,14 +14,13 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
-import zmq
 import stall_runner_plugin
 from serverutil import metric_value, pid_alive, read_log, record_stream, start_server
 
 from fdx.core.engine_proc import HeartbeatThread, Progress
-from fdx.core.ipc import IpcPaths
+from fdx.core.ipc import IpcPaths, OutputListener
 from fdx.deploy.engine_link import Liveness
-from fdx.core.messages import EngineStats, Heartbeat, decode
+from fdx.core.messages import EngineStats, Heartbeat
 from fdx.deploy.launcher import RestartPolicy
 
 MAX_RESTARTS = 3
@@ -64,26 +63,23 @@ def test_heartbeat_carries_the_step_in_progress(tmp_path: Any) -> None:
     for 12 s shows as ``busy_s`` while beats keep coming, and Liveness calls
     it hung (the real-server tests below freeze the whole process instead)."""
     paths = IpcPaths(str(tmp_path))
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.bind(paths.output_addr)
+    out = OutputListener(paths)
     progress = Progress()
     progress.steps = 7
     progress.busy_since = time.monotonic() - 12.0
     beat = HeartbeatThread(paths, 0.05, lambda: EngineStats(steps=7), progress)
     beat.start()
     try:
-        assert pull.poll(5000), "no heartbeat"
-        hb = decode(pull.recv())
+        hb = out.recv(5.0)
+        assert hb is not None, "no heartbeat"
         progress.busy_since = None  # the step ended: the next beats say idle
         deadline = time.monotonic() + 5
-        while (idle := decode(pull.recv())).busy_s != 0.0:
+        while (idle := out.recv(5.0)).busy_s != 0.0:  # type: ignore[union-attr]
             assert time.monotonic() < deadline
     finally:
         beat.stop.set()
         beat.join(5)
-        pull.close(0)
-        ctx.term()
+        out.close()
     assert isinstance(hb, Heartbeat) and hb.pid == os.getpid() and hb.steps == 7 and hb.busy_s >= 12.0
     assert isinstance(idle, Heartbeat) and idle.busy_s == 0.0
     lv = Liveness(timeout=3.0, step_timeout=10.0)

@@ -24,7 +24,7 @@ import zmq
 
 from fdx.config import EngineConfig
 from fdx.core.errors import ControlError, FdxError
-from fdx.core.ipc import EngineSide, IpcPaths, child_args, pid_alive
+from fdx.core.ipc import ChannelClosed, EngineSide, IpcPaths, OutputWriter, child_args, pid_alive
 from fdx.logs import StatsLogger, setup_logging
 from fdx.core.messages import (
     AbortRequest,
@@ -60,7 +60,7 @@ class Progress:
 
 
 class HeartbeatThread(threading.Thread):
-    """Sends heartbeats on its own socket (ZMQ sockets are per thread)."""
+    """Sends heartbeats on its own connection of the output channel."""
 
     def __init__(self, paths: IpcPaths, interval: float, get_stats, progress: Progress) -> None:  # type: ignore[no-untyped-def]
         super().__init__(daemon=True, name="fdx-heartbeat")
@@ -69,26 +69,32 @@ class HeartbeatThread(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.paths.output_addr)
+        out = OutputWriter(self.paths.output_path, timeout=max(self.interval, 1.0))
         pid = os.getpid()
         while not self.stop.wait(self.interval):
             p = self.progress
             try:
                 beat = Heartbeat(time.time(), self.get_stats(), pid=pid, steps=p.steps, busy_s=p.busy_s())
-                sock.send(encode(beat), zmq.NOBLOCK)
-            except Exception:  # noqa: BLE001 - stats may be mid-update; next beat will do
+                out.send(beat)
+            except Exception:  # noqa: BLE001 - stats may be mid-update, the channel closed: next beat will do
                 pass
-        sock.close(0)
+        out.close()
+
+
+#: how often, at most, a step's OutputBatch carries the engine's stats (with a
+#: finished request's output, always); heartbeats carry them too
+STATS_EVERY_S = 0.05
 
 
 def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = None) -> int:
     """Entry point of the engine process.  Returns the exit code."""
     setup_logging(config.log_level, process="engine")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
-    side = EngineSide(paths)
+    try:
+        side = EngineSide(paths)
+    except ChannelClosed as exc:
+        log.error("engine cannot reach its front end: %s", exc)
+        return 1
     try:
         from fdx.core.engine import Engine
 
@@ -97,7 +103,8 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
         ours = isinstance(exc, FdxError)
         message, details = (str(exc), exc.details or "") if ours else (f"{type(exc).__name__}: {exc}",  # type: ignore[attr-defined]
                                                                         traceback.format_exc())
-        side.send(EngineFailed(message, details, pid=os.getpid()))
+        with suppress(ChannelClosed):
+            side.send(EngineFailed(message, details, pid=os.getpid()))
         log.error("engine failed to start: %s", exc, exc_info=not ours)
         side.close()
         return 1
@@ -114,10 +121,11 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
     beat = HeartbeatThread(paths, config.heartbeat_interval, lambda: stats_cache[0], progress)
     beat.start()
     ready = (os.getpid(), engine.kv.num_blocks, engine.max_model_len, config.model_name)
-    side.send(EngineReady(*ready, engine.runner.weights_version, engine.runner.rank_pids))
-    log.info("engine ready: %d KV blocks of %d tokens", engine.kv.num_blocks, config.block_size)
     logger = StatsLogger(config.log_stats_interval)
+    stats_sent = 0.0
     try:
+        side.send(EngineReady(*ready, engine.runner.weights_version, engine.runner.rank_pids))
+        log.info("engine ready: %d KV blocks of %d tokens", engine.kv.num_blocks, config.block_size)
         while True:
             timeout = 0 if engine.has_work() else config.heartbeat_interval * 1000
             progress.busy_since = None
@@ -133,13 +141,23 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
                 stats = engine.stats()
                 stats_cache[0] = stats
                 if outputs:
-                    side.send(OutputBatch(tuple(outputs), stats))
+                    # the stats ride along when a request ended, else at most every STATS_EVERY_S
+                    # (decoding them costs the API process as much as a step's outputs)
+                    now = time.monotonic()
+                    if now - stats_sent >= STATS_EVERY_S or any(o.finish_reason is not None for o in outputs):
+                        side.send(OutputBatch(tuple(outputs), stats))
+                        stats_sent = now
+                    else:
+                        side.send(OutputBatch(tuple(outputs)))
                 logger.maybe_log(stats)
             else:
                 stats_cache[0] = engine.stats()
             if parent_pid is not None and not pid_alive(parent_pid):
                 log.error("parent process %d is gone; engine exiting", parent_pid)
                 return 1
+    except ChannelClosed as exc:
+        log.error("%s; engine exiting", exc)
+        return 1
     except Exception as exc:  # noqa: BLE001
         log.exception("engine crashed")
         with suppress(Exception):  # the front end may be gone already

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Union
 
 import attrs
+import msgpack
 from cattrs.preconf.msgpack import make_converter
 from cattrs.strategies import configure_tagged_union
 
@@ -354,11 +355,47 @@ configure_tagged_union(Message, _converter, tag_name="_t")
 _converter.register_structure_hook(Any, lambda v, _: v)
 
 
+# An OutputBatch is the message of every engine step: its outputs travel as
+# rows, not maps.  A plain output (no logprobs, no beams) is the row of its
+# scalar fields in _ROW order, built and read positionally (no key strings
+# packed, unpacked or looked up per output); any other output is cattrs' map.
+_ROW = ("request_id", "new_token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens",
+        "num_output_tokens", "error", "error_code", "queue_time")
+_NESTED = ("logprobs", "prompt_logprobs", "beams")
+# RequestOutput's positional order is the row's with logprobs after num_output_tokens: adding or moving
+# a field must update both (and the wire format)
+assert tuple(f.name for f in attrs.fields(RequestOutput)) == (*_ROW[:6], "logprobs", *_ROW[6:], *_NESTED[1:]), \
+    "RequestOutput's fields changed: update messages._ROW"
+_BATCH_TAG = "OutputBatch"
+
+
+def _output_row(o: RequestOutput) -> Any:
+    if o.logprobs is None and o.prompt_logprobs is None and o.beams is None:
+        return (o.request_id, o.new_token_ids, o.finish_reason, o.num_prompt_tokens, o.num_cached_tokens,
+                o.num_output_tokens, o.error, o.error_code, o.queue_time)
+    return _converter.unstructure(o, RequestOutput)
+
+
+def _output_of(row: Any) -> RequestOutput:
+    if type(row) is list:
+        rid, ids, reason, n_prompt, n_cached, n_out, error, code, queue = row
+        return RequestOutput(rid, tuple(ids), reason, n_prompt, n_cached, n_out, None, error, code, queue)
+    return _converter.structure(row, RequestOutput)
+
+
 def encode(msg: Message) -> bytes:
     """Serialize any :data:`Message` to msgpack bytes."""
+    if type(msg) is OutputBatch:
+        stats = None if msg.stats is None else _converter.unstructure(msg.stats, EngineStats)
+        return msgpack.packb({"_t": _BATCH_TAG, "outputs": [_output_row(o) for o in msg.outputs], "stats": stats})
     return _converter.dumps(msg, Message)  # type: ignore[arg-type]
 
 
 def decode(data: bytes) -> Message:
     """Inverse of :func:`encode`."""
-    return _converter.loads(data, Message)  # type: ignore[arg-type]
+    d = msgpack.unpackb(data)
+    if type(d) is dict and d.get("_t") == _BATCH_TAG and len(d) == 3:
+        stats = d["stats"]
+        return OutputBatch(tuple([_output_of(r) for r in d["outputs"]]),
+                           None if stats is None else _converter.structure(stats, EngineStats))
+    return _converter.structure(d, Message)  # type: ignore[arg-type]

@@ -93,7 +93,6 @@ class EngineClient:
         self._live: dict[str, RequestHandle] = {}
         self._calls: dict[str, asyncio.Future[ControlReply]] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._drain: Callable[[], None] = lambda: None
         self._closed = False
         self._hung_ids: list[str] | None = None  # set while a live engine is declared unresponsive
         self._crash_pid: int | None = None  # the engine whose crash was last counted
@@ -117,7 +116,7 @@ class EngineClient:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._drain = self.side.start_reader(self._dispatch)
+        await self.side.start_reader(self._dispatch)
         self._tasks = [loop.create_task(self._watch_loop())]
 
     async def close(self, shutdown_engine: bool = True, reason: str = "server shutting down") -> None:
@@ -140,9 +139,7 @@ class EngineClient:
             except Exception:  # noqa: BLE001 - engine gone; the launcher kills it
                 pass
         # let the Shutdown message leave before closing (LINGER is 0 by default)
-        self.side.inp.close(linger=500)
-        self.side.out.close(linger=0)
-        self.side.ctx.term()
+        self.side.close(linger_ms=500)
 
     @property
     def alive(self) -> bool:
@@ -444,7 +441,6 @@ class EngineClient:
         while True:
             await asyncio.sleep(period)
             try:
-                self._drain()  # (a missed wake-up of the reader cannot strand a message)
                 self._watch_once()
             except Exception:  # noqa: BLE001 - the watch must go on
                 log.exception("engine liveness check failed")

@@ -1,68 +1,54 @@
 """The API process's half of the engine IPC (:mod:`fdx.core.ipc`).
 
 :class:`FrontendSide` binds both channels of one engine.  Inputs go out on
-an asyncio PUSH socket.  Outputs are read from a plain PULL socket by a
-reader callback on the event loop (:meth:`FrontendSide.start_reader`): each
-wake-up drains every message queued, so no future or task is woken per
-message (the engine sends one :class:`~fdx.core.messages.OutputBatch` per
-step, carrying every request's deltas).  :class:`Liveness` tracks the
-engine's heartbeats and pid.
+an asyncio ZMQ PUSH socket.  Outputs arrive on the output channel's unix
+socket, read by the event loop itself (:meth:`FrontendSide.start_reader`):
+each engine connection is an :class:`asyncio.Protocol` whose reads are cut
+into frames and decoded in the callback, so no thread, future or task is
+woken per message (the engine sends one
+:class:`~fdx.core.messages.OutputBatch` per step, carrying every request's
+deltas).  :class:`Liveness` tracks the engine's heartbeats and pid.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from typing import Any, Callable
 
 import attrs
-import msgpack
 import zmq
 
-from fdx.core.ipc import IpcPaths, pid_alive, zmq_socket
-from fdx.core.messages import EngineStats, Message, OutputBatch, RequestOutput, decode, encode
+from fdx.core.ipc import FrameReader, IpcPaths, listen_output, pid_alive, zmq_socket
+from fdx.core.messages import Message, decode, encode
 
 log = logging.getLogger("fdx.ipc")
 
 
-#: the RequestOutput fields :func:`decode_output` builds itself (scalars, and
-#: ``new_token_ids``); an output with any other field set, or a change of the
-#: fields, takes :func:`~fdx.core.messages.decode`
-_PLAIN_OUTPUT = ("request_id", "new_token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens",
-                 "num_output_tokens", "error", "error_code", "queue_time")
-_NESTED_OUTPUT = ("logprobs", "prompt_logprobs", "beams")
-_FAST = ({f.name for f in attrs.fields(RequestOutput)} == {*_PLAIN_OUTPUT, *_NESTED_OUTPUT}
-         and [f.name for f in attrs.fields(OutputBatch)] == ["outputs", "stats"])
-_stats_converter = None
+class _OutputConnection(asyncio.Protocol):
+    """One engine connection of the output channel: its frames, decoded,
+    go to the side's ``on_message`` in order."""
 
+    def __init__(self, side: FrontendSide) -> None:
+        self.side = side
+        self.frames = FrameReader()
+        self.transport: asyncio.BaseTransport | None = None
 
-def decode_output(raw: bytes) -> Message:
-    """:func:`~fdx.core.messages.decode`, with a short path for the
-    message sent every step: an :class:`OutputBatch` of plain outputs (no
-    logprobs, no beams) is built without the generic tagged-union and tuple
-    structuring.  The result equals ``decode(raw)``."""
-    global _stats_converter
-    if not _FAST:
-        return decode(raw)
-    d = msgpack.unpackb(raw)
-    if not isinstance(d, dict) or d.get("_t") != "OutputBatch":
-        return decode(raw)
-    outs = []
-    for o in d["outputs"]:
-        if len(o) != 12 or o["logprobs"] is not None or o["prompt_logprobs"] is not None or o["beams"] is not None:
-            return decode(raw)
-        outs.append(RequestOutput(o["request_id"], tuple(o["new_token_ids"]), o["finish_reason"],
-                                  o["num_prompt_tokens"], o["num_cached_tokens"], o["num_output_tokens"], None,
-                                  o["error"], o["error_code"], o["queue_time"]))
-    stats = d.get("stats")
-    if stats is not None:
-        if _stats_converter is None:
-            from cattrs.preconf.msgpack import make_converter
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.side._conns.add(transport)
 
-            _stats_converter = make_converter()
-        stats = _stats_converter.structure(stats, EngineStats)
-    return OutputBatch(tuple(outs), stats)
+    def data_received(self, data: bytes) -> None:
+        deliver = self.side._deliver
+        for frame in self.frames.feed(data):
+            deliver(frame)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # a partial frame left in the reader is dropped with it (the engine's
+        # writer connects again, or the engine is gone)
+        self.side._conns.discard(self.transport)  # type: ignore[arg-type]
 
 
 class FrontendSide:
@@ -75,12 +61,11 @@ class FrontendSide:
         self.ctx = zmq.asyncio.Context()
         self.inp = zmq_socket(self.ctx, zmq.PUSH)
         self.inp.bind(paths.input_addr)
-        # a plain (not asyncio) socket: read by the loop reader of start_reader
-        self.out = zmq.Socket(self.ctx, zmq.PULL)
-        self.out.setsockopt(zmq.LINGER, 0)
-        self.out.setsockopt(zmq.RCVHWM, 0)
-        self.out.bind(paths.output_addr)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # bound at once: an engine may connect (and send) before the reader starts
+        self.listener: socket.socket | None = listen_output(paths)
+        self._server: asyncio.AbstractServer | None = None
+        self._conns: set[asyncio.BaseTransport] = set()
+        self._on_message: Callable[[Message], None] | None = None
 
     async def send(self, msg: Message) -> None:
         await self.inp.send(encode(msg))
@@ -93,52 +78,47 @@ class FrontendSide:
         holds ``zmq.Again`` when no engine is connected)."""
         return self.inp.send(data, zmq.NOBLOCK)
 
-    def start_reader(self, on_message: Callable[[Message], None]) -> Callable[[], None]:
-        """Call ``on_message`` for every output message, from a reader on
-        the running loop; returns the drain function (safe to call at any
-        time: the watch loop calls it too, so a missed edge of ZMQ's
-        edge-triggered descriptor cannot strand a message)."""
-        sock = self.out
-        getsockopt, recv = sock.getsockopt, sock.recv
-        events, pollin, noblock = zmq.EVENTS, zmq.POLLIN, zmq.NOBLOCK
+    async def start_reader(self, on_message: Callable[[Message], None]) -> None:
+        """Call ``on_message`` for every output message, from the running
+        loop's reads of each engine connection (those made before this call
+        included: they waited in the listen backlog)."""
+        assert self.listener is not None, "the side is closed"
+        self._on_message = on_message
+        self._server = await asyncio.get_running_loop().create_unix_server(
+            lambda: _OutputConnection(self), sock=self.listener)
 
-        def drain() -> None:
-            while True:
-                try:
-                    # EVENTS first: no zmq.Again raised at the end of every drain
-                    if not getsockopt(events) & pollin:
-                        return
-                    raw = recv(noblock)
-                except zmq.Again:
-                    return
-                except zmq.ZMQError as exc:
-                    if not sock.closed:
-                        log.error("engine channel error: %s", exc)
-                    return
-                try:
-                    msg = decode_output(raw)
-                except Exception:  # noqa: BLE001 - a garbled message must not stop the reader
-                    log.exception("cannot decode an engine message")
-                    continue
-                try:
-                    on_message(msg)
-                except Exception:  # noqa: BLE001
-                    log.exception("error handling %s", type(msg).__name__)
-
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(sock.FD, drain)
-        drain()  # what arrived before the reader was set
-        return drain
+    def _deliver(self, frame: bytes) -> None:
+        on_message = self._on_message
+        if on_message is None:  # the reader stopped
+            return
+        try:
+            msg = decode(frame)
+        except Exception:  # noqa: BLE001 - a garbled message must not stop the reader
+            log.exception("cannot decode an engine message")
+            return
+        try:
+            on_message(msg)
+        except Exception:  # noqa: BLE001
+            log.exception("error handling %s", type(msg).__name__)
 
     def stop_reader(self) -> None:
-        if self._loop is not None and not self.out.closed:
-            self._loop.remove_reader(self.out.FD)
-        self._loop = None
+        """Deliver nothing more (the connections stay open until :meth:`close`)."""
+        self._on_message = None
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close both channels; ``linger_ms``: how long a queued input may
+        still take to leave."""
         self.stop_reader()
-        self.inp.close(0)
-        self.out.close(0)
+        if self._server is not None:
+            self._server.close()  # closes the listening socket
+            self._server = None
+        elif self.listener is not None:
+            self.listener.close()
+        self.listener = None
+        for t in list(self._conns):
+            t.close()
+        self._conns.clear()
+        self.inp.close(linger_ms)
         self.ctx.term()
 
 

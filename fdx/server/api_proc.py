@@ -51,6 +51,7 @@ def main() -> None:
     import uvicorn
 
     from fdx.server.app import create_app
+    from fdx.server.sse import ServerSend
 
     prometheus_client.disable_created_metrics()  # no *_created series (as vLLM)
     try:
@@ -103,7 +104,7 @@ def main() -> None:
 
     server = _Server(
         uvicorn.Config(
-            app,
+            ServerSend(app),
             host=config.host,
             port=config.port,
             log_level="warning" if config.log_level.lower() in ("info", "warning") else config.log_level.lower(),

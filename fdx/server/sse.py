@@ -15,9 +15,27 @@ from typing import AsyncIterator, Callable
 
 import anyio
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("fdx.server")
+
+#: the scope key of the server's own ``send`` (:class:`ServerSend`)
+SERVER_SEND = "fdx.server_send"
+
+
+class ServerSend:
+    """The outermost ASGI layer: keeps the server's own ``send`` in the
+    scope, so an event stream sends its body chunks (one per token and
+    stream) without going through Starlette's two exception wrappers,
+    which only note whether the response started."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await self.app(scope, receive, send)
 
 
 class EventStreamResponse(Response):
@@ -31,6 +49,8 @@ class EventStreamResponse(Response):
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # the body past Starlette's exception wrappers (they watch only the start): the server's own send
+        body_send = scope.get(SERVER_SEND, send)
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async with anyio.create_task_group() as tg:
@@ -38,8 +58,8 @@ class EventStreamResponse(Response):
                 async def stream() -> None:
                     try:
                         async for chunk in self.body_iterator:
-                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                            await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        await body_send({"type": "http.response.body", "body": b"", "more_body": False})
                     finally:
                         tg.cancel_scope.cancel()
 

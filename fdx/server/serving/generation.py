@@ -352,6 +352,10 @@ async def respond(request: Request, gen: Generation, endpoint: Endpoint, stream:
                                lambda: gen.abort("client disconnected"))
 
 
+#: ``json.dumps(x, ensure_ascii=False)`` without building an encoder per call
+_encode_json = json.JSONEncoder(ensure_ascii=False).encode
+
+
 class _ChunkTemplate:
     """The constant bytes of a request's SSE chunks around its one choice
     (id, object, created, model; ``"usage": null``), encoded once: each
@@ -367,7 +371,7 @@ class _ChunkTemplate:
         self.tail = b'], "usage": null}\n\n' if include_usage else b"]}\n\n"
 
     def chunk(self, choice: dict[str, Any]) -> bytes:
-        return self.head + json.dumps(choice, ensure_ascii=False).encode() + self.tail
+        return self.head + _encode_json(choice).encode() + self.tail
 
 
 def _chunk(gen: Generation, endpoint: Endpoint, choices: list[dict[str, Any]], include_usage: bool,
