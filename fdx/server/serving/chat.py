@@ -17,7 +17,7 @@ from fdx.core.interfaces import ToolCallStream
 from fdx.core.messages import TokenLogprob
 from fdx.output_processor import OutputEvent
 from fdx.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest, chat_messages, parse_body
-from fdx.server.serving.generation import ChoiceResult, Generation, Prompt, json_logprob
+from fdx.server.serving.generation import ChoiceResult, Generation, Prompt, json_logprob, json_string
 from fdx.tool_calling import ToolCalling, merge, new_call_id
 
 if TYPE_CHECKING:
@@ -78,6 +78,16 @@ class ChatEndpoint:
         if gen.return_token_ids:
             c["token_ids"] = list(ev.token_ids)
         return c
+
+    def text_only(self, gen: Generation) -> bool:
+        return self.calling is None and not gen.want_logprobs and not gen.return_token_ids
+
+    def text_choice(self, index: int, text: str, finish_reason: str | None) -> str | None:
+        if not text and finish_reason is None:
+            return None
+        delta = f'{{"content": {json_string(text)}}}' if text else "{}"
+        reason = "null" if finish_reason is None else json_string(finish_reason)
+        return f'{{"index": {index}, "delta": {delta}, "logprobs": null, "finish_reason": {reason}}}'
 
     def full(self, gen: Generation, res: ChoiceResult) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(res.text)}

@@ -14,7 +14,7 @@ from fdx.core.messages import TokenLogprob
 from fdx.output_processor import OutputEvent
 from fdx import structured_outputs
 from fdx.server.protocol import CompletionRequest, parse_body
-from fdx.server.serving.generation import ChoiceResult, Generation, Prompt, json_logprob
+from fdx.server.serving.generation import ChoiceResult, Generation, Prompt, json_logprob, json_string
 
 if TYPE_CHECKING:
     from fdx.server.serving.endpoints import OpenAIServing
@@ -61,6 +61,16 @@ class CompletionEndpoint:
         c: dict[str, Any] = {"index": ev.index, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
         self._extras(gen, c, p_idx, list(ev.token_ids), first)
         return c
+
+    def text_only(self, gen: Generation) -> bool:
+        # (echo without logprobs leads with its own head chunk; the deltas stay plain)
+        return not gen.want_logprobs and not gen.return_token_ids and gen.params.prompt_logprobs is None
+
+    def text_choice(self, index: int, text: str, finish_reason: str | None) -> str | None:
+        if not text and finish_reason is None:
+            return None
+        reason = "null" if finish_reason is None else json_string(finish_reason)
+        return f'{{"index": {index}, "text": {json_string(text)}, "logprobs": null, "finish_reason": {reason}}}'
 
     def full(self, gen: Generation, res: ChoiceResult) -> dict[str, Any]:
         text = "".join(res.text)

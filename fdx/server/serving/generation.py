@@ -43,6 +43,10 @@ if TYPE_CHECKING:
     from fdx.tracing import RequestTrace
 
 
+#: a str as JSON text, non-ASCII kept (``json.dumps(s, ensure_ascii=False)``; the C encoder's)
+json_string = json.encoder.encode_basestring
+
+
 def json_logprob(v: float) -> float:
     """A JSON-safe logprob (-inf, as from a masked token, becomes -9999.0 as in vLLM)."""
     return v if math.isfinite(v) else -9999.0
@@ -95,6 +99,15 @@ class Endpoint(Protocol):
 
     def delta(self, gen: Generation, ev: OutputEvent) -> dict[str, Any] | None:
         """One SSE choice for one event, or ``None`` when it says nothing."""
+
+    def text_only(self, gen: Generation) -> bool:
+        """Whether every SSE choice of ``gen`` is just an event's text and
+        finish reason (no logprobs, token ids, tool calls): then
+        :meth:`text_choice` writes them, without a dict per token."""
+
+    def text_choice(self, index: int, text: str, finish_reason: str | None) -> str | None:
+        """The JSON of :meth:`delta`'s choice for a text-only event (the same
+        text ``json.dumps(..., ensure_ascii=False)`` gives), or ``None``."""
 
     def full(self, gen: Generation, res: ChoiceResult) -> dict[str, Any]:
         """One choice of the non-streaming body."""
@@ -402,12 +415,18 @@ async def _sse(gen: Generation, endpoint: Endpoint, agen: AsyncIterator[list[Out
             top = None
         batch: Sequence[OutputEvent] | None = first
         tpl = None if gen.continuous_usage else _ChunkTemplate(gen, endpoint, include_usage)
+        text_only, text_choice = tpl is not None and endpoint.text_only(gen), endpoint.text_choice
         try:
             while batch is not None:
                 # one chunk per choice event keeps clients that read choices[0] correct
                 out = []
                 for ev in batch:
                     gen.shown[ev.index] += len(ev.token_ids)
+                    if text_only and not top:  # the usual chunk: no dict built, no JSON encoder run
+                        j = text_choice(ev.index, ev.text, ev.finish_reason)
+                        if j is not None:
+                            out.append(tpl.head + j.encode() + tpl.tail)  # type: ignore[union-attr]
+                        continue
                     c = endpoint.delta(gen, ev)
                     if c is None:
                         continue
