@@ -153,3 +153,59 @@ def test_crash_then_new_engine_state_machine(tmp_path: Any) -> None:
         asyncio.run(main())
     finally:
         paths.cleanup()
+
+
+def test_loop_histogram_exports_what_prometheus_histogram_does() -> None:
+    """The per-token ITL histogram (LoopHistogram) renders the same text as
+    prometheus_client's Histogram fed the same values, bucket edges included."""
+    import random
+
+    import prometheus_client
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from fdx.server.metrics import _ITL_BUCKETS, LoopHistogram
+
+    name, doc = "fdx:inter_token_latency_seconds", "Inter-token latency."
+    ref_reg, loop_reg = CollectorRegistry(), CollectorRegistry()
+    ref = Histogram(name, doc, ["model_name"], buckets=_ITL_BUCKETS, registry=ref_reg).labels("m")
+    mine = LoopHistogram(name, doc, _ITL_BUCKETS, "m")
+    loop_reg.register(mine)
+    rng = random.Random(1)
+    values = [0.0, *_ITL_BUCKETS, 1e9, *(rng.expovariate(20) for _ in range(2000))]
+    for v in values:
+        ref.observe(v)
+        mine.observe(v)
+    prometheus_client.disable_created_metrics()
+    try:
+        assert generate_latest(loop_reg) == generate_latest(ref_reg)
+    finally:
+        prometheus_client.enable_created_metrics()
+    assert sum(mine.counts) == len(values)
+
+
+def test_sink_hands_items_over_in_order_and_survives_a_cancelled_get() -> None:
+    import asyncio
+
+    from fdx.deploy.frontend import Sink
+
+    async def main() -> None:
+        sink = Sink()
+        sink.put_nowait(1)
+        assert await sink.get() == 1 and sink.empty()
+        waiting = asyncio.ensure_future(sink.get())
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        sink.put_nowait(2)
+        sink.put_nowait(3)
+        assert await waiting == 2 and sink.qsize() == 1 and sink.get_nowait() == 3
+        with pytest.raises(asyncio.QueueEmpty):
+            sink.get_nowait()
+        cancelled = asyncio.ensure_future(sink.get())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        sink.put_nowait(4)  # no stale waiter swallows it
+        assert await asyncio.wait_for(sink.get(), 1) == 4
+
+    asyncio.run(main())

@@ -217,7 +217,7 @@ class EngineClient:
             data = encode(msg)
         except Exception:  # noqa: BLE001 - a value msgpack cannot carry (int >= 2**64, lone surrogate)
             raise wire_error(msg) from None
-        h = RequestHandle(request_id, len(ids), params, arrival, sink if sink is not None else asyncio.Queue(), tag,
+        h = RequestHandle(request_id, len(ids), params, arrival, sink if sink is not None else Sink(), tag,
                           prompt=ids, trace_context=trace_context)
         # registered only once the message is on its way: no failure path leaves a handle behind
         self._live[request_id] = h

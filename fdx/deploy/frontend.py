@@ -22,6 +22,7 @@ full, :mod:`fdx.deploy.engine_client`):
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import Any, Callable, Iterable, Protocol
 
 import attrs
@@ -42,7 +43,47 @@ class ControlCallError(RequestError):
     """A control call failed: the engine's code (400/500), or 504 on timeout."""
 
 
-Sink = asyncio.Queue  # items: (RequestHandle, RequestOutput | BaseException)
+class Sink:
+    """Where a request's outputs go: ``(RequestHandle, RequestOutput |
+    BaseException)`` items, put by the front end's reader, taken by the one
+    task serving the HTTP request.  The part of :class:`asyncio.Queue` fdx
+    uses (an ``asyncio.Queue`` works as one too), at less cost per item: a
+    deque, and one future made only while the taker waits."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque[Any] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    async def get(self) -> Any:
+        while not self._items:
+            w = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await w
+            finally:
+                if self._waiter is w:  # cancelled: no stale waiter left behind
+                    self._waiter = None
+        return self._items.popleft()
+
+    def get_nowait(self) -> Any:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
 
 
 @attrs.define(eq=False)

@@ -586,7 +586,7 @@ class GlobalQueueClient:
         self.pending: dict[str, Remote] = {}  # by the API's request id
         self.by_key: dict[str, Remote] = {}
         self.work: dict[str, Work] = {}
-        self._wsink: Sink = asyncio.Queue()
+        self._wsink = Sink()
         # origin -> output batches waiting for Redis: (when, the leases of their requests, the outputs)
         self._unsent: dict[str, list[Entry]] = {}
         self._sent: dict[str, collections.deque[Entry]] = {}  # origin -> pushed in the last REPLAY_S
@@ -696,7 +696,7 @@ class GlobalQueueClient:
             encode(add)
         except Exception:  # noqa: BLE001 - a value msgpack cannot carry
             raise wire_error(add) from None
-        h = RequestHandle(request_id, len(ids), params, arrival, sink if sink is not None else asyncio.Queue(), tag,
+        h = RequestHandle(request_id, len(ids), params, arrival, sink if sink is not None else Sink(), tag,
                           prompt=ids, trace_context=trace_context)
         r = Remote(h, add, time.monotonic() + self.ttl,
                    prefix_hashes=tuple(f"{x & 0xFFFFFFFFFFFFFFFF:016x}"

@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from fdx.beam_search import BeamChoices, beam_events
 from fdx.core.errors import RequestError
 from fdx.core.messages import ALL_LOGPROBS, KVTransferParams, RequestOutput, SamplingParams, TokenLogprob
+from fdx.deploy.frontend import Sink
 from fdx.output_processor import ChoiceState, OutputEvent, OutputProcessor, Usage, choice_params
 from fdx.server.protocol import error_body
 from fdx.server.sse import EventStreamResponse
@@ -139,7 +140,7 @@ class Generation:
         self.params = params
         self.model = model_name
         self.created = int(time.time())
-        self.sink: asyncio.Queue[tuple[Any, Any]] = asyncio.Queue()
+        self.sink = Sink()
         self.states: list[ChoiceState] = []
         self.handles: list[RequestHandle] = []
         #: splitwise decode instance: the prefill instance computing the prompt (AddRequest.kv_transfer_params)
@@ -303,7 +304,7 @@ class Generation:
         return p.text
 
 
-async def watch(request: Request, sink: asyncio.Queue[tuple[Any, Any]], timeout: float) -> None:
+async def watch(request: Request, sink: Sink, timeout: float) -> None:
     """Put a sentinel on ``sink`` when the client disconnects or the request
     runs past ``timeout`` seconds (non-streaming requests)."""
     try:
