@@ -114,3 +114,36 @@ def test_reader_delivers_every_message_in_order() -> None:
         asyncio.run(main())
     finally:
         paths.cleanup()
+
+
+def test_writer_raises_when_the_front_end_is_gone_and_connects_again() -> None:
+    """An engine's send to a closed front end raises ChannelClosed (the
+    engine loop exits on it; the heartbeat thread skips a beat), and the
+    next send connects to whoever listens then."""
+    import os
+
+    from fdx.core.ipc import ChannelClosed, OutputListener
+
+    paths = make_run_dir()
+    try:
+        first = OutputListener(paths)
+        writer = OutputWriter(paths.output_path, timeout=1.0)
+        writer.send(Heartbeat(1.0, STATS, pid=1))
+        assert first.recv(5.0) == Heartbeat(1.0, STATS, pid=1)
+        first.close()
+        with pytest.raises(ChannelClosed):
+            for _ in range(100):  # (the peer's close reaches this end at once; a few tries at most)
+                writer.send(Heartbeat(2.0, STATS, pid=1))
+        assert writer.sock is None
+        os.unlink(paths.output_path)
+        with pytest.raises(ChannelClosed):  # nobody listens: it waits its timeout, then says so
+            writer.send(Heartbeat(3.0, STATS, pid=1))
+        second = OutputListener(paths)
+        try:
+            writer.send(Heartbeat(4.0, STATS, pid=1))
+            assert second.recv(5.0) == Heartbeat(4.0, STATS, pid=1)
+        finally:
+            writer.close()
+            second.close()
+    finally:
+        paths.cleanup()
