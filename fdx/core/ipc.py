@@ -110,8 +110,14 @@ class ChannelClosed(ConnectionError):
 
 
 def listen_output(paths: IpcPaths) -> socket.socket:
-    """The front end's listening socket of the output channel (non-blocking)."""
+    """The front end's listening socket of the output channel (non-blocking).
+    A socket file left by an earlier listener of this run directory (closed,
+    or its process gone) is replaced, as ZMQ's ``ipc://`` bind does."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        os.unlink(paths.output_path)
+    except FileNotFoundError:
+        pass
     sock.bind(paths.output_path)
     sock.listen(64)
     sock.setblocking(False)
