@@ -155,8 +155,8 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
             if parent_pid is not None and not pid_alive(parent_pid):
                 log.error("parent process %d is gone; engine exiting", parent_pid)
                 return 1
-    except ChannelClosed as exc:
-        log.error("%s; engine exiting", exc)
+    except ChannelClosed as exc:  # the front end went away (or is shutting down): nobody to serve
+        log.warning("%s; engine exiting", exc)
         return 1
     except Exception as exc:  # noqa: BLE001
         log.exception("engine crashed")
