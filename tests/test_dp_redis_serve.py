@@ -89,6 +89,8 @@ def _stream(base: str, body: dict[str, Any], out: dict[str, Any], started: threa
     try:
         with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=180) as r:
             out["status"] = r.status_code
+            if r.status_code != 200:
+                out["body"] = r.read().decode(errors="replace")
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -189,6 +191,12 @@ def test_redis_restart_gives_503s_then_recovery(cluster: dict[str, Any]) -> None
         time.sleep(0.02)
     for s in started[:4]:
         assert s.wait(120), "a stream never started"
+    # every stream reached A before Redis goes (one that comes after gets a 503: new work needs Redis)
+    deadline = time.monotonic() + 60
+    while sum(metric_value(a, "fdx:dp_global_queue_requests", where=w) for w in ("queued", "here", "remote")) \
+            < len(prompts) - sum(bool(o.get("done")) for o in outs):
+        assert time.monotonic() < deadline, "the streams never all reached A"
+        time.sleep(0.02)
     rs.stop()  # Redis goes away (its data with it: --save '')
     stopped = time.monotonic()
     try:
