@@ -58,11 +58,16 @@ class FrontendSide:
         import zmq.asyncio
 
         self.paths = paths
-        self.ctx = zmq.asyncio.Context()
-        self.inp = zmq_socket(self.ctx, zmq.PUSH)
-        self.inp.bind(paths.input_addr)
         # bound at once: an engine may connect (and send) before the reader starts
         self.listener: socket.socket | None = listen_output(paths)
+        self.ctx = zmq.asyncio.Context()
+        try:
+            self.inp = zmq_socket(self.ctx, zmq.PUSH)
+            self.inp.bind(paths.input_addr)
+        except BaseException:  # nothing left open: a leaked context's __del__ can block in term()
+            self.ctx.destroy(linger=0)
+            self.listener.close()
+            raise
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.BaseTransport] = set()
         self._on_message: Callable[[Message], None] | None = None
