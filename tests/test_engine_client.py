@@ -15,7 +15,7 @@ import zmq
 
 from fdx.config import make_config
 from fdx.core.errors import RequestError
-from fdx.core.ipc import make_run_dir
+from fdx.deploy.launcher import make_run_dir
 from fdx.core.messages import EngineFailed, EngineReady, EngineStats, Heartbeat, OutputBatch, SamplingParams
 from fdx.deploy.engine_client import ControlCallError, EngineClient, EngineUnavailable
 from fdx.server.metrics import Metrics

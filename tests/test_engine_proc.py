@@ -10,7 +10,8 @@ import zmq
 
 from fdx.core.errors import ControlError
 from fdx.core.engine_proc import handle_input
-from fdx.core.ipc import EngineSide, IpcPaths, OutputListener
+from fdx.core.ipc import EngineSide, IpcPaths
+from fdx.deploy.engine_link import OutputListener
 from fdx.core.messages import (
     AbortRequest,
     AddRequest,

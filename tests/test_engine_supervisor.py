@@ -18,7 +18,8 @@ import stall_runner_plugin
 from serverutil import metric_value, pid_alive, read_log, record_stream, start_server
 
 from fdx.core.engine_proc import HeartbeatThread, Progress
-from fdx.core.ipc import IpcPaths, OutputListener
+from fdx.core.ipc import IpcPaths
+from fdx.deploy.engine_link import OutputListener
 from fdx.deploy.engine_link import Liveness
 from fdx.core.messages import EngineStats, Heartbeat
 from fdx.deploy.launcher import RestartPolicy

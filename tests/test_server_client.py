@@ -13,7 +13,8 @@ import pytest
 
 from fdx.config import make_config
 from fdx.core.hookspecs import hookimpl
-from fdx.core.ipc import EngineSide, IpcPaths, make_run_dir
+from fdx.core.ipc import EngineSide, IpcPaths
+from fdx.deploy.launcher import make_run_dir
 from fdx.core.messages import (
     AbortRequest,
     AddRequest,

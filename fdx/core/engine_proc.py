@@ -90,11 +90,7 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
     """Entry point of the engine process.  Returns the exit code."""
     setup_logging(config.log_level, process="engine")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
-    try:
-        side = EngineSide(paths)
-    except ChannelClosed as exc:
-        log.error("engine cannot reach its front end: %s", exc)
-        return 1
+    side = EngineSide(paths)
     try:
         from fdx.core.engine import Engine
 
@@ -145,10 +141,8 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
                     # (decoding them costs the API process as much as a step's outputs)
                     now = time.monotonic()
                     if now - stats_sent >= STATS_EVERY_S or any(o.finish_reason is not None for o in outputs):
-                        side.send(OutputBatch(tuple(outputs), stats))
                         stats_sent = now
-                    else:
-                        side.send(OutputBatch(tuple(outputs)))
+                    side.send(OutputBatch(tuple(outputs), stats if stats_sent == now else None))
                 logger.maybe_log(stats)
             else:
                 stats_cache[0] = engine.stats()

@@ -361,11 +361,9 @@ _converter.register_structure_hook(Any, lambda v, _: v)
 # packed, unpacked or looked up per output); any other output is cattrs' map.
 _ROW = ("request_id", "new_token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens",
         "num_output_tokens", "error", "error_code", "queue_time")
-_NESTED = ("logprobs", "prompt_logprobs", "beams")
-# RequestOutput's positional order is the row's with logprobs after num_output_tokens: adding or moving
-# a field must update both (and the wire format)
-assert tuple(f.name for f in attrs.fields(RequestOutput)) == (*_ROW[:6], "logprobs", *_ROW[6:], *_NESTED[1:]), \
-    "RequestOutput's fields changed: update messages._ROW"
+# RequestOutput's positional order: the row's, logprobs after num_output_tokens, then the nested fields
+# (adding or moving a field must update _ROW, _output_row and _output_of: the wire format)
+assert [f.name for f in attrs.fields(RequestOutput)] == [*_ROW[:6], "logprobs", *_ROW[6:], "prompt_logprobs", "beams"]
 _BATCH_TAG = "OutputBatch"
 
 
@@ -377,9 +375,8 @@ def _output_row(o: RequestOutput) -> Any:
 
 
 def _output_of(row: Any) -> RequestOutput:
-    if type(row) is list:
-        rid, ids, reason, n_prompt, n_cached, n_out, error, code, queue = row
-        return RequestOutput(rid, tuple(ids), reason, n_prompt, n_cached, n_out, None, error, code, queue)
+    if type(row) is list:  # _ROW's fields: logprobs (None) goes after num_output_tokens
+        return RequestOutput(row[0], tuple(row[1]), *row[2:6], None, *row[6:])
     return _converter.structure(row, RequestOutput)
 
 

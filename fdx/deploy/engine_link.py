@@ -14,17 +14,104 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import selectors
 import socket
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import attrs
 import zmq
 
-from fdx.core.ipc import FrameReader, IpcPaths, listen_output, pid_alive, zmq_socket
+from fdx.core.ipc import FRAME, IpcPaths, pid_alive, zmq_socket
 from fdx.core.messages import Message, decode, encode
 
 log = logging.getLogger("fdx.ipc")
+
+
+def listen_output(paths: IpcPaths) -> socket.socket:
+    """The front end's listening socket of the output channel (non-blocking).
+    A socket file left by an earlier listener of this run directory (closed,
+    or its process gone) is replaced, as ZMQ's ``ipc://`` bind does."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        os.unlink(paths.output_path)
+    except FileNotFoundError:
+        pass
+    sock.bind(paths.output_path)
+    sock.listen(64)
+    sock.setblocking(False)
+    return sock
+
+
+class FrameReader:
+    """Cuts one connection's byte stream into frames (the reader's half)."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        """The frames completed by ``data``, in order."""
+        buf = self.buf
+        if not buf:  # the usual read: whole frames, nothing held back
+            n, end = len(data), 0
+            while n - end >= 4:
+                size = FRAME.unpack_from(data, end)[0]
+                if n - end - 4 < size:
+                    break
+                yield data[end + 4:end + 4 + size]
+                end += 4 + size
+            if end < n:
+                buf += data[end:]
+            return
+        buf += data
+        while len(buf) >= 4:
+            size = FRAME.unpack_from(buf, 0)[0]
+            if len(buf) - 4 < size:
+                return
+            frame = bytes(buf[4:4 + size])
+            del buf[:4 + size]
+            yield frame
+
+
+class OutputListener:
+    """A blocking reader of the output channel, for tools and tests: it
+    listens on ``paths.output_path`` and returns the next message of any
+    connection."""
+
+    def __init__(self, paths: IpcPaths) -> None:
+        self.sock = listen_output(paths)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.sock, selectors.EVENT_READ, None)
+        self.ready: list[bytes] = []
+
+    def recv(self, timeout_s: float) -> Message | None:
+        """The next message, or ``None`` after ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            for key, _ in self.sel.select(left):
+                if key.data is None:  # a new connection
+                    conn, _ = self.sock.accept()
+                    conn.setblocking(False)
+                    self.sel.register(conn, selectors.EVENT_READ, FrameReader())
+                    continue
+                data = key.fileobj.recv(1 << 16)  # type: ignore[union-attr]
+                if not data:
+                    self.sel.unregister(key.fileobj)
+                    key.fileobj.close()  # type: ignore[union-attr]
+                    continue
+                self.ready.extend(key.data.feed(data))
+        return decode(self.ready.pop(0))
+
+    def close(self) -> None:
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        self.sel.close()
 
 
 class _OutputConnection(asyncio.Protocol):

@@ -44,6 +44,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -51,12 +52,31 @@ from typing import Any
 import attrs
 
 from fdx.config import EngineConfig
-from fdx.core.ipc import make_run_dir, write_config
+from fdx.core.ipc import IpcPaths
 from fdx.deploy.deployment import EngineProcess
 from fdx.deploy.status_board import FAILED_FILE, READY_FILE
 from fdx.logs import setup_logging
 
 log = logging.getLogger("fdx.serve")
+
+
+def make_run_dir(base: str | None = None) -> IpcPaths:
+    """Create a private per-run directory for the sockets."""
+    base = base or os.environ.get("FDX_RUN_DIR") or tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)
+    return IpcPaths(tempfile.mkdtemp(prefix=f"fdx-{os.getpid()}-", dir=base))
+
+
+def write_config(fd: int, config_json: str) -> None:
+    """Write the config to the child's end of an inherited pipe and close
+    it (the config never travels in argv, where ``ps`` shows it).  A child
+    that died before reading it is not an error here: its exit is seen."""
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(config_json.encode("utf-8"))
+    except BrokenPipeError:
+        pass
+
 
 SOCKET_WAIT_S = 60.0
 API_STOP_S = 6.0
