@@ -37,7 +37,6 @@ from fdx.core.messages import (
     OutputBatch,
     RequestOutput,
     Shutdown,
-    encode,
 )
 
 log = logging.getLogger("fdx.engine")

@@ -385,7 +385,11 @@ class _ChunkTemplate:
         self.tail = b'], "usage": null}\n\n' if include_usage else b"]}\n\n"
 
     def chunk(self, choice: dict[str, Any]) -> bytes:
-        return self.head + _encode_json(choice).encode() + self.tail
+        return self.wrap(_encode_json(choice))
+
+    def wrap(self, choice_json: str) -> bytes:
+        """The chunk of a choice already written as JSON text."""
+        return self.head + choice_json.encode() + self.tail
 
 
 def _chunk(gen: Generation, endpoint: Endpoint, choices: list[dict[str, Any]], include_usage: bool,
@@ -426,7 +430,7 @@ async def _sse(gen: Generation, endpoint: Endpoint, agen: AsyncIterator[list[Out
                     if text_only and not top:  # the usual chunk: no dict built, no JSON encoder run
                         j = text_choice(ev.index, ev.text, ev.finish_reason)
                         if j is not None:
-                            out.append(tpl.head + j.encode() + tpl.tail)  # type: ignore[union-attr]
+                            out.append(tpl.wrap(j))  # type: ignore[union-attr]
                         continue
                     c = endpoint.delta(gen, ev)
                     if c is None:
