@@ -10,6 +10,7 @@ from a busy one.  The config arrives on an inherited pipe (``--config-fd``).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -111,6 +112,10 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
         threading.Thread(target=warm_grammar, args=(engine,), name="fdx-grammar-warm", daemon=True).start()
     for sock in engine.scheduler.pollables():  # e.g. a splitwise KV connector: its messages wake the loop
         side.poller.register(sock, zmq.POLLIN)
+    # what start-up built (the model's Python side, the tokenizer, the plugins) lives as
+    # long as the process: frozen, a full collection no longer walks it mid-decode
+    gc.collect()
+    gc.freeze()
     stats_cache = [engine.stats()]
     progress = Progress()
     beat = HeartbeatThread(paths, config.heartbeat_interval, lambda: stats_cache[0], progress)
