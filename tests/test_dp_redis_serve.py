@@ -497,9 +497,13 @@ def test_a_stopped_owner_loses_its_leases_and_its_requests_finish_once_on_the_ot
 def test_killing_an_instance_mid_load_loses_and_duplicates_nothing(cluster: dict[str, Any]) -> None:
     (a, proc_a), (b, proc_b), rc = cluster["a"], cluster["b"], cluster["r"]
     prompts = [f"Write about colour number {i}:" for i in range(4)]
+    # long enough that B's state below lasts: at 48 tokens a batch of 4 took
+    # ~0.5 s on one thread, the queue drained in ~1.5 s, and the 1 s re-check
+    # missed it now and then (twice in CI)
+    n_tok = 160
     with ThreadPoolExecutor(4) as pool:
-        expected = dict(zip(prompts, pool.map(lambda p: _text(a, p, 48), prompts)))
-    bodies = [_body(prompts[i % 4], 48) for i in range(32)]
+        expected = dict(zip(prompts, pool.map(lambda p: _text(a, p, n_tok), prompts)))
+    bodies = [_body(prompts[i % 4], n_tok) for i in range(32)]
     requeued = metric_value(a, "fdx:dp_global_queue_requeued_total")
     failures = metric_value(a, "fdx:dp_global_queue_instance_failures_total")
     admitted_a = metric_value(a, "fdx:engine_admissions_total")
@@ -547,6 +551,6 @@ def test_killing_an_instance_mid_load_loses_and_duplicates_nothing(cluster: dict
     while any(m.decode().startswith("node-b") for m in rc.zrange(f"{prefix}:instances", 0, -1)):
         assert time.monotonic() < deadline, "dead instance B is still in the load ZSET"
         time.sleep(0.2)
-    assert _text(a, prompts[0], 48) == expected[prompts[0]]
+    assert _text(a, prompts[0], n_tok) == expected[prompts[0]]
     assert sum(rc.llen(k) for k in rc.scan_iter(f"{prefix}:queue:*")) == 0
     assert proc_a.poll() is None, read_log(proc_a)
