@@ -144,9 +144,10 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
                     # the stats ride along when a request ended, else at most every STATS_EVERY_S
                     # (decoding them costs the API process as much as a step's outputs)
                     now = time.monotonic()
-                    if now - stats_sent >= STATS_EVERY_S or any(o.finish_reason is not None for o in outputs):
+                    with_stats = now - stats_sent >= STATS_EVERY_S or any(o.finish_reason is not None for o in outputs)
+                    if with_stats:
                         stats_sent = now
-                    side.send(OutputBatch(tuple(outputs), stats if stats_sent == now else None))
+                    side.send(OutputBatch(tuple(outputs), stats if with_stats else None))
                 logger.maybe_log(stats)
             else:
                 stats_cache[0] = engine.stats()

@@ -386,6 +386,19 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* dx, float* sx) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// Two column groups side by side in one zmm: 32 bytes of each at lo and hi
+// (hi null: zeros), and 8 fp16 scales of each as 16 floats (exact).
+inline __m512i pair_bytes32(const uint8_t* lo, const uint8_t* hi) {
+  const __m256i h = hi != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)) : _mm256_setzero_si256();
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo))), h, 1);
+}
+inline __m512 pair_scales16(const uint8_t* lo, const uint8_t* hi) {
+  const __m128i h = hi != nullptr ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)) : _mm_setzero_si128();
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo))), h, 1));
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define FDX_QGEMM_ZMM 1
 // Q4, R (1..MR) rows x a full pair of column groups (16 columns) in zmm
@@ -409,9 +422,7 @@ void tile_q4_zmm(const int8_t* const* xq, const float* const* dx, const float* c
     __m512i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
-      const __m512i raw = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + 32 * c))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q1 + 32 * c)), 1);
+      const __m512i raw = pair_bytes32(q0 + 32 * c, q1 + 32 * c);
       const __m512i lo = _mm512_and_si512(raw, low4);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
       for (int r = 0; r < R; ++r) {
@@ -422,12 +433,7 @@ void tile_q4_zmm(const int8_t* const* xq, const float* const* dx, const float* c
         s[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(xl)), hi, _mm512_set1_epi32(xh));
       }
     }
-    auto scales16 = [&](int off) {
-      return _mm512_cvtph_ps(_mm256_inserti128_si256(
-          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + off))),
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + off)), 1));
-    };
-    const __m512 dw = scales16(128), mw = scales16(144);
+    const __m512 dw = pair_scales16(q0 + 128, q1 + 128), mw = pair_scales16(q0 + 144, q1 + 144);
     for (int r = 0; r < R; ++r) {
       const __m512 f = _mm512_cvtepi32_ps(s[r]);
       acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(dx[r][b])), acc[r]);
@@ -437,21 +443,21 @@ void tile_q4_zmm(const int8_t* const* xq, const float* const* dx, const float* c
   const __mmask16 mask = static_cast<__mmask16>(0xFFu | (((1u << ncols[1]) - 1u) << 8));
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out[r], mask, acc[r]);
 }
-
-inline void tile_q4_zmm_rows(int R, const int8_t* const* xr, const float* const* dr, const float* const* sr,
-                             const uint8_t* const* blk, int64_t nb, float* const* orow, const int* ncols) {
-  switch (R) {
-    case 1: tile_q4_zmm<1>(xr, dr, sr, blk, nb, orow, ncols); break;
-    case 2: tile_q4_zmm<2>(xr, dr, sr, blk, nb, orow, ncols); break;
-    case 3: tile_q4_zmm<3>(xr, dr, sr, blk, nb, orow, ncols); break;
-    default: tile_q4_zmm<4>(xr, dr, sr, blk, nb, orow, ncols); break;
-  }
-}
 #endif
 
 template <int KIND, int G>
 void tile_rows(int R, const int8_t* const* xr, const float* const* dr, const float* const* sr, const uint8_t* const* blk,
                int64_t nb, float* const* orow, const int* ncols) {
+#ifdef FDX_QGEMM_ZMM
+  if constexpr (KIND == 4 && G == 2) {  // a full pair of Q4 groups: the zmm tile (the same bits)
+    switch (R) {
+      case 1: tile_q4_zmm<1>(xr, dr, sr, blk, nb, orow, ncols); return;
+      case 2: tile_q4_zmm<2>(xr, dr, sr, blk, nb, orow, ncols); return;
+      case 3: tile_q4_zmm<3>(xr, dr, sr, blk, nb, orow, ncols); return;
+      default: tile_q4_zmm<4>(xr, dr, sr, blk, nb, orow, ncols); return;
+    }
+  }
+#endif
   switch (R) {
     case 1: tile<KIND, 1, G>(xr, dr, sr, blk, nb, orow, ncols); break;
     case 2: tile<KIND, 2, G>(xr, dr, sr, blk, nb, orow, ncols); break;
@@ -507,12 +513,6 @@ void gemm_range(const int8_t* xq, const float* dx, const float* sx, const uint8_
           group_ptrs(w, g, ng, nb, BB, N, blk, ncols);
           for (int r = 0; r < R; ++r) orow[r] = out + (m0 + r) * N + 8 * g;
           if (ng == NG) {
-#ifdef FDX_QGEMM_ZMM
-            if constexpr (KIND == 4) {
-              tile_q4_zmm_rows(R, xr, dr, sr, blk, nb, orow, ncols);
-              continue;
-            }
-#endif
             tile_rows<KIND, NG>(R, xr, dr, sr, blk, nb, orow, ncols);
           } else {
             tile_rows<KIND, 1>(R, xr, dr, sr, blk, nb, orow, ncols);
@@ -617,18 +617,9 @@ template <int KIND>
 void amx_pack_pair(const uint8_t* const* blk, int ng, int64_t nb, int8_t* wb, float* dw, float* mw) {
   constexpr int64_t BB = KIND == 4 ? kQ4Bytes : kQ8Bytes;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  // 32 bytes of each group side by side in one zmm (the second zeros if one group)
-  auto pair32 = [&](int64_t off) {
-    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[0] + off));
-    const __m256i hi = ng == 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[1] + off)) : _mm256_setzero_si256();
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  };
-  // 8 fp16 scales of each group -> 16 floats (exact)
-  auto scales16 = [&](int64_t off) {
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[0] + off));
-    const __m128i hi = ng == 2 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[1] + off)) : _mm_setzero_si128();
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
-  };
+  // the two groups side by side (the second zeros if one group)
+  auto pair32 = [&](int64_t off) { return pair_bytes32(blk[0] + off, ng == 2 ? blk[1] + off : nullptr); };
+  auto scales16 = [&](int64_t off) { return pair_scales16(blk[0] + off, ng == 2 ? blk[1] + off : nullptr); };
   for (int64_t b = 0; b < nb; ++b) {
     int8_t* t = wb + b * 512;
     for (int j = 0; j < ng; ++j) prefetch_ahead<BB>(blk[j] + b * BB);
@@ -818,7 +809,7 @@ void tile_bf16(const float* const* xr, const uint8_t* const* blk, int64_t npairs
 #endif
   for (int64_t p = 0; p < npairs; ++p) {
     if ((p & 1) == 0)  // one line a group every two pairs: every line of the stream, whatever its alignment
-      for (int g = 0; g < G; ++g) _mm_prefetch(reinterpret_cast<const char*>(blk[g] + 32 * p) + kPrefetchBytes, _MM_HINT_T0);
+      for (int g = 0; g < G; ++g) prefetch_ahead<64>(blk[g] + 32 * p);
 #ifdef FDX_QGEMM_BF16DP
     __m256i wv[G];
     for (int g = 0; g < G; ++g) wv[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g] + 32 * p));
