@@ -556,10 +556,31 @@ def test_paged_attention_matches_numpy(ops: Any, window: int) -> None:
 
     step([(0, p) for p in range(lens[0])] + [(1, p) for p in range(lens[1])])
     step([(0, lens[0]), (1, lens[1])])
-    # the cache holds the rotated keys where the block tables say
+    # the cache holds the rotated keys where the block tables say (K blocks dim-major), the values as they came
     c = cache.numpy()
     p = lens[1]
-    np.testing.assert_allclose(c[0, tables[1, p // BS], :, p % BS], ks[1][p], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(_keys_of_cache(c[0], "float32")[tables[1, p // BS], :, p % BS], ks[1][p],
+                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(c[1, tables[1, p // BS], :, p % BS], vs[1][p])
+
+
+def _keys_in_cache(k: np.ndarray, dtype: str) -> np.ndarray:
+    """The K half of a cache, ``[NB, KV, BS, D]`` key-major, in the op's
+    layout (paged_attention.cc, KEY BLOCKS): each block dim-major (float32:
+    value (j, d) at d * BS + j), or in pairs of dims (bfloat16: at
+    ((d // 2) * BS + j) * 2 + d % 2); the same shape, the values moved."""
+    NB, KV, BS, D = k.shape
+    if dtype == "float32":
+        return np.ascontiguousarray(k.transpose(0, 1, 3, 2)).reshape(NB, KV, BS, D)
+    return np.ascontiguousarray(k.reshape(NB, KV, BS, D // 2, 2).transpose(0, 1, 3, 2, 4)).reshape(NB, KV, BS, D)
+
+
+def _keys_of_cache(c: np.ndarray, dtype: str) -> np.ndarray:
+    """``_keys_in_cache`` undone: the K half ``[NB, KV, BS, D]`` key-major."""
+    NB, KV, BS, D = c.shape
+    if dtype == "float32":
+        return np.ascontiguousarray(c.reshape(NB, KV, D, BS).transpose(0, 1, 3, 2))
+    return np.ascontiguousarray(c.reshape(NB, KV, D // 2, BS, 2).transpose(0, 1, 3, 2, 4)).reshape(NB, KV, BS, D)
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
@@ -587,10 +608,16 @@ def test_paged_attention_bfloat16_cache_is_the_float32_sequence_on_rounded_value
     P = max(lens) + 1
     rope = rng.standard_normal((P, D)).astype(np.float32)
     rope[:, : D // 2], rope[:, D // 2 :] = 1.0, 0.0  # identity rotation everywhere: rope(k) = k, exactly
-    old = _bf16(rng.standard_normal((2, NB, KV, BS, D)).astype(np.float32))
-    c32 = paddle.to_tensor(old)
-    cb = paddle.to_tensor(old).astype("bfloat16")
-    assert np.array_equal(cb.astype("float32").numpy(), old)  # Paddle's cast rounds as fdx does: exact here
+    old = _bf16(rng.standard_normal((2, NB, KV, BS, D)).astype(np.float32))  # keys key-major
+    c32 = paddle.to_tensor(np.stack([_keys_in_cache(old[0], "float32"), old[1]]))
+    cb = paddle.to_tensor(np.stack([_keys_in_cache(old[0], "bfloat16"), old[1]])).astype("bfloat16")
+    assert np.array_equal(_keys_of_cache(cb.astype("float32").numpy()[0], "bfloat16"), old[0])  # Paddle's cast: exact
+
+    def same_caches() -> None:
+        b, f = cb.astype("float32").numpy(), c32.numpy()
+        np.testing.assert_array_equal(_keys_of_cache(b[0], "bfloat16"), _keys_of_cache(f[0], "float32"))
+        np.testing.assert_array_equal(b[1], f[1])
+
     W = (H + 2 * KV) * D
     for seq_pos in ([(0, p) for p in range(20, 37)] + [(1, p) for p in range(80, 90)], [(0, 37), (1, 90), (2, 2)]):
         meta = np.array(seq_pos, dtype=np.int32)
@@ -600,14 +627,14 @@ def test_paged_attention_bfloat16_cache_is_the_float32_sequence_on_rounded_value
         o32 = ops.fdx_paged_attention(paddle.to_tensor(qkv), c32, *args).numpy()
         ob = ops.fdx_paged_attention(paddle.to_tensor(qkv), cb, *args).numpy()
         np.testing.assert_array_equal(ob, o32)
-        np.testing.assert_array_equal(cb.astype("float32").numpy(), c32.numpy())
+        same_caches()
     # a key that is not a bfloat16 value is stored rounded to nearest even
     qkv = np.zeros((1, W), np.float32)
     qkv[0, H * D : H * D + 5] = [1.0 + 2.0**-9, 1.0 + 3 * 2.0**-9, -(1.0 + 2.0**-8), -(1.0 + 3 * 2.0**-8), 3.0e-39]
     meta = np.array([(2, 0)], dtype=np.int32)
     ops.fdx_paged_attention(paddle.to_tensor(qkv), cb, paddle.to_tensor(rope), paddle.to_tensor(meta),
                             paddle.to_tensor(tables), H, KV, BS, float(D) ** -0.5, 0)
-    got = cb.astype("float32").numpy()[0, tables[2, 0], 0, 0, :5]  # ties to even both ways; a denormal to 0
+    got = _keys_of_cache(cb.astype("float32").numpy()[0], "bfloat16")[tables[2, 0], 0, 0, :5]  # ties to even; a denormal to 0
     np.testing.assert_array_equal(got, np.array([1.0, 1.0 + 2.0**-7, -1.0, -(1.0 + 2.0**-6), 0.0], np.float32))
 
 

@@ -4,46 +4,54 @@
 // in sync with fdx/model/native.py and fdx/model/llama.py):
 //   qkv       [T, (H + 2*KV) * D] float32   fused q/k/v projections (bias added)
 //   kv_cache  [2, NB, KV, BS, D]  float32   K at [0], V at [1]; WRITTEN IN PLACE
-//                                 (or bfloat16: AttnShape::bf16_cache, see BFLOAT16 CACHE)
+//                                 (or bfloat16: AttnShape::bf16_cache, see BFLOAT16 CACHE;
+//                                 the K half's blocks are transposed, see KEY BLOCKS)
 //   rope      [P, D]              float32   cos in [:, :D/2], sin in [:, D/2:]
 //   meta      [T, 2]              int32     (sequence index, position) per token
 //   tables    [S, MAXB]           int32     block table per sequence
 // Output      [T, H * D]          float32
 // Token t of sequence s at position p attends to keys lo..p of s, which are
-// read ONLY through tables[s] (slot = tables[s][j / BS] * BS + j % BS);
+// read ONLY through tables[s] (block tables[s][j / BS], key j % BS in it);
 // lo = 0, or with a sliding window w > 0, max(0, p - w + 1): the keys
 // p - w < j <= p (transformers' sliding_window_causal_mask_function).
 // Every key block stays in the cache; the window only narrows the keys read.
 // K/V of every token in the call are written before any attention is read,
 // so chunks of several new tokens per sequence (prefill) work.
 // RoPE is NEOX "rotate_half" style (Hugging Face q/k order).
-
+//
+// KEY BLOCKS.  A block of one kv head holds BS * D values either way; V's
+// are key-major (key jj's D values at jj * D), K's dim-major, so that one
+// vector load reads a dim of L consecutive keys: float32 value (jj, d) at
+// d * BS + jj; bfloat16 at ((d / 2) * BS + jj) * 2 + d % 2 (dims d, d + 1 of
+// a key side by side: one load gives L keys' two dims, the low halves and
+// the high ones).  Whole blocks move between caches and instances (copies,
+// KV transfer, storage) unchanged; the runner's cache fingerprint names the
+// layout.  Pure-Paddle attention (llama.py) keeps K key-major: its caches
+// are its own.
 //
 // BATCH INVARIANCE BY CONSTRUCTION.  Query row (token t, head h) of
 // sequence s at position p, with q = rope(q), runs
-//   score[j] = dot(q, k_j) * scale   for j = lo..p: lane i of the 16
-//              canonical lanes (simd_math.h) adds the products q[d] k_j[d]
-//              (each rounded: mul, then add) for d = i, i + 16, ... in
-//              order; then the lanes are added by one fixed tree
-//              (reduce8/reduce4 below, v::reduce_add's tree);
+//   score[j] = acc * scale           for j = lo..p, where acc = 0 and, for
+//              d = 0 .. D-1 in order, acc = fma(q[d], k_j[d], acc): one
+//              lane a key;
 //   w[j]     = softmax(score)[j]: exp(score[j] - max), their sum in the 16
-//              lanes (lane i: j = lo + i, lo + i + 16, ...) and the same
-//              tree, then w[j] = e[j] * (1 / sum);
+//              canonical lanes of simd_math.h (lane i: j = lo + i, lo + i +
+//              16, ...) and v::reduce_add's tree, then w[j] = e[j] * (1 / sum);
 //   out[d]   = sum over j = lo..p, in order, of w[j] v_j[d] (fma).
 // (window 0: lo = 0, the very operations of an op without a window.)
 // These are the same IEEE operations in the same order whatever T is,
 // whichever rows share the call, wherever the row sits in its tile (the
-// score tiles of 1-2 rows and the weighted-sum tiles of 1-3 rows x 1-4
-// vectors run the same per-lane sequence; every dot goes through the same
-// tree) and whatever the thread count: each row is computed entirely by one
-// thread.  They do not depend on the kernel set either: AVX-512 holds the
-// 16 lanes of a dot in one register, AVX2 in two (its score tiles take half
-// as many keys), so both give the same bits (tests/test_isa_bits.py; the
-// scalar reference of tests/test_scalar_reference.py).  RoPE is
-// x1 c - x2 s and x2 c + x1 s, each one fma and one mul.  Work is tiled only for reuse: a
-// work item is (a run of <= kRun consecutive tokens of one sequence, a kv
-// head); key blocks stay in L1 while every row of the item uses them, and
-// the G query heads of a token share each key/value load.
+// score tiles of 1-4 rows x 1-8 key vectors and the weighted-sum tiles of
+// 1-3 rows x 1-4 vectors run the same per-lane sequence) and whatever the
+// thread count: each row is computed entirely by one thread.  They do not
+// depend on the kernel set either: a lane is a key (scores) or a dim (the
+// weighted sum), whatever the vector width, so AVX-512 and AVX2 give the
+// same bits (tests/test_isa_bits.py; the scalar reference of
+// tests/test_scalar_reference.py).  RoPE is x1 c - x2 s and x2 c + x1 s,
+// each one fma and one mul.  Work is tiled only for reuse: a work item is
+// (a run of <= kRun consecutive tokens of one sequence, a kv head); key
+// blocks stay in L1 while every row of the item uses them, and the G query
+// heads of a token share each key/value load.
 //
 // BFLOAT16 CACHE.  With AttnShape::bf16_cache the cache holds each K and V
 // value rounded to bfloat16 (fdx::bf16_bits: nearest even, denormals to
@@ -70,6 +78,7 @@ constexpr int L = v::kLanes;
 constexpr int kRun = 8;           // tokens per work item (a prefill chunk is cut in runs)
 constexpr int kRows = 3;          // query rows per register tile of the weighted sum
 constexpr int kVecs = 4;          // output vectors per register tile of the weighted sum
+constexpr int kGroupBlocks = 4;   // key blocks per pass of the scores (in L1 while a run's rows use them)
 
 inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
@@ -100,14 +109,6 @@ inline v::vf load_kv_first(const bf16_t* p, int n) {
   std::memcpy(t, p, sizeof(bf16_t) * n);
   return load_kv(t);
 }
-// the first n (< 16) values as the 16 canonical lanes, zeros after them
-inline v::v16 load16_kv_first(const float* p, int n) { return v::load16_first(p, n); }
-inline v::v16 load16_kv_first(const bf16_t* p, int n) {
-  alignas(64) float t[16] = {};
-  for (int i = 0; i < n; ++i) t[i] = fdx::bf16_to_float(p[i]);
-  return v::load16_first(t, n);
-}
-
 inline v::vf fmsub(v::vf a, v::vf b, v::vf c) {  // a*b - c
 #if defined(__AVX512F__)
   return _mm512_fmsub_ps(a, b, c);
@@ -147,140 +148,131 @@ inline void rope_rotate(const float* x, float* y, const float* cs, int half) {
   }
 }
 
-// ---- the fixed lane-sum tree of a dot product -----------------------------
-// A dot accumulates in the 16 canonical lanes of simd_math.h's v16 (one
-// AVX-512 register, two AVX2 ones); v::fold8 adds lane i + lane i + 8, and
-// the 8 folded lanes x0..x7 of each dot are added as
-// ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)) -- v::reduce_add's tree,
-// here for 8 or 4 dots at once.
-// [a0+a4, a1+a5, a2+a6, a3+a7 | b0+b4, ..., b3+b7]
-inline __m256 fold4(__m256 a, __m256 b) {
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-// from fold4(a, b), fold4(c, d): [a.u0, a.u1, c.u0, c.u1 | b.u0, b.u1, d.u0, d.u1],
-// u0 = f0 + f2, u1 = f1 + f3 of the folded lanes f
-inline __m256 fold2(__m256 ab, __m256 cd) {
-  return _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));
-}
-// The dots of 8 folded accumulators, in the order [x0, x2, x4, x6, x1, x3, x5, x7].
-__attribute__((always_inline)) inline __m256 reduce8(const __m256* x) {
-  const __m256 abcd = fold2(fold4(x[0], x[1]), fold4(x[2], x[3]));
-  const __m256 efgh = fold2(fold4(x[4], x[5]), fold4(x[6], x[7]));
-  return _mm256_add_ps(_mm256_shuffle_ps(abcd, efgh, 0x88), _mm256_shuffle_ps(abcd, efgh, 0xDD));
-}
-// The same tree for 4 folded accumulators, in the order [x0, x2, x1, x3].
-__attribute__((always_inline)) inline __m128 reduce4(const __m256* x) {
-  const __m256 abcd = fold2(fold4(x[0], x[1]), fold4(x[2], x[3]));
-  const __m128 lo = _mm256_castps256_ps128(abcd), hi = _mm256_extractf128_ps(abcd, 1);
-  return _mm_add_ps(_mm_shuffle_ps(lo, hi, 0x88), _mm_shuffle_ps(lo, hi, 0xDD));
-}
+// ---- scores over a transposed key block (lanes = keys) ----------------------
+// A key block of the cache holds K transposed: row d (d < D) is k_j[d] of the
+// block's BS keys j.  A key vector is up to L consecutive keys of one block
+// (a pointer to its row 0, `cnt` keys); a score tile runs NR query rows over
+// NV key vectors, every lane its own key:
+//   acc = 0;  for d = 0 .. D-1 in order: acc = fma(q[d], k_j[d], acc);  score = acc * scale
+// the same chain whatever the tile, kernel set (AVX2: 8 keys a vector) or thread.
+struct KeyVec {
+  const void* k;  // row 0 of these keys (the next row BS values further)
+  int j;          // the first key's index in the row of scores
+  int cnt;        // keys (1 .. L)
+  bool whole;     // L values can be read at k (within the block's row): the lanes past cnt are ignored
+};
 
-// Keys per score tile of NR rows: 12 accumulators in registers (12 / NR
-// keys on AVX-512; AVX2 holds a v16 in two registers: 6 / NR keys), plus the
-// rows' q, a key and a product -- 15 of AVX2's 16 registers.
-template <int NR>
-constexpr int kTileKeys = 12 / NR / v::kParts;
-constexpr int kKeyAlign = 12;  // every tile width divides it
 
-// out[r][0..KT) = dot(q[r], k[0..KT)) * scale over D floats for NR (1, 2) rows.
-template <int NR, int DT, typename C>
-inline void score_tile(const float* const* q, const C* const* k, int Drt, float scale, float* const* out) {
-  constexpr int KT = kTileKeys<NR>;
-  constexpr int ND = NR * KT;  // 12 or 6 dots
-  const int D = DT ? DT : Drt;  // DT: the head size when known at compile time (same operations)
-  v::v16 acc[NR][KT];
+// pf: up to 8 key vectors (the next tile's) asked for across the d loop,
+// row d of each at step d.
+struct Prefetch {
+  const char* k[8];
+  int n;
+};
+
+template <int NR, int NV, typename C>
+inline void score_kt(const float* const* q, const KeyVec* kv, int D, int BS, float scale, float* const* out,
+                     const Prefetch* pf) {
+  v::vf acc[NR][NV];
   for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < KT; ++j) acc[r][j] = v::zero16();
-  int d = 0;
-  for (; d + 16 <= D; d += 16) {
-    for (int i = 0; i < v::kParts; ++i) {
-      // AVX2 with 2 rows: 12 sums + a key + a product leave no register for
-      // the rows' q, which the multiplies then read from L1
-      constexpr bool kQInRegs = NR == 1 || v::kParts == 1;
-      v::vf qv[NR];
-      if constexpr (kQInRegs)
-        for (int r = 0; r < NR; ++r) qv[r] = v::load(q[r] + d + i * L);
-      for (int j = 0; j < KT; ++j) {
-        v::vf kv = load_kv(k[j] + d + i * L);
-        if (NR > 1) in_register(kv);
-        for (int r = 0; r < NR; ++r) {
-          v::vf pr = v::mul(kQInRegs ? qv[r] : v::load(q[r] + d + i * L), kv);
-          in_register(pr);
-          acc[r][j].p[i] = v::add(acc[r][j].p[i], pr);
-        }
-      }
-    }
+    for (int c = 0; c < NV; ++c) acc[r][c] = v::zero();
+  const C* k[NV];
+  bool full = true;
+  for (int c = 0; c < NV; ++c) {
+    k[c] = static_cast<const C*>(kv[c].k);
+    full = full && kv[c].whole;
   }
-  if (d < D) {
-    const int n = D - d;
-    v::v16 qv[NR];
-    for (int r = 0; r < NR; ++r) qv[r] = v::load16_first(q[r] + d, n);
-    for (int j = 0; j < KT; ++j) {
-      const v::v16 kv = load16_kv_first(k[j] + d, n);
+  const int npf = pf != nullptr ? pf->n : 0;
+  if constexpr (std::is_same_v<C, bf16_t>) {
+    // rows d, d + 1 interleaved: one load of L pairs, the even halves then the odd ones
+#if defined(__AVX512F__)
+    const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    __mmask16 mk[NV];
+    for (int c = 0; c < NV; ++c) mk[c] = full ? (__mmask16)0xFFFF : v::first_mask(kv[c].cnt);
+#else
+    const __m256i hi16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    __m256i mk[NV];
+    for (int c = 0; c < NV; ++c) mk[c] = v::first_mask(full ? L : kv[c].cnt);
+#endif
+    const int64_t row = 2 * static_cast<int64_t>(BS) * sizeof(C);  // bytes a pair of rows
+    for (int d = 0; d < D; d += 2) {
+      for (int i = 0; i < npf; ++i) _mm_prefetch(pf->k[i] + (d / 2) * row, _MM_HINT_T0);
+      v::vf ev[NV], od[NV];
+      for (int c = 0; c < NV; ++c) {
+        const C* pc = k[c] + (int64_t)d * BS;
+#if defined(__AVX512F__)
+        const __m512i x = full ? _mm512_loadu_si512(pc) : _mm512_maskz_loadu_epi32(mk[c], pc);
+        ev[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        od[c] = _mm512_castsi512_ps(_mm512_and_si512(x, hi16));
+#else
+        const __m256i x = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc))
+                               : _mm256_maskload_epi32(reinterpret_cast<const int*>(pc), mk[c]);
+        ev[c] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+        od[c] = _mm256_castsi256_ps(_mm256_and_si256(x, hi16));
+#endif
+        in_register(ev[c]);
+        in_register(od[c]);
+      }
       for (int r = 0; r < NR; ++r) {
-        for (int i = 0; i < v::kParts; ++i) {
-          v::vf pr = v::mul(qv[r].p[i], kv.p[i]);
-          in_register(pr);
-          acc[r][j].p[i] = v::add(acc[r][j].p[i], pr);
-        }
+        const v::vf q0 = v::set1(q[r][d]), q1 = v::set1(q[r][d + 1]);
+        for (int c = 0; c < NV; ++c) acc[r][c] = v::fmadd(q0, ev[c], acc[r][c]);
+        for (int c = 0; c < NV; ++c) acc[r][c] = v::fmadd(q1, od[c], acc[r][c]);
+      }
+    }
+  } else {
+    const int64_t row = static_cast<int64_t>(BS) * sizeof(C);
+    for (int d = 0; d < D; ++d) {
+      for (int i = 0; i < npf; ++i) _mm_prefetch(pf->k[i] + d * row, _MM_HINT_T0);
+      v::vf kd[NV];
+      for (int c = 0; c < NV; ++c) {
+        kd[c] = full ? v::load(k[c] + (int64_t)d * BS) : v::load_first(k[c] + (int64_t)d * BS, kv[c].cnt);
+        in_register(kd[c]);
+      }
+      for (int r = 0; r < NR; ++r) {
+        const v::vf qd = v::set1(q[r][d]);
+        for (int c = 0; c < NV; ++c) acc[r][c] = v::fmadd(qd, kd[c], acc[r][c]);
       }
     }
   }
-  // dot e = r * KT + j; reduce8 takes dots e, e + 4 in slots 2m, 2m + 1 and
-  // reduce4 dots e, e + 2 in slots m, m + 1 (their outputs then run in e order)
-  auto dot = [&](int e) { return v::fold8(acc[e / KT][e % KT]); };
-  alignas(32) float tmp[12];
-  float* res = NR == 1 ? out[0] : tmp;  // one row: its keys' scores are contiguous
-  __m256 x[8];
-  int e = 0;
-  if constexpr (ND >= 8) {
-    for (int m = 0; m < 4; ++m) {
-      x[2 * m] = dot(m);
-      x[2 * m + 1] = dot(m + 4);
+  const v::vf sc = v::set1(scale);
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NV; ++c) {
+      const v::vf x = v::mul(acc[r][c], sc);
+      if (kv[c].cnt == L) v::store(out[r] + kv[c].j, x);
+      else v::store_first(out[r] + kv[c].j, x, kv[c].cnt);
     }
-    _mm256_storeu_ps(res, _mm256_mul_ps(reduce8(x), _mm256_set1_ps(scale)));
-    e = 8;
-  }
-  for (; e < ND; e += 4) {  // 4 dots (the last 2 repeated when only 2 are left)
-    const int e1 = e + 1, e2 = std::min(e + 2, ND - 2), e3 = e2 + 1;
-    x[0] = dot(e);
-    x[1] = dot(e2);
-    x[2] = dot(e1);
-    x[3] = dot(e3);
-    const __m128 t = _mm_mul_ps(reduce4(x), _mm_set1_ps(scale));
-    if (e + 4 <= ND) {
-      _mm_storeu_ps(res + e, t);
-    } else {
-      _mm_storel_pi(reinterpret_cast<__m64*>(res + e), t);
-    }
-  }
-  if constexpr (NR > 1)
-    for (int r = 0; r < NR; ++r)
-      for (int j = 0; j < KT; ++j) out[r][j] = tmp[r * KT + j];
 }
 
-// s_r[j] = dot(q_r, k_j) * scale for keys j in [j0, j1) (j0 a multiple of
-// kKeyAlign; s_r[j1 .. j1 rounded up to kKeyAlign) are written with scratch),
-// k_j = kc + off[j].  Keys kAhead ahead are prefetched while below pf (the
-// row's key count on an item's first pass, so the stream runs on across
-// the pass's end; 0: none).
-template <int NR, int DT, typename C>
-inline void score_keys(const float* const* q, const C* kc, const int64_t* off, int j0, int j1, int D,
-                       float scale, float* const* s, int pf) {
-  constexpr int KT = kTileKeys<NR>;
-  float* out[NR];
-  for (int j = j0; j < j1; j += KT) {
-    const C* k[KT];
-    for (int i = 0; i < KT; ++i) k[i] = kc + off[std::min(j + i, j1 - 1)];
-    for (int i = j + kAhead; i < std::min(j + kAhead + KT, pf); ++i) prefetch_kv(kc + off[i], D);
-    for (int r = 0; r < NR; ++r) out[r] = s[r] + j;
-    score_tile<NR, DT, C>(q, k, D, scale, out);
+// Rows (NR = 1..4) over key vectors kv[0..n): tiles of up to 12 / NR
+// accumulators (AVX2: the same; 12 sums, a key vector and a broadcast fit
+// its 16 registers), n split evenly (a tile of few vectors waits on its fma
+// chains); with read_ahead each tile asks for the next one's keys.
+template <int NR, typename C>
+inline void score_rows_kt(const float* const* q, const KeyVec* kv, int n, int D, int BS, float scale,
+                          float* const* out, bool read_ahead) {
+  constexpr int NV = NR == 1 ? 8 : 12 / NR;
+  const int tiles = (n + NV - 1) / NV;
+  for (int i = 0, c = 0; i < tiles; ++i) {
+    const int m = (n - c) / (tiles - i);  // the rest, evenly
+    Prefetch pf{{}, 0};
+    if (read_ahead && i + 1 < tiles) {
+      const int nn = std::min(8, (n - c - m) / (tiles - i - 1));
+      for (int j = 0; j < nn; ++j) pf.k[pf.n++] = static_cast<const char*>(kv[c + m + j].k);
+    }
+    switch (m) {
+#define FDX_KT(N) \
+  case N: if constexpr (N <= NV) score_kt<NR, N, C>(q, kv + c, D, BS, scale, out, pf.n ? &pf : nullptr); break;
+      FDX_KT(1) FDX_KT(2) FDX_KT(3) FDX_KT(4) FDX_KT(5) FDX_KT(6) FDX_KT(7) FDX_KT(8)
+#undef FDX_KT
+    }
+    c += m;
   }
 }
 
 // acc[r][c*L ..] += sum over keys j in [j0, j1) of p[r][j] * v_j[d0 + c*L ..]
 // for NR rows and NV vectors (the last one masked to `last` lanes if TAIL);
-// v_j = vc + off[j] + d0.  pf: as score_keys'.
+// v_j = vc + off[j] + d0.  Values kAhead keys ahead are prefetched while
+// below pf (the row's key count on an item's first pass; 0: none).
 template <int NR, int NV, bool TAIL, typename C>
 inline void pv_tile(const float* const* p, const C* vc, const int64_t* off, int j0, int j1, int last,
                     float* const* acc, int pf) {
@@ -310,6 +302,67 @@ inline void pv_tile(const float* const* p, const C* vc, const int64_t* off, int 
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) v::store(acc[r] + c * L, a[r][c]);
+}
+
+// pv_tile over a bfloat16 cache read two vectors at a time: a load of 2L
+// values gives the even dims (low halves) and the odd dims (high halves) as
+// two vectors of L lanes, one operation each, so acc holds each chunk of 2L
+// dims permuted: vector 2k lane i is dim 2kL + 2i, vector 2k + 1 lane i dim
+// 2kL + 2i + 1 (unpermute_pairs puts them back).  Every dim's fma chain is
+// pv_tile's.
+template <int NR, int NP>
+inline void pv_tile_pairs(const float* const* p, const bf16_t* vc, const int64_t* off, int j0, int j1,
+                          float* const* acc, int pf) {
+  constexpr int NV = 2 * NP;
+  v::vf a[NR][NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) a[r][c] = v::load(acc[r] + c * L);
+#if defined(__AVX512F__)
+  const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+#else
+  const __m256i hi16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+#endif
+  for (int j = j0; j < j1; ++j) {
+    const bf16_t* vr = vc + off[j];
+    if (j + kAhead < pf) prefetch_kv(vc + off[j + kAhead], NV * L);
+    v::vf pb[NR];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) pb[r] = v::set1(p[r][j]);
+#pragma GCC unroll 2
+    for (int k = 0; k < NP; ++k) {
+#if defined(__AVX512F__)
+      const __m512i x = _mm512_loadu_si512(vr + 2 * k * L);
+      v::vf ev = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      v::vf od = _mm512_castsi512_ps(_mm512_and_si512(x, hi16));
+#else
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 2 * k * L));
+      v::vf ev = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+      v::vf od = _mm256_castsi256_ps(_mm256_and_si256(x, hi16));
+#endif
+      in_register(ev);
+      in_register(od);
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        a[r][2 * k] = v::fmadd(pb[r], ev, a[r][2 * k]);
+        a[r][2 * k + 1] = v::fmadd(pb[r], od, a[r][2 * k + 1]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) v::store(acc[r] + c * L, a[r][c]);
+}
+
+// dst[0..D) from pv_tile_pairs' permuted sums (D a multiple of 2L).
+inline void unpermute_pairs(const float* acc, float* dst, int D) {
+  for (int k = 0; k < D / (2 * L); ++k)
+    for (int i = 0; i < L; ++i) {
+      dst[2 * k * L + 2 * i] = acc[2 * k * L + i];
+      dst[2 * k * L + 2 * i + 1] = acc[(2 * k + 1) * L + i];
+    }
 }
 
 template <int NR, typename C>
@@ -366,8 +419,9 @@ __attribute__((noinline)) void softmax(float* r, int n) {
 struct Scratch {
   std::vector<float> sc, acc;
   std::vector<int64_t> off;
-  std::vector<float> wide;      // a bfloat16 cache's key or value block, widened (runs of several tokens)
+  std::vector<float> wide;      // a bfloat16 cache's value block, widened (runs of several tokens)
   std::vector<int64_t> offw;    // offsets into wide
+  std::vector<KeyVec> kv;       // the key vectors of a group of key blocks
 };
 
 // Rows j in [j0, j1) of the cache (at c + off[j], D values each) as float32,
@@ -385,7 +439,7 @@ inline void widen_rows(const bf16_t* c, const int64_t* off, int j0, int j1, int 
 struct Geometry {
   int H, KV, D, BS, G;
   int64_t MAXB;
-  int kblock;  // keys per L1 block (a multiple of 12)
+  int kblock;  // keys per L1 block of the weighted sum
   float scale;
   int window;  // 0, or the sliding window (keys p - window < j <= p)
 };
@@ -406,23 +460,23 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
   const int nt = static_cast<int>(t1 - t0), R = nt * G;
   int nmax = 0;
   for (int64_t t = t0; t < t1; ++t) nmax = std::max(nmax, mt[2 * t + 1] + 1);
-  // cache offset of key j (K half; the V half is the same offset into vc)
+  // cache offset of value j (key-major blocks; the keys' blocks are the same
+  // blocks of the K half, transposed: KEY BLOCKS)
   w.off.resize(nmax);
   for (int j0 = 0, b = 0; j0 < nmax; j0 += BS, ++b) {
     const int64_t base = ((int64_t)tb[b] * KV + kh) * BS * D;
     const int m = std::min(BS, nmax - j0);
     for (int jj = 0; jj < m; ++jj) w.off[j0 + jj] = base + (int64_t)jj * D;
   }
-  const int64_t stride = round_up(nmax, kKeyAlign);
+  const int64_t stride = round_up(nmax, L);  // whole key vectors
   const int64_t Dp = round_up(D, L);
   w.sc.resize(R * stride);
   w.acc.assign(R * Dp, 0.f);
   const int64_t* off = w.off.data();
-  // pass(cache, offsets, kb, read_ahead) for each key block kb of `cache`
-  // (the keys, then the values).  A run of several tokens reads each block
-  // of a bfloat16 cache many times: it is widened to float32 once instead
-  // (the same values, so the same bits as reading the cache itself; decode
-  // reads it directly).
+  // pass(cache, offsets, kb, read_ahead) for each block kb of kblock values.
+  // A run of several tokens reads each block of a bfloat16 cache many
+  // times: it is widened to float32 once instead (the same values, so the
+  // same bits as reading the cache itself; decode reads it directly).
   auto by_block = [&](const C* cache, auto&& pass) {
     if constexpr (std::is_same_v<C, bf16_t>) {
       if (nt > 1) {
@@ -442,35 +496,51 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
   auto srow = [&](int64_t t, int g) { return w.sc.data() + ((t - t0) * G + g) * stride; };
   auto arow = [&](int64_t t, int g) { return w.acc.data() + ((t - t0) * G + g) * Dp; };
 
-  // scores: the G heads of a token in tiles of 2 rows (and 1), 12 / rows keys at a time
-  auto scores = [&](const auto* kc, const int64_t* off, int kb, bool read_ahead) {
-    using K = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int n = mt[2 * t + 1] + 1, lo = first_key<kWindow>(ge, n - 1);
-      if (n <= kb || kb + ge.kblock <= lo) continue;
-      const int kbeg = std::max(kb, lo / kKeyAlign * kKeyAlign);  // score tiles start on kKeyAlign
-      const int kend = std::min(kb + ge.kblock, n);
-      for (int g0 = 0; g0 < G; g0 += 2) {
-        const int pf = read_ahead && t == t0 && g0 == 0 ? n : 0;  // the item's first pass over these keys
-        const int nr = std::min(2, G - g0);
-        const float* q[2];
-        float* out[2];
-        for (int r = 0; r < nr; ++r) {
-          q[r] = qrow(t, g0 + r);
-          out[r] = srow(t, g0 + r);
-        }
-        switch (nr * 1000 + (D == 64 || D == 128 ? D : 0)) {
-          case 1000: score_keys<1, 0, K>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
-          case 1064: score_keys<1, 64, K>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
-          case 1128: score_keys<1, 128, K>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
-          case 2064: score_keys<2, 64, K>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
-          case 2128: score_keys<2, 128, K>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
-          default: score_keys<2, 0, K>(q, kc, off, kbeg, kend, D, ge.scale, out, pf); break;
+  // scores: each token's G heads in tiles of up to 4 rows over the key
+  // vectors of the blocks it attends to; a run of several tokens goes
+  // through the blocks kGroupBlocks at a time (in L1 while its rows use them)
+  {
+    const int nblk = (nmax + BS - 1) / BS, nvk = (BS + L - 1) / L;
+    const int64_t bsz = (int64_t)BS * D;  // values a key block (of one kv head)
+    auto block_of = [&](int b) { return kc + ((int64_t)tb[b] * KV + kh) * bsz; };
+    const int gb = nt > 1 ? kGroupBlocks : nblk;
+    w.kv.resize((size_t)gb * nvk);
+    for (int b0 = 0; b0 < nblk; b0 += gb) {
+      const int b1 = std::min(nblk, b0 + gb);
+      int nkv = 0;
+      for (int b = b0; b < b1; ++b) {
+        const int m = std::min(BS, nmax - b * BS);
+        for (int c = 0; c * L < m; ++c)  // a key's 4 bytes a row (bfloat16: a pair of rows)
+          w.kv[nkv++] = KeyVec{reinterpret_cast<const char*>(block_of(b)) + 4 * c * L, b * BS + c * L,
+                               std::min(L, m - c * L), (c + 1) * L <= BS};
+      }
+      for (int64_t t = t0; t < t1; ++t) {
+        const int n = mt[2 * t + 1] + 1, lo = first_key<kWindow>(ge, n - 1);
+        int v0 = 0, v1 = nkv;
+        while (v1 > v0 && w.kv[v1 - 1].j >= n) --v1;
+        while (v0 < v1 && w.kv[v0].j + w.kv[v0].cnt <= lo) ++v0;
+        if (v0 == v1) continue;
+        for (int g0 = 0; g0 < G; g0 += 4) {
+          const int nr = std::min(4, G - g0);
+          const float* q[4];
+          float* out[4];
+          for (int r = 0; r < nr; ++r) {
+            q[r] = qrow(t, g0 + r);
+            out[r] = srow(t, g0 + r);
+          }
+          const KeyVec* kv = w.kv.data() + v0;
+          const int nv = v1 - v0;
+          const bool ahead = t == t0 && g0 == 0;  // the item's first pass over its keys
+          switch (nr) {
+            case 1: score_rows_kt<1, C>(q, kv, nv, D, BS, ge.scale, out, ahead); break;
+            case 2: score_rows_kt<2, C>(q, kv, nv, D, BS, ge.scale, out, ahead); break;
+            case 3: score_rows_kt<3, C>(q, kv, nv, D, BS, ge.scale, out, ahead); break;
+            default: score_rows_kt<4, C>(q, kv, nv, D, BS, ge.scale, out, ahead); break;
+          }
         }
       }
     }
-  };
-  by_block(kc, scores);
+  }
   // softmax weights
   for (int64_t t = t0; t < t1; ++t) {
     const int n = mt[2 * t + 1] + 1, lo = first_key<kWindow>(ge, n - 1);
@@ -480,6 +550,8 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
   const int nvec = static_cast<int>(Dp / L);
   const bool odd = D % L != 0;
   const int last = odd ? D % L : L;
+  // a bfloat16 cache read directly (decode): pairs of value vectors, the sums permuted
+  const bool pairs = std::is_same_v<C, bf16_t> && nt == 1 && D % (2 * L) == 0 && kVecs % 2 == 0;
   auto values = [&](const auto* vc, const int64_t* off, int kb, bool read_ahead) {
     using V = std::remove_const_t<std::remove_pointer_t<decltype(vc)>>;
     for (int64_t t = t0; t < t1; ++t) {
@@ -497,6 +569,19 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
           const bool tail = odd && c0 + nv == nvec;
           for (int r = 0; r < nr; ++r) a[r] = arow(t, g0 + r) + c0 * L;
           const V* vcd = vc + c0 * L;
+          if constexpr (std::is_same_v<V, bf16_t>) {
+            if (pairs) {  // nv is even here: nvec is, and kVecs
+              switch (nr * 10 + nv / 2) {
+                case 11: pv_tile_pairs<1, 1>(p, vcd, off, jb, kend, a, pf); break;
+                case 12: pv_tile_pairs<1, 2>(p, vcd, off, jb, kend, a, pf); break;
+                case 21: pv_tile_pairs<2, 1>(p, vcd, off, jb, kend, a, pf); break;
+                case 22: pv_tile_pairs<2, 2>(p, vcd, off, jb, kend, a, pf); break;
+                case 31: pv_tile_pairs<3, 1>(p, vcd, off, jb, kend, a, pf); break;
+                default: pv_tile_pairs<3, 2>(p, vcd, off, jb, kend, a, pf); break;
+              }
+              continue;
+            }
+          }
           switch (nr) {
             case 1: pv_rows<1, V>(p, vcd, off, jb, kend, nv, tail, last, a, pf); break;
             case 2: pv_rows<2, V>(p, vcd, off, jb, kend, nv, tail, last, a, pf); break;
@@ -509,13 +594,17 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
   by_block(vc, values);
   // into the output rows (over q, which nothing reads any more)
   for (int64_t t = t0; t < t1; ++t)
-    for (int g = 0; g < G; ++g) std::memcpy(qrow(t, g), arow(t, g), sizeof(float) * D);
+    for (int g = 0; g < G; ++g) {
+      if (pairs) unpermute_pairs(arow(t, g), qrow(t, g), D);
+      else std::memcpy(qrow(t, g), arow(t, g), sizeof(float) * D);
+    }
 }
 
 }  // namespace
 
 void fdx::check_attention_meta(const AttnShape& sh, const int* mt, const int* bt) {
-  fdx::require(sh.D <= 512, "head size must be <= 512");  // the key row rounded before its bfloat16 store
+  fdx::require(sh.D <= 512, "head size must be <= 512");
+  fdx::require(sh.D % 2 == 0, "head size must be even");  // RoPE's halves; the bfloat16 key blocks' row pairs  // the key row rounded before its bfloat16 store
   for (int64_t t = 0; t < sh.T; ++t) {
     const int s = mt[2 * t], p = mt[2 * t + 1];
     fdx::require(s >= 0 && s < sh.S, "token sequence index out of range");
@@ -552,6 +641,18 @@ inline void put_row(bf16_t* dst, const float* src, int D) {
   for (; i < D; ++i) dst[i] = static_cast<bf16_t>(fdx::bf16_bits(src[i]));
 }
 
+// One K row of D floats into column `off` of its transposed key block at
+// blk (see KEY BLOCKS): float32 value d at blk[d * BS + off]; bfloat16 (as
+// put_row rounds) value d at blk[((d / 2) * BS + off) * 2 + d % 2].
+inline void put_column(float* blk, int off, const float* src, int D, int BS) {
+  for (int d = 0; d < D; ++d) blk[(int64_t)d * BS + off] = src[d];
+}
+inline void put_column(bf16_t* blk, int off, const float* src, int D, int BS) {
+  bf16_t r[512];
+  put_row(r, src, D);
+  for (int d = 0; d < D; ++d) blk[((int64_t)(d / 2) * BS + off) * 2 + d % 2] = r[d];
+}
+
 template <typename C>
 void attention(const fdx::AttnShape& sh, const float* x, C* kc, const float* rp, const int* mt, const int* bt,
                float* o) {
@@ -560,7 +661,7 @@ void attention(const fdx::AttnShape& sh, const float* x, C* kc, const float* rp,
   const int H = sh.H, KV = sh.KV, D = sh.D, BS = sh.BS, half = D / 2;
   const int64_t W = (int64_t)(H + 2 * KV) * D;
   C* vc = kc + (size_t)sh.NB * KV * BS * D;
-  const Geometry ge{H, KV, D, BS, H / KV, MAXB, static_cast<int>(std::max<int64_t>(kKeyAlign, 4096 / D / kKeyAlign * kKeyAlign)), sh.scale,
+  const Geometry ge{H, KV, D, BS, H / KV, MAXB, static_cast<int>(std::max<int64_t>(12, 4096 / D / 12 * 12)), sh.scale,
                       sh.window};
 
   // work items: runs of <= kRun consecutive tokens of one sequence, times kv heads
@@ -593,13 +694,9 @@ void attention(const fdx::AttnShape& sh, const float* x, C* kc, const float* rp,
       const int off = p % BS;
       for (int kh = 0; kh < KV; ++kh) {
         const size_t slot = (((size_t)blk * KV + kh) * BS + off) * D;
-        if constexpr (std::is_same_v<C, float>) {
-          rope_rotate(xt + (size_t)(H + kh) * D, kc + slot, cs, half);
-        } else {
-          float kr[512];  // D <= 512 (the op checks)
-          rope_rotate(xt + (size_t)(H + kh) * D, kr, cs, half);
-          put_row(kc + slot, kr, D);
-        }
+        float kr[512];  // D <= 512 (the op checks)
+        rope_rotate(xt + (size_t)(H + kh) * D, kr, cs, half);
+        put_column(kc + ((size_t)blk * KV + kh) * BS * D, off, kr, D, BS);
         put_row(vc + slot, xt + (size_t)(H + KV + kh) * D, D);
       }
     }

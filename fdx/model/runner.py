@@ -138,6 +138,8 @@ class PaddleModelRunner(TensorParallelRunner):
         # Gemma 2's soft-capped attention runs in Paddle (LlamaModel.paddle_attention), on a float32 cache
         native_attention = ops is not None and not self.kv_args.attn_softcap
         self.dtype = kv_pool_dtype(config.kv_cache_dtype, self.compute, native_attention)  # the KV pool's
+        if native_attention:  # the C++ op's keys, turned key-major in block I/O
+            self.key_blocks = "dim-major"
         self._size_kv_pool()
         if self.shard is not None:
             ckpt = self._join_group(ckpt, link, on_layer)

@@ -485,12 +485,55 @@ class PagedRunnerBase(ModelRunner):
             return []
         pools = self._host_pools()  # None while sleeping: _views() below says so
         if pools is not None:  # per block: its [L, 2, X] gathered once, then its bytes
-            return [np.concatenate([a[:, b] for a in pools]).tobytes() for b in ids.tolist()]
+            if self.key_blocks == "key-major":
+                return [np.concatenate([a[:, b] for a in pools]).tobytes() for b in ids.tolist()]
+            out = []
+            for b in ids.tolist():
+                blk = np.empty((len(pools), 2, pools[0].shape[2]), dtype=pools[0].dtype)
+                for layer, a in enumerate(pools):
+                    blk[layer, 1] = a[1, b]
+                    blk[layer, 0] = self._keys_to_wire(a[0, b])
+                out.append(blk.tobytes())
+            return out
         views = self._views()
         idx = paddle.to_tensor(self._block_rows(ids).reshape(-1))
         per_layer = [paddle.index_select(v, idx).numpy() for v in views]  # bf16 -> uint16 bits
         arr = np.stack(per_layer).reshape(len(per_layer), ids.size, -1).transpose(1, 0, 2)  # [n, L, 2*X]
+        if self.key_blocks != "key-major":
+            arr = arr.reshape(ids.size, len(per_layer), 2, -1).copy()
+            arr[:, :, 0] = self._keys_to_wire(arr[:, :, 0])
         return [np.ascontiguousarray(arr[i]).tobytes() for i in range(ids.size)]
+
+    #: how the pool holds a block's keys: "key-major" (``[kv_head, slot,
+    #: head_dim]``, the layout of every payload) or "dim-major" (fdx's C++
+    #: attention, paged_attention.cc KEY BLOCKS: ``[kv_head, head_dim, slot]``
+    #: in float32, ``[kv_head, head_dim / 2, slot, 2]`` in bfloat16), turned
+    #: into the payload's layout on the way out and back on the way in
+    key_blocks = "key-major"
+
+    def _key_shape(self) -> tuple[int, int, int]:
+        a = self.kv_args  # this rank's kv heads under tensor parallelism
+        return a.num_kv_heads, self.block_size, a.head_dim
+
+    def _keys_to_wire(self, k: np.ndarray) -> np.ndarray:
+        """Keys ``[..., X]`` (one block of one layer each, the pool's layout) key-major, a copy."""
+        KV, BS, D = self._key_shape()
+        lead = k.shape[:-1]
+        if self.dtype == "float32":
+            t = k.reshape(*lead, KV, D, BS).swapaxes(-1, -2)
+        else:
+            t = k.reshape(*lead, KV, D // 2, BS, 2).swapaxes(-2, -3)
+        return np.ascontiguousarray(t).reshape(*lead, -1)
+
+    def _keys_from_wire(self, k: np.ndarray) -> np.ndarray:
+        """:meth:`_keys_to_wire` undone."""
+        KV, BS, D = self._key_shape()
+        lead = k.shape[:-1]
+        if self.dtype == "float32":
+            t = k.reshape(*lead, KV, BS, D).swapaxes(-1, -2)
+        else:
+            t = k.reshape(*lead, KV, BS, D // 2, 2).swapaxes(-2, -3)
+        return np.ascontiguousarray(t).reshape(*lead, -1)
 
     def copy_kv_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy each ``src`` block's KV (every layer, K and V) into ``dst``
@@ -527,7 +570,11 @@ class PagedRunnerBase(ModelRunner):
             blocks = [np.frombuffer(p, dtype=pools[0].dtype).reshape(len(pools), 2, -1) for p in payloads]
             for layer, a in enumerate(pools):
                 for b, blk in zip(ids.tolist(), blocks):
-                    a[:, b] = blk[layer]
+                    if self.key_blocks == "key-major":
+                        a[:, b] = blk[layer]
+                    else:
+                        a[1, b] = blk[layer, 1]
+                        a[0, b] = self._keys_from_wire(blk[layer, 0])
             return
         views = self._views()
         raw = b"".join(payloads)
@@ -536,6 +583,9 @@ class PagedRunnerBase(ModelRunner):
         else:
             arr = np.frombuffer(raw, dtype=np.float16 if self.dtype == "float16" else np.float32)
         W = int(views[0].shape[1])
+        if self.key_blocks != "key-major":
+            arr = arr.reshape(ids.size, len(views), 2, -1).copy()
+            arr[:, :, 0] = self._keys_from_wire(arr[:, :, 0])
         arr = arr.reshape(ids.size, len(views), -1, W)
         idx = paddle.to_tensor(self._block_rows(ids).reshape(-1))
         for layer, view in enumerate(views):

@@ -128,10 +128,16 @@ std::vector<paddle::Tensor> RefPagedAttention(const paddle::Tensor& qkv, const p
   auto slot = [&](int s, int p, int kh) {
     return (((int64_t)tb[s * MAXB + p / BS] * KV + kh) * BS + p % BS) * D;
   };
+  // key j's dim d: K blocks are dim-major (paged_attention.cc, KEY BLOCKS), V blocks key-major
+  auto key = [&](int s, int j, int kh, int d) -> float& {
+    return kc[((int64_t)tb[s * MAXB + j / BS] * KV + kh) * BS * D + (int64_t)d * BS + j % BS];
+  };
+  std::vector<float> kr(D);
   for (int64_t t = 0; t < T; ++t) {  // every token's k and v first
     const int s = mt[2 * t], p = mt[2 * t + 1];
     for (int kh = 0; kh < KV; ++kh) {
-      rotate(x + t * W + (int64_t)(H + kh) * D, kc + slot(s, p, kh), rp + (int64_t)p * D);
+      rotate(x + t * W + (int64_t)(H + kh) * D, kr.data(), rp + (int64_t)p * D);
+      for (int d = 0; d < D; ++d) key(s, p, kh, d) = kr[d];
       std::memcpy(vc + slot(s, p, kh), x + t * W + (int64_t)(H + KV + kh) * D, sizeof(float) * D);
     }
   }
@@ -144,14 +150,10 @@ std::vector<paddle::Tensor> RefPagedAttention(const paddle::Tensor& qkv, const p
       const int kh = h / G;
       rotate(x + t * W + (int64_t)h * D, q.data(), rp + (int64_t)p * D);
       float mx = -INFINITY;
-      for (int j = lo; j <= p; ++j) {
-        const float* k = kc + slot(s, j, kh);
-        float lane[16] = {};
-        for (int d = 0; d < D; ++d) {
-          const float pr = q[d] * k[d];
-          lane[d % 16] = lane[d % 16] + pr;
-        }
-        w[j] = tree16(lane) * scale;
+      for (int j = lo; j <= p; ++j) {  // one fma chain over d a key
+        float dot = 0.f;
+        for (int d = 0; d < D; ++d) dot = std::fma(q[d], key(s, j, kh, d), dot);
+        w[j] = dot * scale;
         mx = std::max(mx, w[j]);
       }
       float lane[16] = {};
