@@ -436,14 +436,17 @@ class PagedRunnerBase(ModelRunner):
 
     def kv_fingerprint(self) -> str:
         """The same parts for both runners: a float32 block written by
-        either is read back identically by the other."""
+        either is read back identically by the other (payloads are
+        key-major whatever the pool holds).  v2: the C++ attention's scores
+        became one fma chain a key, so later layers' blocks hold other
+        values than v1's."""
         a = self.args
         try:
             stamp = self.source.stamp()
         except OSError:
             stamp = (self.source.path, 0, 0)
         parts = [
-            "fdx-kv-v1", str(stamp), self.weights_version, self.dtype, str(self.block_size),
+            "fdx-kv-v2", str(stamp), self.weights_version, self.dtype, str(self.block_size),
             str(a.num_layers), str(a.num_kv_heads), str(a.head_dim), a.arch, "neox-rope",
         ]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
