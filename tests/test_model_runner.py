@@ -75,7 +75,7 @@ def test_kv_blocks_roundtrip_through_bytes(runner: Any) -> None:
         k0 = np.frombuffer(payloads[0], np.uint16)[: 16 * 64]  # layer 0, K, kv head 0: block 3's 16 slots
         pool = runner.caches[0][0, 3].reshape([-1]).view("uint16").numpy()  # the C++ op's keys: in pairs of dims
         assert runner.key_blocks == "dim-major"
-        np.testing.assert_array_equal(k0, runner._keys_to_wire(pool)[: 16 * 64])
+        np.testing.assert_array_equal(k0, runner._keys_moved(pool, to_wire=True)[: 16 * 64])
         np.testing.assert_array_equal(k0, pool.reshape(3, 32, 16, 2).transpose(0, 2, 1, 3).reshape(-1)[: 16 * 64])
     assert runner.read_kv_blocks([44]) == payloads[1:]
     runner.copy_kv_blocks([(9, 45)])  # copy on write (a forked beam's partial block)

@@ -109,6 +109,22 @@ inline v::vf load_kv_first(const bf16_t* p, int n) {
   std::memcpy(t, p, sizeof(bf16_t) * n);
   return load_kv(t);
 }
+// L pairs of bfloat16 values at p (the first n pairs, zeros after them, when
+// n < L) as two vectors widened exactly: the pairs' low halves (ev) and
+// their high halves (od), one operation each.
+inline void load_pairs(const bf16_t* p, v::vf& ev, v::vf& od, int n = L) {
+#if defined(__AVX512F__)
+  const __m512i x = n == L ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(v::first_mask(n), p);
+  ev = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  od = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+#else
+  const __m256i x = n == L ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                           : _mm256_maskload_epi32(reinterpret_cast<const int*>(p), v::first_mask(n));
+  ev = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  od = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+#endif
+}
+
 inline v::vf fmsub(v::vf a, v::vf b, v::vf c) {  // a*b - c
 #if defined(__AVX512F__)
   return _mm512_fmsub_ps(a, b, c);
@@ -185,31 +201,12 @@ inline void score_kt(const float* const* q, const KeyVec* kv, int D, int BS, flo
   const int npf = pf != nullptr ? pf->n : 0;
   if constexpr (std::is_same_v<C, bf16_t>) {
     // rows d, d + 1 interleaved: one load of L pairs, the even halves then the odd ones
-#if defined(__AVX512F__)
-    const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    __mmask16 mk[NV];
-    for (int c = 0; c < NV; ++c) mk[c] = full ? (__mmask16)0xFFFF : v::first_mask(kv[c].cnt);
-#else
-    const __m256i hi16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-    __m256i mk[NV];
-    for (int c = 0; c < NV; ++c) mk[c] = v::first_mask(full ? L : kv[c].cnt);
-#endif
     const int64_t row = 2 * static_cast<int64_t>(BS) * sizeof(C);  // bytes a pair of rows
     for (int d = 0; d < D; d += 2) {
       for (int i = 0; i < npf; ++i) _mm_prefetch(pf->k[i] + (d / 2) * row, _MM_HINT_T0);
       v::vf ev[NV], od[NV];
       for (int c = 0; c < NV; ++c) {
-        const C* pc = k[c] + (int64_t)d * BS;
-#if defined(__AVX512F__)
-        const __m512i x = full ? _mm512_loadu_si512(pc) : _mm512_maskz_loadu_epi32(mk[c], pc);
-        ev[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-        od[c] = _mm512_castsi512_ps(_mm512_and_si512(x, hi16));
-#else
-        const __m256i x = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pc))
-                               : _mm256_maskload_epi32(reinterpret_cast<const int*>(pc), mk[c]);
-        ev[c] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-        od[c] = _mm256_castsi256_ps(_mm256_and_si256(x, hi16));
-#endif
+        load_pairs(k[c] + (int64_t)d * BS, ev[c], od[c], full ? L : kv[c].cnt);
         in_register(ev[c]);
         in_register(od[c]);
       }
@@ -273,7 +270,11 @@ inline void score_rows_kt(const float* const* q, const KeyVec* kv, int n, int D,
 // for NR rows and NV vectors (the last one masked to `last` lanes if TAIL);
 // v_j = vc + off[j] + d0.  Values kAhead keys ahead are prefetched while
 // below pf (the row's key count on an item's first pass; 0: none).
-template <int NR, int NV, bool TAIL, typename C>
+// PAIRS (a bfloat16 cache, NV even, no TAIL): two vectors a load
+// (load_pairs), so acc holds each chunk of 2L dims permuted -- vector 2k
+// lane i is dim 2kL + 2i, vector 2k + 1 lane i dim 2kL + 2i + 1
+// (unpermute_pairs puts them back); every dim's fma chain is the same.
+template <int NR, int NV, bool TAIL, typename C, bool PAIRS = false>
 inline void pv_tile(const float* const* p, const C* vc, const int64_t* off, int j0, int j1, int last,
                     float* const* acc, int pf) {
   // (the loops over r and c unrolled from the start, so the 12 sums become
@@ -290,63 +291,27 @@ inline void pv_tile(const float* const* p, const C* vc, const int64_t* off, int 
     v::vf pb[NR];
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) pb[r] = v::set1(p[r][j]);
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) {
-      v::vf vv = (TAIL && c == NV - 1) ? load_kv_first(vr + c * L, last) : load_kv(vr + c * L);
-      in_register(vv);
-#pragma GCC unroll 4
-      for (int r = 0; r < NR; ++r) a[r][c] = v::fmadd(pb[r], vv, a[r][c]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) v::store(acc[r] + c * L, a[r][c]);
-}
-
-// pv_tile over a bfloat16 cache read two vectors at a time: a load of 2L
-// values gives the even dims (low halves) and the odd dims (high halves) as
-// two vectors of L lanes, one operation each, so acc holds each chunk of 2L
-// dims permuted: vector 2k lane i is dim 2kL + 2i, vector 2k + 1 lane i dim
-// 2kL + 2i + 1 (unpermute_pairs puts them back).  Every dim's fma chain is
-// pv_tile's.
-template <int NR, int NP>
-inline void pv_tile_pairs(const float* const* p, const bf16_t* vc, const int64_t* off, int j0, int j1,
-                          float* const* acc, int pf) {
-  constexpr int NV = 2 * NP;
-  v::vf a[NR][NV];
-#pragma GCC unroll 4
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) a[r][c] = v::load(acc[r] + c * L);
-#if defined(__AVX512F__)
-  const __m512i hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-#else
-  const __m256i hi16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-#endif
-  for (int j = j0; j < j1; ++j) {
-    const bf16_t* vr = vc + off[j];
-    if (j + kAhead < pf) prefetch_kv(vc + off[j + kAhead], NV * L);
-    v::vf pb[NR];
-#pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r) pb[r] = v::set1(p[r][j]);
+    if constexpr (PAIRS) {
+      static_assert(NV % 2 == 0 && !TAIL && std::is_same_v<C, bf16_t>);
 #pragma GCC unroll 2
-    for (int k = 0; k < NP; ++k) {
-#if defined(__AVX512F__)
-      const __m512i x = _mm512_loadu_si512(vr + 2 * k * L);
-      v::vf ev = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-      v::vf od = _mm512_castsi512_ps(_mm512_and_si512(x, hi16));
-#else
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 2 * k * L));
-      v::vf ev = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-      v::vf od = _mm256_castsi256_ps(_mm256_and_si256(x, hi16));
-#endif
-      in_register(ev);
-      in_register(od);
+      for (int c = 0; c < NV; c += 2) {
+        v::vf ev, od;
+        load_pairs(vr + c * L, ev, od);
+        in_register(ev);
+        in_register(od);
 #pragma GCC unroll 4
-      for (int r = 0; r < NR; ++r) {
-        a[r][2 * k] = v::fmadd(pb[r], ev, a[r][2 * k]);
-        a[r][2 * k + 1] = v::fmadd(pb[r], od, a[r][2 * k + 1]);
+        for (int r = 0; r < NR; ++r) {
+          a[r][c] = v::fmadd(pb[r], ev, a[r][c]);
+          a[r][c + 1] = v::fmadd(pb[r], od, a[r][c + 1]);
+        }
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) {
+        v::vf vv = (TAIL && c == NV - 1) ? load_kv_first(vr + c * L, last) : load_kv(vr + c * L);
+        in_register(vv);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; ++r) a[r][c] = v::fmadd(pb[r], vv, a[r][c]);
       }
     }
   }
@@ -356,7 +321,7 @@ inline void pv_tile_pairs(const float* const* p, const bf16_t* vc, const int64_t
     for (int c = 0; c < NV; ++c) v::store(acc[r] + c * L, a[r][c]);
 }
 
-// dst[0..D) from pv_tile_pairs' permuted sums (D a multiple of 2L).
+// dst[0..D) from pv_tile's permuted sums (PAIRS; D a multiple of 2L).
 inline void unpermute_pairs(const float* acc, float* dst, int D) {
   for (int k = 0; k < D / (2 * L); ++k)
     for (int i = 0; i < L; ++i) {
@@ -572,12 +537,12 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
           if constexpr (std::is_same_v<V, bf16_t>) {
             if (pairs) {  // nv is even here: nvec is, and kVecs
               switch (nr * 10 + nv / 2) {
-                case 11: pv_tile_pairs<1, 1>(p, vcd, off, jb, kend, a, pf); break;
-                case 12: pv_tile_pairs<1, 2>(p, vcd, off, jb, kend, a, pf); break;
-                case 21: pv_tile_pairs<2, 1>(p, vcd, off, jb, kend, a, pf); break;
-                case 22: pv_tile_pairs<2, 2>(p, vcd, off, jb, kend, a, pf); break;
-                case 31: pv_tile_pairs<3, 1>(p, vcd, off, jb, kend, a, pf); break;
-                default: pv_tile_pairs<3, 2>(p, vcd, off, jb, kend, a, pf); break;
+                case 11: pv_tile<1, 2, false, V, true>(p, vcd, off, jb, kend, last, a, pf); break;
+                case 12: pv_tile<1, 4, false, V, true>(p, vcd, off, jb, kend, last, a, pf); break;
+                case 21: pv_tile<2, 2, false, V, true>(p, vcd, off, jb, kend, last, a, pf); break;
+                case 22: pv_tile<2, 4, false, V, true>(p, vcd, off, jb, kend, last, a, pf); break;
+                case 31: pv_tile<3, 2, false, V, true>(p, vcd, off, jb, kend, last, a, pf); break;
+                default: pv_tile<3, 4, false, V, true>(p, vcd, off, jb, kend, last, a, pf); break;
               }
               continue;
             }

@@ -495,7 +495,7 @@ class PagedRunnerBase(ModelRunner):
                 blk = np.empty((len(pools), 2, pools[0].shape[2]), dtype=pools[0].dtype)
                 for layer, a in enumerate(pools):
                     blk[layer, 1] = a[1, b]
-                    blk[layer, 0] = self._keys_to_wire(a[0, b])
+                    blk[layer, 0] = self._keys_moved(a[0, b], to_wire=True)
                 out.append(blk.tobytes())
             return out
         views = self._views()
@@ -504,7 +504,7 @@ class PagedRunnerBase(ModelRunner):
         arr = np.stack(per_layer).reshape(len(per_layer), ids.size, -1).transpose(1, 0, 2)  # [n, L, 2*X]
         if self.key_blocks != "key-major":
             arr = arr.reshape(ids.size, len(per_layer), 2, -1).copy()
-            arr[:, :, 0] = self._keys_to_wire(arr[:, :, 0])
+            arr[:, :, 0] = self._keys_moved(arr[:, :, 0], to_wire=True)
         return [np.ascontiguousarray(arr[i]).tobytes() for i in range(ids.size)]
 
     #: how the pool holds a block's keys: "key-major" (``[kv_head, slot,
@@ -514,28 +514,17 @@ class PagedRunnerBase(ModelRunner):
     #: into the payload's layout on the way out and back on the way in
     key_blocks = "key-major"
 
-    def _key_shape(self) -> tuple[int, int, int]:
+    def _keys_moved(self, k: np.ndarray, to_wire: bool) -> np.ndarray:
+        """Keys ``[..., X]`` (one block of one layer each), a copy: from the
+        pool's layout to key-major (``to_wire``) or back.  The two layouts
+        differ by one swap of the slot axis and the (pair of) dims axis."""
         a = self.kv_args  # this rank's kv heads under tensor parallelism
-        return a.num_kv_heads, self.block_size, a.head_dim
-
-    def _keys_to_wire(self, k: np.ndarray) -> np.ndarray:
-        """Keys ``[..., X]`` (one block of one layer each, the pool's layout) key-major, a copy."""
-        KV, BS, D = self._key_shape()
+        KV, BS, D = a.num_kv_heads, self.block_size, a.head_dim
+        pairs = self.dtype != "float32"  # bfloat16: dims side by side in pairs
+        dims = D // 2 if pairs else D
+        inner = (dims, BS) if to_wire else (BS, dims)
         lead = k.shape[:-1]
-        if self.dtype == "float32":
-            t = k.reshape(*lead, KV, D, BS).swapaxes(-1, -2)
-        else:
-            t = k.reshape(*lead, KV, D // 2, BS, 2).swapaxes(-2, -3)
-        return np.ascontiguousarray(t).reshape(*lead, -1)
-
-    def _keys_from_wire(self, k: np.ndarray) -> np.ndarray:
-        """:meth:`_keys_to_wire` undone."""
-        KV, BS, D = self._key_shape()
-        lead = k.shape[:-1]
-        if self.dtype == "float32":
-            t = k.reshape(*lead, KV, BS, D).swapaxes(-1, -2)
-        else:
-            t = k.reshape(*lead, KV, BS, D // 2, 2).swapaxes(-2, -3)
+        t = k.reshape(*lead, KV, *inner, *((2,) if pairs else ())).swapaxes(-1 - pairs, -2 - pairs)
         return np.ascontiguousarray(t).reshape(*lead, -1)
 
     def copy_kv_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -577,7 +566,7 @@ class PagedRunnerBase(ModelRunner):
                         a[:, b] = blk[layer]
                     else:
                         a[1, b] = blk[layer, 1]
-                        a[0, b] = self._keys_from_wire(blk[layer, 0])
+                        a[0, b] = self._keys_moved(blk[layer, 0], to_wire=False)
             return
         views = self._views()
         raw = b"".join(payloads)
@@ -588,7 +577,7 @@ class PagedRunnerBase(ModelRunner):
         W = int(views[0].shape[1])
         if self.key_blocks != "key-major":
             arr = arr.reshape(ids.size, len(views), 2, -1).copy()
-            arr[:, :, 0] = self._keys_from_wire(arr[:, :, 0])
+            arr[:, :, 0] = self._keys_moved(arr[:, :, 0], to_wire=False)
         arr = arr.reshape(ids.size, len(views), -1, W)
         idx = paddle.to_tensor(self._block_rows(ids).reshape(-1))
         for layer, view in enumerate(views):
