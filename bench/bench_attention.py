@@ -1,7 +1,8 @@
 """fdx_paged_attention old vs new, side by side in one process.
 
 The "old" kernel is a reference revision's csrc/paged_attention.cc (default
-``df3be2c``, the last commit with the previous kernel; ``--ref``), read with ``git show``, renamed (op
+``HEAD``, the last commit, so a working-tree change is measured against it;
+``--ref``), read with ``git show``, renamed (op
 ``fdx_paged_attention_ref``, its C++ symbols in another namespace) and
 JIT-built with the flags fdx/model/native.py uses; the "new" one is this
 checkout's fdx ops.  Each case (one 512-token prefill, a decode step of 1
@@ -11,7 +12,7 @@ size 16) is timed old and new in alternation, ``--rounds`` times, best of
 each; the machine is shared, so read the **ratios**.  The last column says
 whether the two kernels' outputs and caches are bit-identical for the case.
 
-    .venv/bin/python bench/bench_attention.py [--ref df3be2c] [--rounds 7] [--kv-dtype bfloat16] [--layers 30]
+    .venv/bin/python bench/bench_attention.py [--ref HEAD] [--rounds 7] [--kv-dtype bfloat16] [--layers 30]
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def timed(op: object, c: dict, caches: list, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ref", default="df3be2c", help="git revision of the old kernel")
+    ap.add_argument("--ref", default="HEAD", help="git revision of the old kernel")
     ap.add_argument("--rounds", type=int, default=7, help="alternations; best of each side")
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"), help="the KV cache's dtype")
     ap.add_argument("--layers", type=int, default=1,

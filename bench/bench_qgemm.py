@@ -9,7 +9,7 @@ read the **ratios** (new/old speed).  Every output is also checked to be
 bit-identical between the two kernels (the batch-invariance contract pins
 each element's float sequence, so a faster kernel must give the same bits).
 
-    PYTHONPATH=. .venv/bin/python bench/bench_qgemm.py [--ref df3be2c] [--rows 1,4,32,64,512] [--rounds 5]
+    PYTHONPATH=. .venv/bin/python bench/bench_qgemm.py [--ref HEAD] [--rows 1,4,32,64,512] [--rounds 5]
 
 A kernel that changes the bits on purpose (issue 27's two-level
 activations) runs with ``--bits-may-differ``.  On a loaded machine
@@ -111,7 +111,7 @@ def random_gguf(rng: np.random.Generator, N: int, K: int, qtype: int) -> np.ndar
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ref", default="df3be2c", help="commit whose qgemm.cc is the baseline")
+    ap.add_argument("--ref", default="HEAD", help="commit whose qgemm.cc is the baseline")
     ap.add_argument("--rows", default="1,4,32,64,512")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--rounds", type=int, default=5, help="alternations; best of each side")
