@@ -38,7 +38,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-SCHEMES = ("none", "a8-block", "a8-row", "w8a8", "a8-center", "a8-block16", "a8-mu", "a8-med")
+SCHEMES = ("none", "a8-block", "a8-row", "w8a8", "a8-center", "a8-block16", "a8-mu", "a8-med", "a8-2digit")
 MATMULS = ("qkv", "o", "gate_up", "down", "lm_head")
 
 
@@ -177,7 +177,7 @@ def install(runner: Any, scheme: str, only: set[str], calib: dict | None = None)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--schemes", default="a8-block,a8-row,w8a8", help=f"comma-separated; choices: {', '.join(SCHEMES)}, or a per-matmul mix")
     ap.add_argument("--tokens", type=int, default=64, help="float32 greedy tokens per prompt")
     ap.add_argument("--only", default=",".join(MATMULS),
                     help="the matmuls the scheme applies to (the others stay float32), e.g. --only down")
@@ -189,8 +189,11 @@ def main() -> None:
     if only - set(MATMULS):
         sys.exit(f"unknown matmul(s) {sorted(only - set(MATMULS))}; choices: {', '.join(MATMULS)}")
     for s in schemes:
-        if s not in SCHEMES and "=" not in s:
-            sys.exit(f"unknown scheme {s!r}; choices: {', '.join(SCHEMES)}")
+        for part in s.split("/") if "=" in s else [s]:
+            m, _, base = part.rpartition("=")
+            if (m and m not in MATMULS) or base not in SCHEMES:
+                sys.exit(f"unknown scheme {part!r}: a scheme is one of {', '.join(SCHEMES)}, or a mix like "
+                         f"qkv=a8-center/down=a8-2digit over the matmuls {', '.join(MATMULS)}")
 
     from test_architectures import teacher_forced
     from test_int8_accuracy import float32_references, top1_agreement
@@ -201,7 +204,7 @@ def main() -> None:
     print(f"float32's top-2 logit margin: {', '.join(f'< {t}: {int((margins < t).sum())}' for t in (0.05, 0.1, 0.2, 0.5))}"
           f" of {len(margins)} positions")
     print(f"matmuls rounded: {', '.join(m for m in MATMULS if m in only)}")
-    print(f"{'scheme':10s} {'top-1':>14s} {'mean |dlogprob|':>16s}")
+    print(f"KV pool of the simulated runs: {args.kv_cache_dtype}")
     sim = fp32
     if args.kv_cache_dtype != "float32":
         from fdx.config import make_config
@@ -216,7 +219,7 @@ def main() -> None:
                                                CPUDevice())
         finally:
             runner_mod.kv_pool_dtype = pool0
-    print(f"KV pool of the simulated runs: {args.kv_cache_dtype}")
+    print(f"{'scheme':10s} {'top-1':>14s} {'mean |dlogprob|':>16s}")
     calib = calibrate(sim) if any("a8-mu" in s or "a8-med" in s for s in schemes) else None
     for scheme in schemes:
         undo = install(sim, scheme, only, calib)
