@@ -74,8 +74,8 @@ CALIBRATION = ["Tell me about the history of the Roman Empire.", "How do I sort 
 
 
 def calibrate(runner: Any) -> dict[tuple[int, str], np.ndarray]:
-    """Every matmul input's rows over the calibration prompts (their greedy
-    32 tokens, teacher-forced; the first position left out), by (layer, which)."""
+    """Every matmul input's rows over the calibration prompts (each with its
+    greedy 32 tokens, teacher-forced), by (id of the layer, which matmul)."""
     from runnerutil import run_greedy
     from test_architectures import teacher_forced
 
@@ -102,11 +102,7 @@ def calibrate(runner: Any) -> dict[tuple[int, str], np.ndarray]:
             teacher_forced(runner, sq[:1], sq[1:])
     finally:
         llama.CPUKernels.linear, llama.CPUKernels.lm_head = lin0, head0  # type: ignore[method-assign]
-    out = {}
-    for k, v in rows.items():
-        x = np.concatenate(v, 0)
-        out[k] = x
-    return out
+    return {k: np.concatenate(v, 0) for k, v in rows.items()}
 
 
 def install(runner: Any, scheme: str, only: set[str], calib: dict | None = None) -> Callable[[], None]:
@@ -177,7 +173,8 @@ def install(runner: Any, scheme: str, only: set[str], calib: dict | None = None)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--schemes", default="a8-block,a8-row,w8a8", help=f"comma-separated; choices: {', '.join(SCHEMES)}, or a per-matmul mix")
+    ap.add_argument("--schemes", default="a8-block,a8-row,w8a8",
+                    help=f"comma-separated; choices: {', '.join(SCHEMES)}, or a per-matmul mix")
     ap.add_argument("--tokens", type=int, default=64, help="float32 greedy tokens per prompt")
     ap.add_argument("--only", default=",".join(MATMULS),
                     help="the matmuls the scheme applies to (the others stay float32), e.g. --only down")
@@ -201,8 +198,8 @@ def main() -> None:
     fp32, seqs, want = float32_references(args.tokens)
     assert fp32.model.q_lm_head is not None and fp32.model.ops is not None, "needs the GGUF blocks and fdx's ops"
     margins = np.concatenate([np.diff(np.sort(w, -1)[:, -2:], axis=-1)[:, 0] for w in want])
-    print(f"float32's top-2 logit margin: {', '.join(f'< {t}: {int((margins < t).sum())}' for t in (0.05, 0.1, 0.2, 0.5))}"
-          f" of {len(margins)} positions")
+    under = ", ".join(f"< {t}: {int((margins < t).sum())}" for t in (0.05, 0.1, 0.2, 0.5))
+    print(f"float32's top-2 logit margin: {under} of {len(margins)} positions (near-ties flip under small errors)")
     print(f"matmuls rounded: {', '.join(m for m in MATMULS if m in only)}")
     print(f"KV pool of the simulated runs: {args.kv_cache_dtype}")
     sim = fp32

@@ -119,7 +119,7 @@ def bench_fdx(args: argparse.Namespace) -> dict[str, float]:
     res: dict[str, float] = {}
     # warm-up
     step(runner, make_requests(runner, prompts_of(2, 16, 9), 4))
-    # prefill: one 512-token prompt in one step (best of 3)
+    # prefill: one --prefill-len prompt in one step (best of 3)
     best = 1e9
     for k in range(3):
         reqs = make_requests(runner, prompts_of(1, args.prefill_len, k), 1)
@@ -344,7 +344,9 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--decode-steps", type=int, default=64)
-    ap.add_argument("--blocks", type=int, default=700)
+    ap.add_argument("--blocks", type=int, default=None,
+                    help="KV blocks of the runner (default: enough for 32 sequences of --prompt-len / --prefill-len "
+                         "plus --decode-steps, and at least 700)")
     ap.add_argument("--repeats", type=int, default=3, help="best of N (filters out a busy machine)")
     ap.add_argument("--attention", choices=("native", "paddle"), default="native")
     ap.add_argument("--dtype", default="auto", help="fdx's compute mode: auto, int8, float32")
@@ -355,6 +357,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object at the end")
     ap.add_argument("--moe", action="store_true", help="a random Qwen3-MoE instead (see above)")
     args = ap.parse_args()
+    if args.blocks is None:  # 32 sequences (the largest batch) of the longer prompt, 16-token blocks
+        args.blocks = max(700, 33 * -(-(max(args.prompt_len, args.prefill_len) + args.decode_steps + 3) // 16))
     if args.moe:
         bench_moe(args)
         return
@@ -362,7 +366,8 @@ def main() -> None:
     from fdx.model.source import embedded_gguf_path
 
     print(f"machine: {os.cpu_count()} cores (shared; figures are noisy), OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
-    rows = [("prefill tok/s (512-token prompt)", "prefill_tok_s"), ("decode tok/s, 1 sequence", "decode_b1_tok_s"),
+    rows = [(f"prefill tok/s ({args.prefill_len}-token prompt)", "prefill_tok_s"),
+            ("decode tok/s, 1 sequence", "decode_b1_tok_s"),
             ("decode tok/s, 8 sequences", "decode_b8_tok_s"), ("decode tok/s, 32 sequences", "decode_b32_tok_s"),
             ("end-to-end tok/s, 8 seqs (+prefill)", "e2e_b8_tok_s"),
             ("end-to-end tok/s, 32 seqs (+prefill)", "e2e_b32_tok_s")]
