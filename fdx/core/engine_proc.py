@@ -153,8 +153,8 @@ def run_engine(config: EngineConfig, paths: IpcPaths, parent_pid: int | None = N
                 logger.maybe_log(stats)
             else:
                 stats_cache[0] = engine.stats()
-            if parent_pid is not None and time.monotonic() >= parent_checked + PARENT_CHECK_S:
-                parent_checked = time.monotonic()
+            if parent_pid is not None and (t := time.monotonic()) >= parent_checked + PARENT_CHECK_S:
+                parent_checked = t
                 if not pid_alive(parent_pid):
                     log.error("parent process %d is gone; engine exiting", parent_pid)
                     return 1

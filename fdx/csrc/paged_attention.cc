@@ -75,7 +75,7 @@ namespace {
 
 namespace v = fdx::simd;
 constexpr int L = v::kLanes;
-constexpr int kRun = 32;           // tokens per work item (a prefill chunk is cut in runs)
+constexpr int kRun = 32;          // tokens per work item (a prefill chunk is cut in runs)
 constexpr int kRows = 3;          // query rows per register tile of the weighted sum
 constexpr int kVecs = 4;          // output vectors per register tile of the weighted sum
 constexpr int kGroupBlocks = 4;   // key blocks per pass of the scores (in L1 while a run's rows use them)
