@@ -70,6 +70,21 @@ def per_channel_int8(w: np.ndarray) -> np.ndarray:
     return (np.rint(w / np.where(s > 0, s, 1.0)) * s).astype(np.float32)
 
 
+def schemes_by_matmul(scheme: str) -> dict[str, str]:
+    """The base scheme of each matmul: ``scheme`` for all of them, or a mix
+    like ``qkv=a8-center/down=a8-2digit`` (the matmuls it does not name:
+    ``a8-block``).  SystemExit naming the choices on an unknown part."""
+    mix = "=" in scheme
+    out = dict.fromkeys(MATMULS, "a8-block")
+    for part in scheme.split("/") if mix else [f"qkv={scheme}"]:
+        m, _, base = part.partition("=")
+        if m not in MATMULS or base not in SCHEMES:
+            sys.exit(f"unknown scheme {part if mix else scheme!r}: a scheme is one of {', '.join(SCHEMES)}, or a "
+                     f"mix like qkv=a8-center/down=a8-2digit over the matmuls {', '.join(MATMULS)}")
+        out[m] = base
+    return out if mix else dict.fromkeys(MATMULS, scheme)
+
+
 CALIBRATION = ["Tell me about the history of the Roman Empire.", "How do I sort a list in Python?"]
 
 
@@ -126,40 +141,35 @@ def install(runner: Any, scheme: str, only: set[str], calib: dict | None = None)
             dense[key] = paddle.to_tensor(per_channel_int8(w))
         return dense[key]
 
-    per = dict(p.split("=") for p in scheme.split("/")) if "=" in scheme else {}
-
-    def scheme_of(which: str) -> str:
-        return per.get(which, "a8-block") if per else scheme
+    base_of = schemes_by_matmul(scheme)
 
     def act(h: paddle.Tensor, key: tuple[int, str]) -> paddle.Tensor:
         x = h.numpy()
-        scheme = scheme_of(key[1])
-        if scheme == "a8-2digit":  # a 16-bit grid per block: Q = rint(x * 32258 / max)
+        base = base_of[key[1]]
+        if base == "a8-2digit":  # a 16-bit grid per block: Q = rint(x * 32258 / max)
             xb = x.reshape(x.shape[0], -1, 32)
             d = np.abs(xb).max(-1, keepdims=True) / 32258.0
             q = np.where(d > 0, np.rint(xb / np.where(d > 0, d, 1.0)), 0.0)
             return paddle.to_tensor((q * d).reshape(x.shape).astype(np.float32))
-        if scheme in ("a8-mu", "a8-med"):
+        if base in ("a8-mu", "a8-med"):
             c = calib[key]
-            mu = (np.median(c, 0) if scheme == "a8-med" else c.mean(0)).astype(np.float32)
+            mu = (np.median(c, 0) if base == "a8-med" else c.mean(0)).astype(np.float32)
             return paddle.to_tensor(fake_quant_rows(x - mu, 32) + mu)
-        if scheme == "a8-center":
+        if base == "a8-center":
             return paddle.to_tensor(fake_quant_centered(x, 32))
-        return paddle.to_tensor(fake_quant_rows(x, {"a8-block": 32, "a8-block16": 16}.get(scheme, x.shape[1])))
+        return paddle.to_tensor(fake_quant_rows(x, {"a8-block": 32, "a8-block16": 16}.get(base, x.shape[1])))
 
     def linear(self: Any, h: paddle.Tensor, layer: Any, which: str) -> paddle.Tensor:
-        scheme = scheme_of(which)
-        if which not in only or scheme == "none":
+        if which not in only or base_of[which] == "none":
             return lin0(self, h, layer, which)
-        if scheme == "w8a8":
+        if base_of[which] == "w8a8":
             return paddle.matmul(act(h, (id(layer), which)), weights_t(getattr(layer, llama._LINEAR[which][1])))
         return lin0(self, act(h, (id(layer), which)), layer, which)
 
     def lm_head(self: Any, h: paddle.Tensor) -> paddle.Tensor:
-        scheme = scheme_of("lm_head")
-        if "lm_head" not in only or scheme == "none":
+        if "lm_head" not in only or base_of["lm_head"] == "none":
             return head0(self, h)
-        if scheme == "w8a8":
+        if base_of["lm_head"] == "w8a8":
             return paddle.matmul(act(h, (0, "lm_head")), weights_t(self.model.q_lm_head))
         return head0(self, act(h, (0, "lm_head")))
 
@@ -186,11 +196,7 @@ def main() -> None:
     if only - set(MATMULS):
         sys.exit(f"unknown matmul(s) {sorted(only - set(MATMULS))}; choices: {', '.join(MATMULS)}")
     for s in schemes:
-        for part in s.split("/") if "=" in s else [s]:
-            m, _, base = part.rpartition("=")
-            if (m and m not in MATMULS) or base not in SCHEMES:
-                sys.exit(f"unknown scheme {part!r}: a scheme is one of {', '.join(SCHEMES)}, or a mix like "
-                         f"qkv=a8-center/down=a8-2digit over the matmuls {', '.join(MATMULS)}")
+        schemes_by_matmul(s)  # refuses an unknown one up front
 
     from test_architectures import teacher_forced
     from test_int8_accuracy import float32_references, top1_agreement
