@@ -13,6 +13,12 @@ busy machine better than absolute times.
 ``--by-op`` also times every native op call (the per-layer path, so that
 each kernel is timed on its own: qgemm by output width, attention, norms,
 SwiGLU) and prints each one's share of the step.
+
+``--seconds S`` keeps ``--concurrency`` requests of ``--prompt-len`` tokens
+going for S seconds instead, each replaced by a new prompt when its
+``--tokens`` are out: a served stream's mix of prefills and contexts, long
+enough to attach ``perf record -p PID`` to (the steps' mean time is printed,
+prefills included).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--by-op", action="store_true", help="time each native op (runs the per-layer path)")
+    ap.add_argument("--seconds", type=float, default=0.0,
+                    help="keep --concurrency requests going this long, new prompts replacing finished ones")
     args = ap.parse_args()
 
     import numpy as np
@@ -80,9 +88,27 @@ def main() -> None:
     rng = np.random.default_rng(0)
     vocab = 40000
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    for i in range(args.concurrency):
+    added = 0
+
+    def add() -> None:
+        nonlocal added
         ids = tuple(int(x) for x in rng.integers(100, vocab, args.prompt_len))
-        eng.add_request(AddRequest(f"r{i}", ids, params, time.time()))
+        eng.add_request(AddRequest(f"r{added}", ids, params, time.time()))
+        added += 1
+
+    for _ in range(args.concurrency):
+        add()
+    if args.seconds > 0:
+        print(f"pid {os.getpid()}: {args.concurrency} requests of {args.prompt_len} + {args.tokens} tokens "
+              f"for {args.seconds:.0f} s", flush=True)
+        steps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < args.seconds:
+            eng.step()
+            steps += 1
+            for _ in range(args.concurrency - len(eng.scheduler.request_ids())):
+                add()
+        print(f"{steps} steps, {(time.perf_counter() - t0) / steps * 1000:.2f} ms a step (prefills included)")
+        return
     # prefill first, then time only steps where every sequence decodes
     while any(r is not None and r.num_output_tokens == 0 for r in map(eng.scheduler.get, eng.scheduler.request_ids())):
         eng.step()
