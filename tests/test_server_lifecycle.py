@@ -1,6 +1,6 @@
 """`fdx serve` process life cycle: a frozen engine that comes back, clean
-SIGTERM, engine start-up failure.  Crashes and restarts:
-tests/test_engine_supervisor.py."""
+SIGTERM, a killed launcher's children, engine start-up failure.  Crashes and
+restarts: tests/test_engine_supervisor.py."""
 
 from __future__ import annotations
 
@@ -89,6 +89,35 @@ def test_sigterm_stops_everything() -> None:
         for k in kids:
             assert not pid_alive(k), f"child {k} survived"
         assert os.listdir(run_dir) == [], "run directory (socket files) left behind"
+
+
+def test_a_killed_launcher_leaves_no_orphans() -> None:
+    """SIGKILL of `fdx serve` itself (no handler runs, nobody stops the
+    children): the engine (its loop asks whether its parent lives) and the
+    API process (a watcher thread) notice and exit on their own, so no
+    orphan keeps the model's memory, the KV pool or the port."""
+    with start_server() as (base, proc):
+        info = httpx.get(base + "/health").json()
+        kids = {"engine": info["engine_pid"], "api": info["api_pid"]}
+        out: dict[str, Any] = {}
+        started = threading.Event()
+        t = threading.Thread(target=_stream_until_error, args=(base, out, started))
+        t.start()
+        assert started.wait(60)
+        proc.kill()
+        proc.wait(10)
+        try:
+            deadline = time.monotonic() + 20
+            while any(pid_alive(k) for k in kids.values()):
+                assert time.monotonic() < deadline, \
+                    f"orphans still alive 20 s after the launcher died: {[n for n, k in kids.items() if pid_alive(k)]}"
+                time.sleep(0.1)
+            t.join(10)
+            assert not t.is_alive(), "the open stream hung after the launcher died"
+        finally:
+            for k in kids.values():
+                if pid_alive(k):
+                    os.kill(k, signal.SIGKILL)
 
 
 def test_engine_start_failure_exits_nonzero() -> None:
