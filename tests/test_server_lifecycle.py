@@ -93,9 +93,11 @@ def test_sigterm_stops_everything() -> None:
 
 def test_a_killed_launcher_leaves_no_orphans() -> None:
     """SIGKILL of `fdx serve` itself (no handler runs, nobody stops the
-    children): the engine (its loop asks whether its parent lives) and the
-    API process (a watcher thread) notice and exit on their own, so no
-    orphan keeps the model's memory, the KV pool or the port."""
+    children): the API process (a watcher thread) and the engine (its
+    channel to the API closing, or its loop's parent check, whichever comes
+    first) notice and exit on their own, so no orphan keeps the model's
+    memory, the KV pool or the port.  (The run directory's socket files stay
+    behind: the launcher that removes them is the process that died.)"""
     with start_server() as (base, proc):
         info = httpx.get(base + "/health").json()
         kids = {"engine": info["engine_pid"], "api": info["api_pid"]}
