@@ -1,4 +1,6 @@
-"""Time Sampler.sample() against a plain argmax baseline, side by side.
+"""Time Sampler.sample() against a plain argmax baseline, side by side
+(the random rows by NumPy, and by the C++ kernel where fdx's ops load: the
+"C++" columns, what the engine runs).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_sampler.py [--repeat 30] [--paddle]
 
@@ -84,20 +86,28 @@ def main() -> None:
     ap.add_argument("--logits", help="a .npy [rows, 49152] of real logits, added as shape 'file'")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    sampler = Sampler(V)
+    from fdx.model import native
+
+    native.load_ops()
+    kernel = native.sampling_kernel()
+    samplers = {"": Sampler(V)}
+    if kernel is not None:  # the random rows in C++ (fdx/csrc/sampling.cc): the engine's sampler on this CPU
+        samplers[" C++"] = Sampler(V, native=kernel)
+    else:
+        print("fdx's native ops are not loaded: NumPy columns only")
     paddle: Any = None
     if args.paddle:
         import paddle as _paddle
 
         paddle = _paddle
-    kinds = ("greedy", "temp+top_p", "full")
+    kinds = [("greedy", "", "greedy")] + [(k + tag, tag, k) for k in ("temp+top_p", "full") for tag in samplers]
     print(f"V={V}; per call, median over {args.repeat} interleaved rounds of time / np.argmax time")
     print("logits 'peaked': N(0,1.5) + 5 tokens boosted by 6..12 (small nucleus, mostly);")
     print("       'flat':   N(0,3) (top_p=0.9 nucleus of ~300-700 tokens at T=0.8)")
     head = f"{'n':>3} {'logits':>7} {'argmax us':>10}"
     if paddle is not None:
         head += f" {'paddle.argmax':>14} {'.numpy()':>9}"
-    print(head + "".join(f" {k:>11}" for k in kinds) + "  full us/row")
+    print(head + "".join(f" {k[0]:>15}" for k in kinds) + "  full us/row")
     real = np.load(args.logits).astype(np.float32) if args.logits else None
     for shape in ("peaked", "flat") + (("file",) if real is not None else ()):
         for n in (1, 8, 32):
@@ -110,24 +120,24 @@ def main() -> None:
             fns: list[Callable[[], Any]] = []
             if paddle is not None:
                 fns += [lambda: paddle.argmax(logits, axis=-1).numpy(), lambda: logits.numpy()]
-            for kind in kinds:
+            for _, tag, kind in kinds:
                 reqs = make_requests(n, kind, rng)
-                fns.append(lambda reqs=reqs: sampler.sample(logits, reqs))
+                fns.append(lambda reqs=reqs, s=samplers[tag]: s.sample(logits, reqs))
             base, ratios = interleaved(lambda: x.argmax(axis=1), fns, args.repeat)
             cells = "".join(f" {r:>13.1f}x" if j == 0 else f" {r:>8.1f}x" for j, r in enumerate(ratios[: len(ratios) - len(kinds)]))
-            tail = "".join(f" {r:>10.1f}x" for r in ratios[len(ratios) - len(kinds) :])
+            tail = "".join(f" {r:>14.1f}x" for r in ratios[len(ratios) - len(kinds) :])
             per_row = ratios[-1] * base / n * 1e6
             print(f"{n:>3} {shape:>7} {base * 1e6:>10.1f}{cells}{tail}  {per_row:8.0f}")
     # Per-call Python overhead: the same paths on a 64-token vocabulary.
     print("overhead (V=64, numpy work negligible), absolute:")
-    small = Sampler(64)
+    small = {tag: Sampler(64, native=kernel if tag else None) for tag in samplers}
     for n in (8, 32):
         x = rng.standard_normal((n, 64)).astype(np.float32)
         parts = []
-        for kind in kinds:
+        for name, tag, kind in kinds:
             reqs = make_requests(n, kind, rng, vocab=64)
-            t = statistics.median(_once(lambda: small.sample(x, reqs)) for _ in range(args.repeat))
-            parts.append(f"{kind} {t * 1e6:.0f} us ({t / n * 1e6:.1f} us/row)")
+            t = statistics.median(_once(lambda: small[tag].sample(x, reqs)) for _ in range(args.repeat))
+            parts.append(f"{name} {t * 1e6:.0f} us ({t / n * 1e6:.1f} us/row)")
         print(f"  n={n}: " + ", ".join(parts))
 
 

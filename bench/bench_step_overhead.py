@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--by-op", action="store_true", help="time each native op (runs the per-layer path)")
+    ap.add_argument("--time-ops", action="store_true", help="time each native op call on the default (fused) path")
     ap.add_argument("--seconds", type=float, default=0.0,
                     help="keep --concurrency requests going this long, new prompts replacing finished ones")
     args = ap.parse_args()
@@ -64,9 +65,10 @@ def main() -> None:
 
     runner._forward, runner.execute = timed(runner._forward, "forward"), timed(runner.execute, "execute")
     op_times: dict[str, float] = {}
-    if args.by_op and getattr(runner, "model", None) is not None and runner.model.ops is not None:
+    if (args.by_op or args.time_ops) and getattr(runner, "model", None) is not None and runner.model.ops is not None:
         model = runner.model
-        model.fused_layers = False  # the same kernels, one op call each
+        if args.by_op:
+            model.fused_layers = False  # the same kernels, one op call each
 
         class TimedOps:
             def __init__(self, ops):  # type: ignore[no-untyped-def]
@@ -129,7 +131,7 @@ def main() -> None:
     print(f"| engine Python (schedule, update, outputs) | {(total - e) / total:.3f} |")
     print(f"| host time an overlapped loop could hide | {(total - f) / total:.3f} |")
     if op_times:
-        print("\n| native op (per-layer path) | ms a step | share of the step |\n|---|---|---|")
+        print(f"\n| native op ({'per-layer' if args.by_op else 'fused'} path) | ms a step | share of the step |\n|---|---|---|")
         for key, v in sorted(op_times.items(), key=lambda kv: -kv[1]):
             print(f"| {key} | {v / steps * 1000:.2f} | {v / total:.3f} |")
         rest = f - sum(op_times.values())

@@ -179,6 +179,22 @@ def probe() -> dict[str, np.ndarray]:
                 [T(ls[3].data) for ls in layers], caches, kinds, H, 1e-5, float(D) ** -0.5, 0, [6, 0])
             out[f"decoder_layers_{mode}_step{step}"] = xo.numpy()
             out[f"decoder_layers_{mode}_step{step}_residual"] = res.numpy()
+
+    # the sampling kernel (fdx/csrc/sampling.cc): plain, top_p (small and wide nucleus), top_k, min_p rows
+    from fdx.model import native
+
+    kernel = native.sampling_kernel()
+    assert kernel is not None
+    Vs = 49152 + 5  # a tail past the last full vector
+    z = (rng.standard_normal((8, Vs)) * 1.5).astype(np.float32)
+    z[np.arange(8)[:, None], rng.integers(0, Vs, (8, 4))] += np.float32(9)
+    z[3, :100] = -np.inf
+    for name, (tk, tp, mp, t) in {"plain": (0, 1.0, 0.0, 1.0), "top_p": (0, 0.9, 0.0, 0.8),
+                                  "wide_top_p": (0, 0.95, 0.0, 2.5), "top_k": (40, 1.0, 0.0, 1.0),
+                                  "all": (3000, 0.8, 0.001, 1.2)}.items():
+        toks = [kernel(z, np.arange(8), np.full(8, 1 / t, np.float32), np.full(8, tk), np.full(8, tp),
+                       np.full(8, mp, np.float32), np.full(8, u)) for u in (1e-9, 0.3, 0.77, 1.0)]
+        out[f"sample_{name}"] = np.stack(toks)
     return out
 
 

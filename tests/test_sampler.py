@@ -21,6 +21,24 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
+@pytest.fixture(params=["numpy", "native"], autouse=True)
+def sampler_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs twice: the random rows sampled by NumPy, then by the
+    C++ kernel (fdx/csrc/sampling.cc) -- every ``Sampler`` built without a
+    ``native`` argument gets it."""
+    if request.param == "native":
+        from fdx.model import native
+
+        native.load_ops()
+        kernel = native.sampling_kernel()
+        if kernel is None:
+            pytest.skip("fdx's native CPU ops are not loaded here (no AVX2/AVX-512 or no compiler)")
+        defaults = Sampler.__init__.__defaults__
+        assert defaults is not None and defaults[-1] is None
+        monkeypatch.setattr(Sampler.__init__, "__defaults__", (*defaults[:-1], kernel))
+    return str(request.param)
+
+
 @pytest.fixture()
 def sampler() -> Sampler:
     return Sampler(V, seed=1234)
@@ -347,3 +365,68 @@ def test_input_logits_never_modified(sampler: Sampler, logits: np.ndarray) -> No
         r.output_token_ids = [4, 4, 9]
     sampler.sample(logits, reqs)
     assert np.array_equal(logits, before)
+
+
+# --------------------------------------------------------------------------
+# The C++ kernel on a model-sized vocabulary: masked tokens, degenerate rows,
+# the nucleus search on rows whose nucleus is a few tokens or thousands.
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def kernel() -> object:
+    from fdx.model import native
+
+    native.load_ops()
+    k = native.sampling_kernel()
+    if k is None:
+        pytest.skip("fdx's native CPU ops are not loaded here")
+    return k
+
+
+def test_native_never_samples_a_masked_token(kernel: object, sampler_kernel: str) -> None:
+    if sampler_kernel != "native":
+        pytest.skip("the kernel itself: once")
+    width = 49152
+    rng = np.random.default_rng(5)
+    x = np.full((6, width), -np.inf, dtype=np.float32)
+    allowed = rng.choice(width, 40, replace=False)
+    x[:, allowed] = rng.normal(size=(6, 40)).astype(np.float32) * 3
+    x[5, :] = -np.inf  # nothing allowed: no mass, token 0 (as the NumPy path)
+    for kw in (dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=5, min_p=0.01)):
+        s = Sampler(width, seed=3)
+        for _ in range(30):
+            toks, _ = s.sample(x, [req(str(i), **kw) for i in range(6)])
+            assert set(toks[:5].tolist()) <= set(allowed.tolist()), kw
+            assert toks[5] == 0
+
+
+@pytest.mark.parametrize("boost", [12.0, 3.0], ids=["small-nucleus", "wide-nucleus"])
+def test_native_top_p_on_a_model_sized_vocab(kernel: object, sampler_kernel: str, boost: float) -> None:
+    """A 49,152-token row: a few boosted tokens over a N(0, 1.5) bulk (top_p 0.9
+    at T = 0.8 keeps 2-3 tokens with a boost of 12, thousands with 3): the
+    kernel's candidate bound and selection by mass give the reference's
+    distribution."""
+    if sampler_kernel != "native":
+        pytest.skip("the kernel itself: once")
+    width = 49152
+    rng = np.random.default_rng(8)
+    row = (rng.normal(size=width) * 1.5).astype(np.float32)
+    top = rng.choice(width, 5, replace=False)
+    row[top] += np.float32(boost) - np.arange(5, dtype=np.float32)
+    ref = reference_dist(row, 0.8, 0, 0.9, 0.0)
+    n = 4000
+    toks, _ = Sampler(width, seed=2).sample(np.tile(row, (n, 1)), [req(str(i), temperature=0.8, top_p=0.9)
+                                                                   for i in range(n)])
+    assert ref[toks].min() > 0, "sampled outside the nucleus"
+    order = np.argsort(-ref, kind="stable")
+    rank = np.empty(width, dtype=np.int64)
+    rank[order] = np.arange(width)
+    edges = np.searchsorted(np.cumsum(ref[order]), np.linspace(0.1, 0.9, 9))
+    bucket_ref = np.diff(np.concatenate([[0.0], np.cumsum(ref[order])[edges], [1.0]]))
+    bucket_emp = np.bincount(np.searchsorted(edges, rank[toks], side="left"), minlength=10) / n
+    assert np.abs(bucket_emp - bucket_ref).max() < 0.03
+
+
+def test_native_sampler_is_what_the_tests_run(sampler_kernel: str) -> None:
+    assert (Sampler(V)._native is not None) == (sampler_kernel == "native")

@@ -54,6 +54,10 @@ inline __mmask16 first_mask(int n) { return (__mmask16)((1u << n) - 1u); }
 inline vf load_first(const float* p, int n) { return _mm512_maskz_loadu_ps(first_mask(n), p); }
 inline void store_first(float* p, vf v, int n) { _mm512_mask_storeu_ps(p, first_mask(n), v); }
 inline vf keep_first(vf v, int n) { return _mm512_maskz_mov_ps(first_mask(n), v); }
+// v where x >= lo, else 0 (also where x is NaN)
+inline vf zero_below(vf x, float lo, vf v) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, set1(lo), _CMP_GE_OQ), v); }
+// bit i set where lane i of x >= t
+inline unsigned ge_mask(vf x, vf t) { return _mm512_cmp_ps_mask(x, t, _CMP_GE_OQ); }
 
 // lane i + lane i + 8 of v (the first step of every fixed sum tree, see v16)
 inline __m256 fold8(vf v) {
@@ -109,6 +113,8 @@ inline __m256i first_mask(int n) {
 inline vf load_first(const float* p, int n) { return _mm256_maskload_ps(p, first_mask(n)); }
 inline void store_first(float* p, vf v, int n) { _mm256_maskstore_ps(p, first_mask(n), v); }
 inline vf keep_first(vf v, int n) { return _mm256_and_ps(v, _mm256_castsi256_ps(first_mask(n))); }
+inline vf zero_below(vf x, float lo, vf v) { return _mm256_and_ps(v, _mm256_cmp_ps(x, set1(lo), _CMP_GE_OQ)); }
+inline unsigned ge_mask(vf x, vf t) { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(x, t, _CMP_GE_OQ))); }
 
 inline vf from_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));

@@ -69,7 +69,7 @@ CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 #: builds made at install time (``python -m fdx.model.native``), inside the installed package
 PREBUILT = os.path.join(os.path.dirname(CSRC), "_ops")
 BUILD_COMMAND = f"{os.path.basename(sys.executable) or 'python'} -m fdx.model.native"
-SOURCES = ("paddle_ops.cc", "paged_attention.cc", "qgemv.cc", "qgemm.cc", "small_ops.cc", "moe.cc")
+SOURCES = ("paddle_ops.cc", "paged_attention.cc", "qgemv.cc", "qgemm.cc", "small_ops.cc", "moe.cc", "sampling.cc")
 HEADERS = ("simd_math.h", "kernels.h")
 #: plain C libraries beside the op module (ctypes, not Paddle ops): tensor parallelism's collectives
 STANDALONE = ("tp_comm.cc",)
@@ -89,6 +89,9 @@ _isa: str | None = None
 _dot: str | None = None
 _bf16_dot: str | None = None
 _tried = False
+#: the loaded op module's shared library (its plain C entry points are called with ctypes)
+_so_path: str | None = None
+_sampling: "SamplingKernel | None" = None
 
 
 def cache_dir() -> str:
@@ -147,6 +150,50 @@ def describe() -> str:
     bf16 = "vdpbf16ps" if _bf16_dot == "vdpbf16ps" else "fma, no AVX512-BF16"
     amx = " + AMX tdpbssd at 16+ rows" if loaded_int8_amx() else ""
     return f"{_isa} kernel set (fp32: {lanes} lanes; int8: {_dot}{amx}; bf16: {bf16})"
+
+
+class SamplingKernel:
+    """``fdx_sample_rows`` (fdx/csrc/sampling.cc) of the loaded ops, called
+    with ctypes on NumPy buffers: the temperature / min_p / top_k / top_p
+    rows of a step, one token each (:meth:`fdx.model.sampler.Sampler._sample_random`)."""
+
+    def __init__(self, so_path: str) -> None:
+        import ctypes
+
+        fn = ctypes.CDLL(so_path).fdx_sample_rows
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [p, i64, p, i64, i64, p, p, p, p, p, p]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def __call__(self, raw: Any, rows: Any, inv_t: Any, top_k: Any, top_p: Any, min_p: Any, u: Any) -> Any:
+        """Tokens ``int64[len(rows)]``: row ``j`` samples ``raw[rows[j]]``
+        (``raw``: float32 ``[n, V]``, unit column stride) with ``inv_t[j]``,
+        ``top_k[j]`` (0: off, else < V), ``top_p[j]``, ``min_p[j]`` and the
+        uniform draw ``u[j]`` in (0, 1]."""
+        import numpy as np
+
+        if raw.dtype != np.float32 or raw.strides[1] != 4:
+            raw = np.ascontiguousarray(raw, dtype=np.float32)
+        n = len(rows)
+        args = (np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(inv_t, dtype=np.float32),
+                np.ascontiguousarray(top_k, dtype=np.int64), np.ascontiguousarray(top_p, dtype=np.float64),
+                np.ascontiguousarray(min_p, dtype=np.float32), np.ascontiguousarray(u, dtype=np.float64))
+        out = np.empty(n, dtype=np.int64)
+        if n:
+            self._fn(raw.ctypes.data, raw.strides[0] // 4, args[0].ctypes.data, n, raw.shape[1],
+                     *(a.ctypes.data for a in args[1:]), out.ctypes.data)
+        return out
+
+
+def sampling_kernel() -> SamplingKernel | None:
+    """The native sampler of the loaded ops, or ``None`` when they are not loaded."""
+    global _sampling
+    if _ops is None or _so_path is None:
+        return None
+    if _sampling is None:
+        _sampling = SamplingKernel(_so_path)
+    return _sampling
 
 
 def loaded_int8_dot() -> str | None:
@@ -300,11 +347,15 @@ def _load_built(build_dir: str, module: str) -> Any:
     writes only Paddle's small generated Python API file next to it)."""
     from paddle.utils.cpp_extension import extension_utils
 
+    global _so_path
     with open(os.path.join(build_dir, ".lock"), "a") as lock:  # a concurrent build of the same key finishes first
         fcntl.flock(lock, fcntl.LOCK_SH)
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), _muted_paddle_logs():
             warnings.simplefilter("ignore")
-            return extension_utils._import_module_from_library(module, os.path.join(build_dir, module), False)
+            mod = extension_utils._import_module_from_library(module, os.path.join(build_dir, module), False)
+    if module.startswith("fdx_ops_"):
+        _so_path = os.path.join(build_dir, module, module + ".so")
+    return mod
 
 
 def build_library(source: str, into_package: bool = False) -> str:

@@ -132,6 +132,8 @@ class PaddleModelRunner(TensorParallelRunner):
             from fdx.model.native import load_ops
 
             ops = load_ops()
+        from fdx.model.native import sampling_kernel
+
         self.attention_impl = "native" if ops is not None else "paddle"
         #: "int8", "bfloat16" or "float32" (see fdx.model.llama)
         self.compute = resolve_compute(config.dtype, ops, self.kv_args)
@@ -153,7 +155,7 @@ class PaddleModelRunner(TensorParallelRunner):
         del ckpt
         self.caches: list[Any] | None = self._allocate()
         self._group_ready()
-        self.sampler = Sampler(self.vocab_size, config.max_logprobs, seed=config.seed)
+        self.sampler = Sampler(self.vocab_size, config.max_logprobs, seed=config.seed, native=sampling_kernel())
         log.info(
             "model %s (%s) on %s: %d KV blocks x %d tokens, kv_cache=%s, attention=%s, compute=%s",
             self.source.name, self.args.describe(), device.paddle_place(), self.num_kv_blocks, self.block_size,

@@ -19,10 +19,12 @@ in vLLM's order:
 7. random rows: temperature, min_p (relative to the top probability),
    top_k, top_p (on the renormalised survivors), then inverse-CDF sampling
    over the survivors in vocabulary order with ONE uniform draw per token.
-   The survivors are found among the row's top 1024 (then 8192) logits
-   when they fit there -- decided from the row alone -- else by a full
-   sort; both give the same distribution (tests check it against a
-   reference).
+   Where fdx's native ops load, step 7 runs in C++ (fdx/csrc/sampling.cc,
+   ``fdx_sample_rows``: O(V) a row, the rows over the OpenMP team; the
+   runner passes it as ``native``).  Otherwise NumPy finds the survivors
+   among the row's top 1024 (then 8192) logits when they fit there --
+   decided from the row alone -- else by a full sort.  All of them give
+   the same distribution (tests check each against a reference).
 
 Invariants:
 
@@ -39,7 +41,7 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
@@ -47,6 +49,16 @@ from fdx.core.messages import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from fdx.core.request import Request
+
+
+class NativeSampling(Protocol):
+    """What :class:`Sampler` calls for its random rows when given a native
+    kernel (:class:`fdx.model.native.SamplingKernel`): tokens ``int64[len(rows)]``,
+    row ``j`` drawn from ``raw[rows[j]]`` with its inverse temperature,
+    top_k (0: off), top_p, min_p and uniform draw ``u[j]`` in (0, 1]."""
+
+    def __call__(self, raw: np.ndarray, rows: np.ndarray, inv_t: np.ndarray, top_k: np.ndarray,
+                 top_p: np.ndarray, min_p: np.ndarray, u: np.ndarray) -> np.ndarray: ...
 
 #: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).
 GREEDY_EPS = 1e-5
@@ -173,10 +185,15 @@ def logits_to_numpy(logits: Any) -> np.ndarray:
 class Sampler:
     """Samples one token per row of a logits matrix (see module docstring)."""
 
-    def __init__(self, vocab_size: int, max_logprobs: int = 20, seed: int | None = None) -> None:
+    def __init__(self, vocab_size: int, max_logprobs: int = 20, seed: int | None = None,
+                 native: NativeSampling | None = None) -> None:
+        """``native``: the C++ kernel for the random rows
+        (:func:`fdx.model.native.sampling_kernel`); ``None`` samples them
+        with NumPy (the same distribution)."""
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
         self._rng = np.random.default_rng(seed)
+        self._native = native
 
     # ------------------------------------------------------------------ API
 
@@ -332,6 +349,8 @@ class Sampler:
         inv_t = (1.0 / temps).astype(np.float32)
         u = self._uniforms(rows, requests)
 
+        if self._native is not None:
+            return self._sample_native(x, rows, top_k, top_p, min_p, inv_t, u)
         tok = np.full(len(rows), -1, dtype=np.int64)
         filt = (top_k > 0) | (top_p < 1.0) | (min_p > 0)
         win = np.flatnonzero(filt & (top_k <= _MAX_TOPK_WINDOW))
@@ -350,6 +369,21 @@ class Sampler:
             tok[dense] = _sample_dense(
                 x.take(rows[dense]), top_k[dense], top_p[dense], min_p[dense], inv_t[dense], u[dense]
             )
+        return tok
+
+    def _sample_native(self, x: _Patched, rows: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                       min_p: np.ndarray, inv_t: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """The random rows in C++ (fdx/csrc/sampling.cc): rows no patch or
+        mask touches straight from the raw logits, the others from their
+        patched copies."""
+        assert self._native is not None
+        tok = np.empty(len(rows), dtype=np.int64)
+        touched = x.touched()[rows]
+        for sel, patched in ((np.flatnonzero(~touched), False), (np.flatnonzero(touched), True)):
+            if len(sel):
+                src = x.take(rows[sel]) if patched else x.raw
+                idx = np.arange(len(sel)) if patched else rows[sel]
+                tok[sel] = self._native(src, idx, inv_t[sel], top_k[sel], top_p[sel], min_p[sel], u[sel])
         return tok
 
     def _logprobs(
