@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--by-op", action="store_true", help="time each native op (runs the per-layer path)")
     ap.add_argument("--time-ops", action="store_true", help="time each native op call on the default (fused) path")
+    ap.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seconds", type=float, default=0.0,
                     help="keep --concurrency requests going this long, new prompts replacing finished ones")
     args = ap.parse_args()
@@ -89,7 +91,7 @@ def main() -> None:
         model.ops = TimedOps(model.ops)
     rng = np.random.default_rng(0)
     vocab = 40000
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.tokens, ignore_eos=True)
     added = 0
 
     def add() -> None:

@@ -848,3 +848,30 @@ def test_a_failing_compile_is_one_line_naming_the_file(tmp_path: Any) -> None:
         compile_op_library("fdx_broken", [str(src)], ["-O0"], [], [], str(tmp_path / "build"))
     msg = str(info.value)
     assert "\n" not in msg and msg.startswith("compiling broken.cc failed: ") and "error" in msg, msg
+
+
+def test_every_openmp_entry_the_ops_import_is_in_libiomp5() -> None:
+    """The ops link Paddle's libiomp5, which lacks some of GCC's GOMP_* entry
+    points (``omp for schedule(dynamic)`` calls GOMP_loop_nonmonotonic_dynamic_*):
+    one of those resolves to libgomp instead, which does not know libiomp5's
+    team -- every thread then runs every iteration (fdx_sample_rows did, at
+    first: right tokens, twice the work).  So every OpenMP symbol the library
+    imports must be one libiomp5 defines."""
+    import shutil
+    import subprocess
+
+    if native.load_ops() is None or native._so_path is None:
+        pytest.skip("fdx's native CPU ops are not loaded here")
+    if shutil.which("nm") is None:
+        pytest.skip("needs binutils' nm")
+    libs = [a[len("-L"):] for a in native._ldflags() if a.startswith("-L")]
+    if not libs:
+        pytest.skip("the ops are not linked against libiomp5 here (-fopenmp)")
+    iomp = ctypes.CDLL(os.path.join(libs[0], "libiomp5.so"))
+    out = subprocess.run(["nm", "-D", "--undefined-only", native._so_path], capture_output=True, text=True,
+                         check=True).stdout
+    wanted = {line.split()[-1].split("@")[0] for line in out.splitlines() if line.strip()}
+    omp = sorted(s for s in wanted if s.startswith(("GOMP_", "omp_", "kmp_", "__kmpc")))
+    assert omp, "no OpenMP symbol imported: is the library built with -fopenmp?"
+    missing = [s for s in omp if not hasattr(iomp, s)]
+    assert not missing, f"libiomp5 lacks {missing}: libgomp would run them outside libiomp5's thread team"

@@ -43,6 +43,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -312,13 +313,18 @@ Scratch& thread_scratch() {
 extern "C" int fdx_sample_rows(const float* logits, int64_t ld, const int64_t* rows, int64_t n, int64_t V,
                                const float* inv_t, const int64_t* top_k, const double* top_p, const float* min_p,
                                const double* u, int64_t* out) {
+  // Rows are handed out one at a time through an atomic counter, not an
+  // `omp for schedule(dynamic)`: GCC emits GOMP_loop_nonmonotonic_dynamic_*
+  // for that, which Paddle's libiomp5 (the runtime the ops link) lacks, and
+  // libgomp's -- resolved instead -- does not know libiomp5's team, so every
+  // thread ran every row.
+  std::atomic<int64_t> next{0};
 #pragma omp parallel if (n > 1)
   {
     Scratch& s = thread_scratch();  // each thread's own, looked up once
     if (static_cast<int64_t>(s.p.size()) < V) s.p.resize(V);
     float* p = s.p.data();
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t r = 0; r < n; ++r) {
+    for (int64_t r = next++; r < n; r = next++) {
       probs(logits + rows[r] * ld, V, inv_t[r], p);
       float thr = min_p[r] > 0.f ? min_p[r] : 0.f;
       bool few = false;
