@@ -96,11 +96,14 @@ def test_a_killed_launcher_leaves_no_orphans() -> None:
     children): the API process (a watcher thread) and the engine (its
     channel to the API closing, or its loop's parent check, whichever comes
     first) notice and exit on their own, so no orphan keeps the model's
-    memory, the KV pool or the port.  (The run directory's socket files stay
-    behind: the launcher that removes them is the process that died.)"""
+    memory, the KV pool or the port; the API process, the last one out of
+    the launcher's family, removes the run directory (socket files) the
+    launcher would have."""
     with start_server() as (base, proc):
         info = httpx.get(base + "/health").json()
         kids = {"engine": info["engine_pid"], "api": info["api_pid"]}
+        run_dir = proc.run_dir  # type: ignore[attr-defined]
+        assert os.listdir(run_dir)  # the launcher's run directory, under FDX_IPC_DIR
         out: dict[str, Any] = {}
         started = threading.Event()
         t = threading.Thread(target=_stream_until_error, args=(base, out, started))
@@ -116,6 +119,7 @@ def test_a_killed_launcher_leaves_no_orphans() -> None:
                 time.sleep(0.1)
             t.join(10)
             assert not t.is_alive(), "the open stream hung after the launcher died"
+            assert os.listdir(run_dir) == [], f"the dead launcher's run directory was left behind: {os.listdir(run_dir)}"
         finally:
             for k in kids.values():
                 if pid_alive(k):

@@ -228,12 +228,15 @@ def rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
-def test_smollm2_at_tp3_matches_one_rank() -> None:
+def test_smollm2_at_tp3_matches_one_rank(tmp_path: Path) -> None:
     args = ("--dtype", "float32", "--max-num-seqs", "4")
     with start_server(*args) as (base, _):
         one = completions(base)
         rss_one = rss_kib(httpx.get(base + "/health").json()["engine_pid"])
-    with start_server(*args, "--tensor-parallel-size", "3", timeout=400) as (base, proc):
+    tmp = tmp_path / "tmp"  # the group's control-socket directory goes here (TMPDIR), and is removed at stop
+    tmp.mkdir()
+    with start_server(*args, "--tensor-parallel-size", "3", timeout=400, env={"TMPDIR": str(tmp)}) as (base, proc):
+        assert [p.name for p in tmp.glob("fdx-tp-*")], "the rank group's directory is not under TMPDIR"
         split = completions(base)
         health = httpx.get(base + "/health").json()
         ranks = [health["engine_pid"], *health["rank_pids"]]
@@ -242,6 +245,7 @@ def test_smollm2_at_tp3_matches_one_rank() -> None:
         assert 'fdx:tensor_parallel_info{backend="shm",model_name="smollm2",size="3"} 1.0' in text
         rss = [rss_kib(p) for p in ranks]
     assert_same(one, split)
+    assert not list(tmp.glob("fdx-tp-*")), "the rank group's control-socket directory was left behind"
     # each rank holds a third of the ~513 MiB of float32 weights and of the KV pool: every rank
     # is well below the one-rank engine (the same Paddle and code besides)
     print(f"RSS KiB: one rank {rss_one}, TP=3 ranks {rss}")

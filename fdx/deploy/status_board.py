@@ -48,11 +48,14 @@ class StatusBoard:
 
 def watch_parent(parent_pid: int, server: Any) -> None:
     """Thread body: ask the uvicorn ``server`` to exit once ``parent_pid``
-    (the launcher) is gone, so no orphan keeps serving."""
+    (the launcher) is gone, so no orphan keeps serving; ``server.parent_gone``
+    then says why it stopped (its run directory is nobody's to remove but
+    its own: see fdx/server/api_proc.py)."""
     from fdx.core.ipc import pid_alive
 
     while not server.should_exit:
         if not pid_alive(parent_pid):
+            server.parent_gone = True
             server.should_exit = True
             return
         time.sleep(1.0)

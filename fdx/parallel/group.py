@@ -34,6 +34,7 @@ import logging
 import os
 import pickle
 import signal
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -367,3 +368,4 @@ class RankGroup:
             self.comm.unlink()
             self.comm.close()
         self._ctrl.close(0)
+        shutil.rmtree(self._dir, ignore_errors=True)  # the control socket's directory

@@ -125,6 +125,12 @@ def main() -> None:
     if not server.started:
         board.failed(f"the API server could not start on {config.host}:{config.port} (port in use?)")
         sys.exit(1)
+    if getattr(server, "parent_gone", False):
+        # the launcher died without its cleanup (SIGKILL, OOM kill): the run
+        # directory (socket files, status and control-state files) is left to
+        # this process; the engines exit on their own (their channel closes,
+        # their parent check) and a write of theirs into it is best-effort
+        paths.cleanup()
 
 
 if __name__ == "__main__":
