@@ -195,6 +195,8 @@ def probe() -> dict[str, np.ndarray]:
         toks = [kernel(z, np.arange(8), np.full(8, 1 / t, np.float32), np.full(8, tk), np.full(8, tp),
                        np.full(8, mp, np.float32), np.full(8, u)) for u in (1e-9, 0.3, 0.77, 1.0)]
         out[f"sample_{name}"] = np.stack(toks)
+    chosen, ids, vals = kernel.logprobs(z, np.arange(8), np.arange(8) * 1000, 20)
+    out["logprobs_chosen"], out["logprobs_top_ids"], out["logprobs_top_vals"] = chosen, ids, vals
     return out
 
 

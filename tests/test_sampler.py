@@ -430,3 +430,29 @@ def test_native_top_p_on_a_model_sized_vocab(kernel: object, sampler_kernel: str
 
 def test_native_sampler_is_what_the_tests_run(sampler_kernel: str) -> None:
     assert (Sampler(V)._native is not None) == (sampler_kernel == "native")
+
+
+def test_native_logprobs_equal_numpy_s(kernel: object, sampler_kernel: str) -> None:
+    """The C++ logprobs (one pass a row) against the NumPy path's on a
+    model-sized vocabulary: the same top ids (ties: the lower id first), the
+    same values to float32 rounding; masked -inf tokens have -inf logprobs."""
+    if sampler_kernel != "native":
+        pytest.skip("the kernel itself: once")
+    width = 49152
+    rng = np.random.default_rng(12)
+    x = (rng.normal(size=(5, width)) * 2).astype(np.float32)
+    x[1, 100:110] = x[1].max() + 1  # ten tied best logits
+    x[2, : width - 7] = -np.inf  # seven finite tokens, asked for 20
+    x[3] *= 40  # a very peaked row
+    reqs = [req(str(i), temperature=0.0, logprobs=k) for i, k in enumerate((5, 20, 20, 1, 0))]
+    (ta, la), (tb, lb) = Sampler(width, native=None).sample(x, reqs), Sampler(width, native=kernel).sample(x, reqs)  # type: ignore[arg-type]
+    assert ta.tolist() == tb.tolist()
+    assert la is not None and lb is not None
+    for a, b in zip(la, lb):
+        assert a is not None and b is not None
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=2e-5)
+        fin = [j for j, (_, v) in enumerate(a.top) if np.isfinite(v)]  # which -inf ids fill up a row: any
+        assert [a.top[j][0] for j in fin] == [b.top[j][0] for j in fin]
+        assert np.allclose([a.top[j][1] for j in fin], [b.top[j][1] for j in fin], atol=2e-5)
+    assert lb[1] is not None and [t for t, _ in lb[1].top[:10]] == list(range(100, 110))
+    assert lb[2] is not None and np.isinf([v for _, v in lb[2].top[7:]]).all()

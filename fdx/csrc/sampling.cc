@@ -342,3 +342,70 @@ extern "C" int fdx_sample_rows(const float* logits, int64_t ld, const int64_t* r
   }
   return 0;
 }
+
+// fdx_logprobs_rows: the logprobs of a step's rows that asked for them
+// (Sampler._logprobs), from the RAW logits z (before penalties and
+// temperature, as vLLM and the NumPy path report them): lse = m + log(sum
+// exp(z - m)) (m the row's max, 0 if not finite; exp as above, in float32;
+// the sum in double in the fixed order), chosen[r] = z[token] - lse, and the
+// k largest z (ties: the lower index first), largest first, as ids and
+// z - lse.  top_ids / top_vals are [n, k] (k may be 0).  Returns 0.
+extern "C" int fdx_logprobs_rows(const float* logits, int64_t ld, const int64_t* rows, int64_t n, int64_t V,
+                                 const int64_t* tokens, int64_t k, double* chosen, int64_t* top_ids,
+                                 double* top_vals) {
+  std::atomic<int64_t> next{0};
+#pragma omp parallel if (n > 1)
+  {
+    Scratch& s = thread_scratch();
+    if (static_cast<int64_t>(s.p.size()) < V) s.p.resize(V);
+    float* p = s.p.data();
+    std::vector<std::pair<float, int64_t>> best;  // the k largest so far: (value, index), best first
+    for (int64_t r = next++; r < n; r = next++) {
+      const float* z = logits + rows[r] * ld;
+      v::vf mv = v::set1(-INFINITY);
+      int64_t i = 0;
+      for (; i + v::kLanes <= V; i += v::kLanes) mv = v::max(mv, v::load(z + i));
+      float m = v::reduce_max(mv);
+      for (; i < V; ++i) m = std::max(m, z[i]);
+      if (!std::isfinite(m)) m = 0.f;
+      const v::vf mm = v::set1(m);
+      for (i = 0; i + v::kLanes <= V; i += v::kLanes) {
+        const v::vf x = v::sub(v::load(z + i), mm);
+        v::store(p + i, v::zero_below(x, -87.f, v::exp(x)));
+      }
+      if (i < V) {
+        const int c = static_cast<int>(V - i);
+        const v::vf x = v::sub(v::load_first(z + i, c), mm);
+        v::store_first(p + i, v::zero_below(x, -87.f, v::exp(x)), c);
+      }
+      const double lse = static_cast<double>(m) + std::log(survivors_sum(p, 0, V, 0.f));
+      chosen[r] = static_cast<double>(z[tokens[r]]) - lse;
+      if (k <= 0) continue;
+      // the k largest: a running list, best first; once it holds k, only a
+      // value above its last enters (whole vectors below that are skipped)
+      best.clear();
+      float floor_v = -INFINITY;
+      auto offer = [&](int64_t j, float x) {
+        if (static_cast<int64_t>(best.size()) == k && !(x > floor_v)) return;
+        auto at = std::upper_bound(best.begin(), best.end(), x,
+                                   [](float a, const std::pair<float, int64_t>& b) { return a > b.first; });
+        best.insert(at, {x, j});
+        if (static_cast<int64_t>(best.size()) > k) best.pop_back();
+        if (static_cast<int64_t>(best.size()) == k) floor_v = best.back().first;
+      };
+      for (i = 0; i + v::kLanes <= V; i += v::kLanes) {
+        for (unsigned msk = v::ge_mask(v::load(z + i), v::set1(floor_v)); msk != 0; msk &= msk - 1) {
+          const int64_t j = i + __builtin_ctz(msk);
+          offer(j, z[j]);
+        }
+      }
+      for (; i < V; ++i) offer(i, z[i]);
+      for (int64_t j = 0; j < k; ++j) {
+        const bool have = j < static_cast<int64_t>(best.size());
+        top_ids[r * k + j] = have ? best[j].second : 0;
+        top_vals[r * k + j] = have ? static_cast<double>(best[j].first) - lse : -INFINITY;
+      }
+    }
+  }
+  return 0;
+}

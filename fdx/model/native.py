@@ -153,18 +153,23 @@ def describe() -> str:
 
 
 class SamplingKernel:
-    """``fdx_sample_rows`` (fdx/csrc/sampling.cc) of the loaded ops, called
-    with ctypes on NumPy buffers: the temperature / min_p / top_k / top_p
-    rows of a step, one token each (:meth:`fdx.model.sampler.Sampler._sample_random`)."""
+    """``fdx_sample_rows`` and ``fdx_logprobs_rows`` (fdx/csrc/sampling.cc)
+    of the loaded ops, called with ctypes on NumPy buffers: the temperature /
+    min_p / top_k / top_p rows of a step, one token each
+    (:meth:`fdx.model.sampler.Sampler._sample_random`), and the logprobs of
+    the rows that ask for them (:meth:`fdx.model.sampler.Sampler._logprobs`)."""
 
     def __init__(self, so_path: str) -> None:
         import ctypes
 
-        fn = ctypes.CDLL(so_path).fdx_sample_rows
+        lib = ctypes.CDLL(so_path)
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, i64, p, i64, i64, p, p, p, p, p, p]
-        fn.restype = ctypes.c_int
-        self._fn = fn
+        self._fn = lib.fdx_sample_rows
+        self._fn.argtypes = [p, i64, p, i64, i64, p, p, p, p, p, p]
+        self._fn.restype = ctypes.c_int
+        self._lp = lib.fdx_logprobs_rows
+        self._lp.argtypes = [p, i64, p, i64, i64, p, i64, p, p, p]
+        self._lp.restype = ctypes.c_int
 
     def __call__(self, raw: Any, rows: Any, inv_t: Any, top_k: Any, top_p: Any, min_p: Any, u: Any) -> Any:
         """Tokens ``int64[len(rows)]``: row ``j`` samples ``raw[rows[j]]``
@@ -184,6 +189,26 @@ class SamplingKernel:
             self._fn(raw.ctypes.data, raw.strides[0] // 4, args[0].ctypes.data, n, raw.shape[1],
                      *(a.ctypes.data for a in args[1:]), out.ctypes.data)
         return out
+
+
+    def logprobs(self, raw: Any, rows: Any, tokens: Any, k: int) -> tuple[Any, Any, Any]:
+        """Row ``j``'s logprobs from ``raw[rows[j]]`` (the raw logits): the
+        chosen ``tokens[j]``'s (float64 ``[n]``) and the ``k`` largest
+        (``[n, k]`` ids and float64 logprobs, largest first, ties by id)."""
+        import numpy as np
+
+        if raw.dtype != np.float32 or raw.strides[1] != 4:
+            raw = np.ascontiguousarray(raw, dtype=np.float32)
+        n = len(rows)
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        chosen = np.empty(n, dtype=np.float64)
+        ids = np.zeros((n, k), dtype=np.int64)
+        vals = np.zeros((n, k), dtype=np.float64)
+        if n:
+            self._lp(raw.ctypes.data, raw.strides[0] // 4, rows.ctypes.data, n, raw.shape[1], tokens.ctypes.data, k,
+                     chosen.ctypes.data, ids.ctypes.data, vals.ctypes.data)
+        return chosen, ids, vals
 
 
 def sampling_kernel() -> SamplingKernel | None:

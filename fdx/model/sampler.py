@@ -21,7 +21,8 @@ in vLLM's order:
    over the survivors in vocabulary order with ONE uniform draw per token.
    Where fdx's native ops load, step 7 runs in C++ (fdx/csrc/sampling.cc,
    ``fdx_sample_rows``: O(V) a row, the rows over the OpenMP team; the
-   runner passes it as ``native``).  Otherwise NumPy finds the survivors
+   runner passes it as ``native``), and so do step 1's logprobs
+   (``fdx_logprobs_rows``: one log-sum-exp pass and a running top-k).  Otherwise NumPy finds the survivors
    among the row's top 1024 (then 8192) logits when they fit there --
    decided from the row alone -- else by a full sort.  All of them give
    the same distribution (tests check each against a reference).
@@ -59,6 +60,11 @@ class NativeSampling(Protocol):
 
     def __call__(self, raw: np.ndarray, rows: np.ndarray, inv_t: np.ndarray, top_k: np.ndarray,
                  top_p: np.ndarray, min_p: np.ndarray, u: np.ndarray) -> np.ndarray: ...
+
+    def logprobs(self, raw: np.ndarray, rows: np.ndarray, tokens: np.ndarray,
+                 k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows' chosen-token logprobs ``[n]`` and their ``k`` best ``([n, k]`` ids, logprobs)."""
+        ...
 
 #: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).
 GREEDY_EPS = 1e-5
@@ -389,11 +395,15 @@ class Sampler:
     def _logprobs(
         self, raw: np.ndarray, tokens: np.ndarray, params: list[SamplingParams], rows: list[int]
     ) -> list[TokenLogprob | None]:
+        ks = [min(max(params[i].logprobs or 0, 0), self.max_logprobs) for i in rows]
+        kmax = min(max(ks), raw.shape[1])
+        if self._native is not None:  # C++ (fdx/csrc/sampling.cc): one pass per row, rows in parallel
+            chosen, top_ids, top_vals = self._native.logprobs(raw, np.asarray(rows, dtype=np.int64),
+                                                              tokens[rows], kmax)
+            return self._logprob_outputs(tokens, params, rows, ks, chosen, top_ids if kmax else None, top_vals)
         xl = raw[rows]  # a private copy: reused in place for the log-sum-exp below
         ar = np.arange(len(rows))
         chosen = xl[ar, tokens[rows]].astype(np.float64)
-        ks = [min(max(params[i].logprobs or 0, 0), self.max_logprobs) for i in rows]
-        kmax = max(ks)
         top_ids = top_vals = None
         if kmax > 0:
             width = xl.shape[1]
@@ -416,6 +426,12 @@ class Sampler:
         chosen -= lse
         if top_vals is not None:
             top_vals -= lse[:, None]
+        return self._logprob_outputs(tokens, params, rows, ks, chosen, top_ids, top_vals)
+
+    @staticmethod
+    def _logprob_outputs(tokens: np.ndarray, params: list[SamplingParams], rows: list[int], ks: list[int],
+                         chosen: np.ndarray, top_ids: np.ndarray | None,
+                         top_vals: np.ndarray | None) -> list[TokenLogprob | None]:
         out: list[TokenLogprob | None] = [None] * len(params)
         for j, i in enumerate(rows):
             top: tuple[tuple[int, float], ...] = ()
