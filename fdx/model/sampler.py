@@ -177,12 +177,19 @@ def _is_paddle(x: Any) -> bool:
 
 
 def logits_to_numpy(logits: Any) -> np.ndarray:
+    """``logits`` as a float32 NumPy array: a CPU Paddle tensor's own memory
+    (DLPack, no copy: ``Tensor.numpy()`` copies into fresh pages, 2.7 ms for
+    32 x 49,152 logits, nearly all of it page faults; the array keeps the
+    tensor alive and the sampler never writes it), else a copy."""
     if isinstance(logits, np.ndarray):
         arr = logits
     else:
         if _is_paddle(logits) and "float32" not in str(logits.dtype):
             logits = logits.astype("float32")
-        arr = logits.numpy()
+        if _is_paddle(logits) and logits.place.is_cpu_place():
+            arr = np.from_dlpack(logits)
+        else:
+            arr = logits.numpy()
     if arr.ndim != 2:
         raise ValueError(f"logits must be 2-D [n, vocab], got shape {arr.shape}")
     return np.asarray(arr, dtype=np.float32)
