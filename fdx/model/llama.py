@@ -81,6 +81,7 @@ from fdx.model.arch import ModelArgs, long_rope_after, rope_angles
 from fdx.model.decoder import decoder_forward
 from fdx.model.loader import Checkpoint, LayerWeights
 from fdx.model.moe import MoeBlock, build_moe
+from fdx.model.hugepages import HugePageArena
 from fdx.model.packed_weights import PackedWeight, pack_bf16, pack_float, pack_gguf
 
 
@@ -205,8 +206,9 @@ def qkv_bias(lw: LayerWeights, a: ModelArgs) -> np.ndarray | None:
     ]).astype(np.float32)
 
 
-def _to_paddle(p: PackedWeight) -> PackedWeight:
-    return PackedWeight(paddle.to_tensor(p.data), p.kind, p.n_out)
+def _to_paddle(p: PackedWeight, arena: HugePageArena) -> PackedWeight:
+    """A packed weight as a CPU tensor in ``arena``'s huge pages (each step streams every one)."""
+    return PackedWeight(arena.tensor(p.data), p.kind, p.n_out)
 
 
 def rope_table(args: ModelArgs, max_pos: int, local: bool = False, long: bool = False) -> np.ndarray:
@@ -270,6 +272,7 @@ class LlamaModel:
         #: (its sliding window and rope table serve Mistral's and Gemma 3's layers)
         self.paddle_attention = bool(args.attn_softcap)
         self.layers: list[Layer] = []
+        self._arena = HugePageArena()  # the packed weights' memory (fdx/model/hugepages.py)
         self.embed: paddle.Tensor | None = None
         self.final_norm: paddle.Tensor | None = None
         self.lm_head: paddle.Tensor | None = None  # [hidden, V] when untied
@@ -305,6 +308,7 @@ class LlamaModel:
         if ckpt.args != a:
             raise ModelLoadError(f"{ckpt.source.path}: architecture mismatch ({ckpt.args.describe()} != {a.describe()})")
         layers: list[Layer] = []
+        self._arena = HugePageArena()  # the packed weights' memory (a new one: the old tensors keep theirs)
         it = ckpt.layers()
         if progress:
             from tqdm.auto import tqdm
@@ -324,13 +328,13 @@ class LlamaModel:
         if ckpt.lm_head is not None:
             check_shape(ckpt.lm_head, (a.vocab_size, a.hidden_size), "lm_head", ckpt.source.path)
         if self.mode == "bfloat16":
-            self.p_lm_head = _to_paddle(pack_bf16(ckpt.lm_head if ckpt.lm_head is not None else ckpt.embed))
+            self.p_lm_head = _to_paddle(pack_bf16(ckpt.lm_head if ckpt.lm_head is not None else ckpt.embed), self._arena)
             return
         if self.mode == "int8":
             if ckpt.lm_head_raw is not None and ckpt.lm_head_raw[1] in (2, 3, 8):
-                self.p_lm_head = _to_paddle(pack_gguf(*ckpt.lm_head_raw))
+                self.p_lm_head = _to_paddle(pack_gguf(*ckpt.lm_head_raw), self._arena)
             else:
-                self.p_lm_head = _to_paddle(pack_float(ckpt.lm_head if ckpt.lm_head is not None else ckpt.embed))
+                self.p_lm_head = _to_paddle(pack_float(ckpt.lm_head if ckpt.lm_head is not None else ckpt.embed), self._arena)
             return
         if ckpt.lm_head is not None or self.fgemm is not None:  # fdx_fgemm: a [hidden, V] copy of a tied head
             head = ckpt.lm_head if ckpt.lm_head is not None else ckpt.embed
@@ -347,6 +351,7 @@ class LlamaModel:
         self.q_lm_head = None
         self.p_lm_head = None
         self._stack = None
+        self._arena = HugePageArena()  # the old one's mappings go with the last tensor in them
 
     def _layer_stack(self) -> tuple[Any, ...]:
         """The per-layer lists ``fdx_decoder_layers`` takes (built once after load)."""
@@ -418,11 +423,12 @@ class LlamaModel:
 
         def pack(*names: str) -> PackedWeight:
             if self.mode == "bfloat16":
-                return _to_paddle(pack_bf16(np.concatenate([getattr(lw, n) for n in names], axis=0)))
+                return _to_paddle(pack_bf16(np.concatenate([getattr(lw, n) for n in names], axis=0)), self._arena)
             parts = [lw.raw.get(n) for n in names]
             if all(p is not None for p in parts) and len({p[1] for p in parts}) == 1 and parts[0][1] in (2, 3, 8):  # type: ignore[index]
-                return _to_paddle(pack_gguf(np.concatenate([p[0] for p in parts], axis=0), parts[0][1]))  # type: ignore[index]
-            return _to_paddle(pack_float(np.concatenate([getattr(lw, n) for n in names], axis=0)))
+                return _to_paddle(pack_gguf(np.concatenate([p[0] for p in parts], axis=0), parts[0][1]),  # type: ignore[index]
+                                  self._arena)
+            return _to_paddle(pack_float(np.concatenate([getattr(lw, n) for n in names], axis=0)), self._arena)
 
         t = lambda x: paddle.to_tensor(np.ascontiguousarray(x, dtype=np.float32))  # noqa: E731
         moe = build_moe(lw, a, self.mode, self.ops) if a.num_experts else None

@@ -190,7 +190,6 @@ class SamplingKernel:
                      *(a.ctypes.data for a in args[1:]), out.ctypes.data)
         return out
 
-
     def logprobs(self, raw: Any, rows: Any, tokens: Any, k: int) -> tuple[Any, Any, Any]:
         """Row ``j``'s logprobs from ``raw[rows[j]]`` (the raw logits): the
         chosen ``tokens[j]``'s (float64 ``[n]``) and the ``k`` largest

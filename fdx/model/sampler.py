@@ -22,10 +22,11 @@ in vLLM's order:
    Where fdx's native ops load, step 7 runs in C++ (fdx/csrc/sampling.cc,
    ``fdx_sample_rows``: O(V) a row, the rows over the OpenMP team; the
    runner passes it as ``native``), and so do step 1's logprobs
-   (``fdx_logprobs_rows``: one log-sum-exp pass and a running top-k).  Otherwise NumPy finds the survivors
-   among the row's top 1024 (then 8192) logits when they fit there --
-   decided from the row alone -- else by a full sort.  All of them give
-   the same distribution (tests check each against a reference).
+   (``fdx_logprobs_rows``: one log-sum-exp pass and a running top-k).
+   Otherwise NumPy finds the survivors among the row's top 1024 (then
+   8192) logits when they fit there -- decided from the row alone -- else
+   by a full sort.  All of them give the same distribution (tests check
+   each against a reference).
 
 Invariants:
 
