@@ -70,10 +70,12 @@ class HugePageArena:
 
 
 def zeros(shape: list[int], dtype: str) -> Any:
-    """A zeroed CPU tensor of ``shape`` in its own huge-page mapping, its pages
-    faulted in on first write (a KV pool's: each step reads the blocks of
-    every running sequence).  float32 and bfloat16 (a float32 mapping of half
-    the last dim, viewed as bfloat16); any other dtype: ``paddle.zeros``."""
+    """A zeroed CPU tensor of ``shape`` in its own huge-page mapping (a KV
+    pool's: each step reads the blocks of every running sequence), resident
+    at once as ``paddle.zeros``' memory was (the pool's size is what
+    ``sleep`` frees and what the operator sized).  float32 and bfloat16 (a
+    float32 mapping of half the last dim, viewed as bfloat16); any other
+    dtype: ``paddle.zeros``."""
     import paddle
 
     if dtype not in ("float32", "bfloat16") or (dtype == "bfloat16" and shape[-1] % 2):
@@ -81,5 +83,7 @@ def zeros(shape: list[int], dtype: str) -> Any:
     half = dtype == "bfloat16"
     inner = [*shape[:-1], shape[-1] // 2] if half else list(shape)
     n = int(np.prod(inner))
-    t = paddle.from_dlpack(_mapping(4 * n).view(np.float32).reshape(inner))
+    a = _mapping(4 * n).view(np.float32).reshape(inner)
+    a.fill(0.0)  # fault every page in now (2 MiB ones where the kernel can)
+    t = paddle.from_dlpack(a)
     return paddle.view(t, paddle.bfloat16) if half else t
