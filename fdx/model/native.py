@@ -46,8 +46,11 @@ the batch-invariant int8 GEMM over packed blocks, every row count),
 through the same kernels, whose plain C++ entry points csrc/kernels.h
 declares), and ``fdx_moe`` (csrc/moe.cc: a mixture-of-experts block --
 router, top-k, the grouping by expert, both expert GEMMs and the weighted
-sum -- in one call, for int8, bf16 and float32).  They use OpenMP through Paddle's
-libiomp5 -- the runtime MKL uses -- never libgomp.
+sum -- in one call, for int8, bf16 and float32); and two plain C entry
+points called with ctypes, ``fdx_sample_rows`` and ``fdx_logprobs_rows``
+(csrc/sampling.cc, :class:`SamplingKernel`).  They use OpenMP through
+Paddle's libiomp5 -- the runtime MKL uses -- never libgomp (so no
+``omp for schedule(dynamic)``: its GOMP entry points are libgomp's only).
 """
 
 from __future__ import annotations
