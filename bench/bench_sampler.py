@@ -2,13 +2,15 @@
 (the random rows by NumPy, and by the C++ kernel where fdx's ops load: the
 "C++" columns, what the engine runs).
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_sampler.py [--repeat 30] [--paddle]
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_sampler.py [--repeat 30] [--paddle]
 
-For n = 1, 8, 32 rows x V = 49152 it prints, per call: plain ``np.argmax``
-(the baseline, absolute microseconds), the greedy fast path,
-temperature+top_p, and the full-featured path (temperature, top_k, top_p,
-min_p, repetition / frequency / presence penalties, seed, 5 logprobs,
-min_tokens, 500-token prompts, 100 output tokens).  Every variant is timed
+(OMP_NUM_THREADS: the engine's threads, over which the C++ kernel spreads
+the rows.)  For n = 1, 8, 32 rows x V = 49152 it prints, per call: plain
+``np.argmax`` (the baseline, absolute microseconds), the greedy fast path,
+temperature+top_p, greedy with 5 logprobs, and the full-featured path
+(temperature, top_k, top_p, min_p, repetition / frequency / presence
+penalties, seed, 5 logprobs, min_tokens, 500-token prompts, 100 output
+tokens).  Every variant is timed
 once per round, interleaved with the baseline, and the printed figure is the
 median over rounds of its time divided by that round's baseline, so load
 from other processes mostly cancels.  With ``--paddle`` the logits are a
@@ -66,6 +68,8 @@ def make_requests(n: int, kind: str, rng: np.random.Generator, vocab: int = V) -
         params = SamplingParams(temperature=0.0)
     elif kind == "temp+top_p":
         params = SamplingParams(temperature=0.8, top_p=0.9)
+    elif kind == "greedy+lp5":
+        params = SamplingParams(temperature=0.0, logprobs=5)
     else:
         params = SamplingParams(
             temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
@@ -100,7 +104,8 @@ def main() -> None:
         import paddle as _paddle
 
         paddle = _paddle
-    kinds = [("greedy", "", "greedy")] + [(k + tag, tag, k) for k in ("temp+top_p", "full") for tag in samplers]
+    kinds = [("greedy", "", "greedy")] + [(k + tag, tag, k) for k in ("temp+top_p", "greedy+lp5", "full")
+                                          for tag in samplers]
     print(f"V={V}; per call, median over {args.repeat} interleaved rounds of time / np.argmax time")
     print("logits 'peaked': N(0,1.5) + 5 tokens boosted by 6..12 (small nucleus, mostly);")
     print("       'flat':   N(0,3) (top_p=0.9 nucleus of ~300-700 tokens at T=0.8)")
