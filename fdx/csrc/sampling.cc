@@ -48,6 +48,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "simd_math.h"
@@ -71,12 +72,14 @@ inline int bucket_of(float x) {
 struct Scratch {
   std::vector<float> p, vals;
   std::vector<double> bsum;
+  std::vector<std::pair<float, int64_t>> best;  // fdx_logprobs_rows' k largest so far: (value, index), best first
   int64_t cnt[4][kBuckets];
   double mass[4][kBuckets];
 };
 
-// p = exp((z - max z) * inv_t), 0 below exp's range (a -inf logit) or for NaN.
-void probs(const float* z, int64_t V, float inv_t, float* p) {
+// p = exp((z - max z) * inv_t), 0 below exp's range (a -inf logit) or for NaN;
+// returns the max used (0 when the row has no finite one).
+float probs(const float* z, int64_t V, float inv_t, float* p) {
   v::vf mv = v::set1(-INFINITY);
   int64_t i = 0;
   for (; i + v::kLanes <= V; i += v::kLanes) mv = v::max(mv, v::load(z + i));
@@ -93,6 +96,7 @@ void probs(const float* z, int64_t V, float inv_t, float* p) {
     const v::vf x = v::mul(v::sub(v::load_first(z + i, c), mm), tv);
     v::store_first(p + i, v::zero_below(x, -87.f, v::exp(x)), c);
   }
+  return m;
 }
 
 // The survivors' (p >= thr) sum over [a, b), in the fixed order.
@@ -301,8 +305,26 @@ int64_t draw(const float* p, int64_t V, float thr, double u, bool few, Scratch& 
 }
 
 Scratch& thread_scratch() {
-  thread_local Scratch s;
+  thread_local Scratch s;  // one per thread, shared by both entry points
   return s;
+}
+
+// Calls f(r, s, p) for every row r in [0, n): the rows spread over the
+// OpenMP team, each thread with its own Scratch s and s.p (V floats) as p.
+// Rows are handed out one at a time through an atomic counter, not an
+// `omp for schedule(dynamic)`: GCC emits GOMP_loop_nonmonotonic_dynamic_*
+// for that, which Paddle's libiomp5 (the runtime the ops link) lacks, and
+// libgomp's -- resolved instead -- does not know libiomp5's team, so every
+// thread ran every row.
+template <typename F>
+void each_row(int64_t n, int64_t V, F&& f) {
+  std::atomic<int64_t> next{0};
+#pragma omp parallel if (n > 1)
+  {
+    Scratch& s = thread_scratch();  // each thread's own, looked up once
+    if (static_cast<int64_t>(s.p.size()) < V) s.p.resize(V);
+    for (int64_t r = next++; r < n; r = next++) f(r, s, s.p.data());
+  }
 }
 
 }  // namespace
@@ -313,33 +335,21 @@ Scratch& thread_scratch() {
 extern "C" int fdx_sample_rows(const float* logits, int64_t ld, const int64_t* rows, int64_t n, int64_t V,
                                const float* inv_t, const int64_t* top_k, const double* top_p, const float* min_p,
                                const double* u, int64_t* out) {
-  // Rows are handed out one at a time through an atomic counter, not an
-  // `omp for schedule(dynamic)`: GCC emits GOMP_loop_nonmonotonic_dynamic_*
-  // for that, which Paddle's libiomp5 (the runtime the ops link) lacks, and
-  // libgomp's -- resolved instead -- does not know libiomp5's team, so every
-  // thread ran every row.
-  std::atomic<int64_t> next{0};
-#pragma omp parallel if (n > 1)
-  {
-    Scratch& s = thread_scratch();  // each thread's own, looked up once
-    if (static_cast<int64_t>(s.p.size()) < V) s.p.resize(V);
-    float* p = s.p.data();
-    for (int64_t r = next++; r < n; r = next++) {
-      probs(logits + rows[r] * ld, V, inv_t[r], p);
-      float thr = min_p[r] > 0.f ? min_p[r] : 0.f;
-      bool few = false;
-      if (top_k[r] > 0 && top_k[r] < V) {
-        thr = std::max(thr, kth_value(p, V, thr, top_k[r], s));
-        few = top_k[r] <= kCandidates;
-      }
-      if (top_p[r] < 1.0) {
-        const float t = nucleus_value(p, V, thr, top_p[r], s);
-        few = few || t > thr;  // a cut: the nucleus is among the candidates
-        thr = std::max(thr, t);
-      }
-      out[r] = draw(p, V, thr, u[r], few, s);
+  each_row(n, V, [&](int64_t r, Scratch& s, float* p) {
+    probs(logits + rows[r] * ld, V, inv_t[r], p);
+    float thr = min_p[r] > 0.f ? min_p[r] : 0.f;
+    bool few = false;
+    if (top_k[r] > 0 && top_k[r] < V) {
+      thr = std::max(thr, kth_value(p, V, thr, top_k[r], s));
+      few = top_k[r] <= kCandidates;
     }
-  }
+    if (top_p[r] < 1.0) {
+      const float t = nucleus_value(p, V, thr, top_p[r], s);
+      few = few || t > thr;  // a cut: the nucleus is among the candidates
+      thr = std::max(thr, t);
+    }
+    out[r] = draw(p, V, thr, u[r], few, s);
+  });
   return 0;
 }
 
@@ -353,59 +363,38 @@ extern "C" int fdx_sample_rows(const float* logits, int64_t ld, const int64_t* r
 extern "C" int fdx_logprobs_rows(const float* logits, int64_t ld, const int64_t* rows, int64_t n, int64_t V,
                                  const int64_t* tokens, int64_t k, double* chosen, int64_t* top_ids,
                                  double* top_vals) {
-  std::atomic<int64_t> next{0};
-#pragma omp parallel if (n > 1)
-  {
-    Scratch& s = thread_scratch();
-    if (static_cast<int64_t>(s.p.size()) < V) s.p.resize(V);
-    float* p = s.p.data();
-    std::vector<std::pair<float, int64_t>> best;  // the k largest so far: (value, index), best first
-    for (int64_t r = next++; r < n; r = next++) {
-      const float* z = logits + rows[r] * ld;
-      v::vf mv = v::set1(-INFINITY);
-      int64_t i = 0;
-      for (; i + v::kLanes <= V; i += v::kLanes) mv = v::max(mv, v::load(z + i));
-      float m = v::reduce_max(mv);
-      for (; i < V; ++i) m = std::max(m, z[i]);
-      if (!std::isfinite(m)) m = 0.f;
-      const v::vf mm = v::set1(m);
-      for (i = 0; i + v::kLanes <= V; i += v::kLanes) {
-        const v::vf x = v::sub(v::load(z + i), mm);
-        v::store(p + i, v::zero_below(x, -87.f, v::exp(x)));
-      }
-      if (i < V) {
-        const int c = static_cast<int>(V - i);
-        const v::vf x = v::sub(v::load_first(z + i, c), mm);
-        v::store_first(p + i, v::zero_below(x, -87.f, v::exp(x)), c);
-      }
-      const double lse = static_cast<double>(m) + std::log(survivors_sum(p, 0, V, 0.f));
-      chosen[r] = static_cast<double>(z[tokens[r]]) - lse;
-      if (k <= 0) continue;
-      // the k largest: a running list, best first; once it holds k, only a
-      // value above its last enters (whole vectors below that are skipped)
-      best.clear();
-      float floor_v = -INFINITY;
-      auto offer = [&](int64_t j, float x) {
-        if (static_cast<int64_t>(best.size()) == k && !(x > floor_v)) return;
-        auto at = std::upper_bound(best.begin(), best.end(), x,
-                                   [](float a, const std::pair<float, int64_t>& b) { return a > b.first; });
-        best.insert(at, {x, j});
-        if (static_cast<int64_t>(best.size()) > k) best.pop_back();
-        if (static_cast<int64_t>(best.size()) == k) floor_v = best.back().first;
-      };
-      for (i = 0; i + v::kLanes <= V; i += v::kLanes) {
-        for (unsigned msk = v::ge_mask(v::load(z + i), v::set1(floor_v)); msk != 0; msk &= msk - 1) {
-          const int64_t j = i + __builtin_ctz(msk);
-          offer(j, z[j]);
-        }
-      }
-      for (; i < V; ++i) offer(i, z[i]);
-      for (int64_t j = 0; j < k; ++j) {
-        const bool have = j < static_cast<int64_t>(best.size());
-        top_ids[r * k + j] = have ? best[j].second : 0;
-        top_vals[r * k + j] = have ? static_cast<double>(best[j].first) - lse : -INFINITY;
+  each_row(n, V, [&](int64_t r, Scratch& s, float* p) {
+    const float* z = logits + rows[r] * ld;
+    const float m = probs(z, V, 1.f, p);  // (z - m) * 1 is z - m exactly
+    const double lse = static_cast<double>(m) + std::log(survivors_sum(p, 0, V, 0.f));
+    chosen[r] = static_cast<double>(z[tokens[r]]) - lse;
+    if (k <= 0) return;
+    // the k largest: a running list, best first; once it holds k, only a
+    // value above its last enters (whole vectors below that are skipped)
+    auto& best = s.best;
+    best.clear();
+    float floor_v = -INFINITY;
+    auto offer = [&](int64_t j, float x) {
+      if (static_cast<int64_t>(best.size()) == k && !(x > floor_v)) return;
+      auto at = std::upper_bound(best.begin(), best.end(), x,
+                                 [](float a, const std::pair<float, int64_t>& b) { return a > b.first; });
+      best.insert(at, {x, j});
+      if (static_cast<int64_t>(best.size()) > k) best.pop_back();
+      if (static_cast<int64_t>(best.size()) == k) floor_v = best.back().first;
+    };
+    int64_t i = 0;
+    for (; i + v::kLanes <= V; i += v::kLanes) {
+      for (unsigned msk = v::ge_mask(v::load(z + i), v::set1(floor_v)); msk != 0; msk &= msk - 1) {
+        const int64_t j = i + __builtin_ctz(msk);
+        offer(j, z[j]);
       }
     }
-  }
+    for (; i < V; ++i) offer(i, z[i]);
+    for (int64_t j = 0; j < k; ++j) {
+      const bool have = j < static_cast<int64_t>(best.size());
+      top_ids[r * k + j] = have ? best[j].second : 0;
+      top_vals[r * k + j] = have ? static_cast<double>(best[j].first) - lse : -INFINITY;
+    }
+  });
   return 0;
 }

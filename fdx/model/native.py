@@ -155,6 +155,14 @@ def describe() -> str:
     return f"{_isa} kernel set (fp32: {lanes} lanes; int8: {_dot}{amx}; bf16: {bf16})"
 
 
+def _float32_rows(raw: Any) -> Any:
+    """``raw`` as the kernels read it: float32 rows with a unit column stride
+    (any row stride: the padded vocabulary's view stays a view), else a copy."""
+    import numpy as np
+
+    return raw if raw.dtype == np.float32 and raw.strides[1] == 4 else np.ascontiguousarray(raw, dtype=np.float32)
+
+
 class SamplingKernel:
     """``fdx_sample_rows`` and ``fdx_logprobs_rows`` (fdx/csrc/sampling.cc)
     of the loaded ops, called with ctypes on NumPy buffers: the temperature /
@@ -181,8 +189,7 @@ class SamplingKernel:
         uniform draw ``u[j]`` in (0, 1]."""
         import numpy as np
 
-        if raw.dtype != np.float32 or raw.strides[1] != 4:
-            raw = np.ascontiguousarray(raw, dtype=np.float32)
+        raw = _float32_rows(raw)
         n = len(rows)
         args = (np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(inv_t, dtype=np.float32),
                 np.ascontiguousarray(top_k, dtype=np.int64), np.ascontiguousarray(top_p, dtype=np.float64),
@@ -199,8 +206,7 @@ class SamplingKernel:
         (``[n, k]`` ids and float64 logprobs, largest first, ties by id)."""
         import numpy as np
 
-        if raw.dtype != np.float32 or raw.strides[1] != 4:
-            raw = np.ascontiguousarray(raw, dtype=np.float32)
+        raw = _float32_rows(raw)
         n = len(rows)
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)

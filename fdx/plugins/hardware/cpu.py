@@ -58,13 +58,10 @@ class CPUDevice(Device):
         """One zeroed ``[2, num_blocks, num_kv_heads, block_size, head_dim]``
         tensor per layer, each in its own huge-page mapping (fdx/model/hugepages.py:
         a step reads the KV blocks of every running sequence)."""
-        import paddle
-
         from fdx.model.hugepages import zeros
+        from fdx.plugins.hardware.paddle_device import allocate_paged_kv
 
-        paddle.set_device("cpu")
-        shape = [2, spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim]
-        return [zeros(shape, spec.dtype) for _ in range(spec.num_layers)]
+        return allocate_paged_kv(spec, "cpu", zeros)
 
     def attention_backend(self) -> str:
         return "native"  # fdx/csrc/paged_attention.cc, falls back to "paddle"

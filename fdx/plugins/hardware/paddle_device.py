@@ -3,19 +3,21 @@ capability probes (no Paddle import at module level)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from fdx.core.interfaces import KVCacheSpec
 
 
-def allocate_paged_kv(spec: KVCacheSpec, place: str) -> list[Any]:
+def allocate_paged_kv(spec: KVCacheSpec, place: str, zeros: Callable[[list[int], str], Any] | None = None) -> list[Any]:
     """One zeroed ``[2, num_blocks, num_kv_heads, block_size, head_dim]``
-    tensor per layer (K at index 0, V at 1) on ``place``."""
+    tensor per layer (K at index 0, V at 1) on ``place``, each made by
+    ``zeros(shape, dtype)`` (default ``paddle.zeros``)."""
     import paddle
 
     paddle.set_device(place)
     shape = [2, spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim]
-    return [paddle.zeros(shape, dtype=spec.dtype) for _ in range(spec.num_layers)]
+    make = zeros or (lambda shp, dtype: paddle.zeros(shp, dtype=dtype))
+    return [make(shape, spec.dtype) for _ in range(spec.num_layers)]
 
 
 def paddle_flag(name: str) -> bool:
