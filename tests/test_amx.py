@@ -136,3 +136,21 @@ def test_amx_gives_the_avx2_bits(ops: Any, tmp_path: Any) -> None:
     for name, x, p in _cases():
         on = _gemm(ops, x, p.data, p.kind, p.n_out, True)
         assert on.tobytes() == avx2[name].tobytes(), f"{name}: {int((on != avx2[name]).sum())} elements differ, AMX vs AVX2"
+
+
+def test_the_rows_outer_order_gives_the_same_bits(ops: Any) -> None:
+    """Many rows and an output past L2 run rows outer within chunks of
+    column pairs (qgemm.cc gemm_range_amx): 144 rows on the tiles + 6 in
+    vector tails, 2,803 columns (more than one chunk per thread, a partial
+    last group), still the VNNI bits and the exact sequence."""
+    from fdx.model.packed_weights import pack_gguf
+
+    rng = np.random.default_rng(1602)
+    M, K, N = 150, 576, 2803
+    for qtype in (3, 8):
+        p = pack_gguf(_quantize(rng, N, K, qtype)[0], qtype)
+        x = (rng.standard_normal((M, K)) * rng.uniform(0.01, 30, size=(M, 1))).astype(np.float32)
+        on = _gemm(ops, x, p.data, p.kind, p.n_out, True)
+        off = _gemm(ops, x, p.data, p.kind, p.n_out, False)
+        assert on.tobytes() == off.tobytes(), f"q{qtype}: {int((on != off).sum())} elements differ, AMX vs VNNI"
+        assert on.tobytes() == _qgemm_exact(x, p).tobytes(), f"q{qtype}: differs from the sequence"

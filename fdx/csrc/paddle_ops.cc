@@ -39,6 +39,7 @@
 // residual stream before it), which the final norm adds.
 
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <vector>
 
@@ -143,26 +144,39 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& x, const paddle:
   if (T == 0) return {x_out, res};
   float* xb = x_out.data<float>();
   float* rb = res.data<float>();
-  std::vector<float> h(T * E), qkv(T * W), att(T * Q), gu(T * F2), act(T * F);
+  // the layers' intermediates: grown, never shrunk, never zeroed (each is
+  // written whole before it is read) -- a prefill step's are ~12 MB, which
+  // fresh zeroed vectors paged in and cleared on every call
+  thread_local std::vector<std::unique_ptr<float[]>> bufs(5);
+  thread_local std::vector<int64_t> sizes(5, 0);
+  auto scratch = [&](int i, int64_t n) {
+    if (n > sizes[i]) bufs[i].reset(new float[sizes[i] = n]);
+    return bufs[i].get();
+  };
+  float* h = scratch(0, T * E);
+  float* qkv = scratch(1, T * W);
+  float* att = scratch(2, T * Q);
+  float* gu = scratch(3, T * F2);
+  float* act = scratch(4, T * F);
   const float* cur = x.data<float>();  // the layer input: x, then x_out
   auto* comm = reinterpret_cast<fdx::TPComm*>(tp_comm);
   for (size_t l = 0; l < L; ++l) {
-    fdx::add_rms_norm(cur, l == 0 ? nullptr : rb, attn_norm[l].data<float>(), T, E, eps, h.data(), rb);
-    fdx::qgemm(h.data(), w_qkv[l].data<uint8_t>(), kinds[4 * l], qkv.data(), T, E, W);
+    fdx::add_rms_norm(cur, l == 0 ? nullptr : rb, attn_norm[l].data<float>(), T, E, eps, h, rb);
+    fdx::qgemm(h, w_qkv[l].data<uint8_t>(), kinds[4 * l], qkv, T, E, W);
     if (b_qkv[l].numel() > 0) {
       const float* b = b_qkv[l].data<float>();
       for (int64_t t = 0; t < T; ++t)
         for (int64_t i = 0; i < W; ++i) qkv[t * W + i] += b[i];
     }
     sh.window = windows[l];
-    fdx::paged_attention(sh, qkv.data(), const_cast<void*>(caches[l].data()), rope.data<float>(),
-                         meta.data<int>(), tables.data<int>(), att.data());
-    fdx::qgemm(att.data(), w_o[l].data<uint8_t>(), kinds[4 * l + 1], xb, T, Q, E);
+    fdx::paged_attention(sh, qkv, const_cast<void*>(caches[l].data()), rope.data<float>(),
+                         meta.data<int>(), tables.data<int>(), att);
+    fdx::qgemm(att, w_o[l].data<uint8_t>(), kinds[4 * l + 1], xb, T, Q, E);
     all_reduce(comm, xb, T * E);  // row-parallel o: the ranks' partial sums
-    fdx::add_rms_norm(xb, rb, ffn_norm[l].data<float>(), T, E, eps, h.data(), rb);
-    fdx::qgemm(h.data(), w_gate_up[l].data<uint8_t>(), kinds[4 * l + 2], gu.data(), T, E, F2);
-    fdx::swiglu(gu.data(), T, F, act.data());
-    fdx::qgemm(act.data(), w_down[l].data<uint8_t>(), kinds[4 * l + 3], xb, T, F, E);
+    fdx::add_rms_norm(xb, rb, ffn_norm[l].data<float>(), T, E, eps, h, rb);
+    fdx::qgemm(h, w_gate_up[l].data<uint8_t>(), kinds[4 * l + 2], gu, T, E, F2);
+    fdx::swiglu(gu, T, F, act);
+    fdx::qgemm(act, w_down[l].data<uint8_t>(), kinds[4 * l + 3], xb, T, F, E);
     all_reduce(comm, xb, T * E);  // row-parallel down
     cur = xb;
   }

@@ -737,19 +737,36 @@ void amx_tile(const int8_t* xq, const float* dx, const float* sx, int64_t K, int
 }
 
 // Rows [0, M16) (a multiple of 16) x groups [g0, g1) on the tile unit.
+//
+// Two loop orders, the same tiles and the same bits:
+//  - pair outer (few rows, or a small output): a pair's B tiles (nb x 512
+//    bytes) are made once and serve every row tile from L1;
+//  - rows outer within chunks of pairs (many rows and an output past L2,
+//    e.g. a prefill's gate/up: 512 x 3072 floats): a chunk's B tiles
+//    (kAmxChunkBytes) are made once and stay in L2 while each row tile sweeps
+//    the chunk, so the output is written row by row, contiguous, instead of
+//    16 rows 12 KiB apart per pair (which measured 1.2x slower at 512 x 3072
+//    and 2x at 256 x 49152 on the AMX Xeon, bench/bench_qgemm.py).
+constexpr int64_t kAmxChunkBytes = 512 * 1024;
+
 template <int KIND>
 void gemm_range_amx(const int8_t* xq, const float* dx, const float* sx, const uint8_t* w, float* out, int64_t M16,
                     int64_t K, int64_t N, int64_t g0, int64_t g1) {
   const int64_t nb = K / 32;
   const int64_t BB = KIND == 4 ? kQ4Bytes : kQ8Bytes;
+  const bool rows_outer = M16 >= 128 && M16 * N >= (int64_t{3} << 17);
+  const int64_t chunk = rows_outer ? std::max<int64_t>(1, kAmxChunkBytes / (nb * 512)) : 1;  // pairs
   thread_local std::vector<__m512i> wbv;  // B tiles, 64-byte aligned (full-line stores and tile loads)
   thread_local std::vector<float> sc, rs;
-  if (static_cast<int64_t>(wbv.size()) < nb * 8) wbv.resize(nb * 8);
-  int8_t* wb = reinterpret_cast<int8_t*>(wbv.data());
-  if (static_cast<int64_t>(sc.size()) < nb * 32) sc.resize(nb * 32);
+  thread_local std::vector<int> ncol;
+  if (static_cast<int64_t>(wbv.size()) < chunk * nb * 8) wbv.resize(chunk * nb * 8);
+  if (static_cast<int64_t>(sc.size()) < chunk * nb * 32) sc.resize(chunk * nb * 32);
+  if (static_cast<int64_t>(ncol.size()) < chunk) ncol.resize(chunk);
   if (static_cast<int64_t>(rs.size()) < 2 * M16 * nb) rs.resize(2 * M16 * nb);
-  float* dw = sc.data();
-  float* mw = sc.data() + nb * 16;
+  // pair p of a chunk: B tiles wb(p), scales dw(p), mw(p) ([nb][16] each)
+  auto wb = [&](int64_t p) { return reinterpret_cast<int8_t*>(wbv.data()) + p * nb * 512; };
+  auto dw = [&](int64_t p) { return sc.data() + p * nb * 32; };
+  auto mw = [&](int64_t p) { return sc.data() + p * nb * 32 + nb * 16; };
   // the rows' scales by tile of 16 rows, block, row: one pointer serves a block's 16 rows
   float* dt = rs.data();
   float* st = rs.data() + M16 * nb;
@@ -760,16 +777,32 @@ void gemm_range_amx(const int8_t* xq, const float* dx, const float* sx, const ui
         st[(t * nb + b) * kAmxRows + r] = sx[(t * kAmxRows + r) * nb + b];
       }
   amx_config();
-  for (int64_t g = g0; g < g1; g += 2) {
-    const int ng = static_cast<int>(std::min<int64_t>(2, g1 - g));
+  // pair p's B tiles from groups g, g + 1 (the second only if below c1); its column count
+  auto pack = [&](int64_t p, int64_t g, int64_t c1) {
+    const int ng = static_cast<int>(std::min<int64_t>(2, c1 - g));
     const uint8_t* blk[2];
     int nc[2];
     group_ptrs(w, g, ng, nb, BB, N, blk, nc);
-    amx_pack_pair<KIND>(blk, ng, nb, wb, dw, mw);
-    const int ncols = nc[0] + (ng == 2 ? nc[1] : 0);
-    for (int64_t m0 = 0; m0 < M16; m0 += kAmxRows)
-      amx_tile<KIND>(xq + m0 * K, dt + m0 * nb, st + m0 * nb, K, nb, wb, dw, mw, out + m0 * N + 8 * g, N,
-                     ncols);
+    amx_pack_pair<KIND>(blk, ng, nb, wb(p), dw(p), mw(p));
+    return nc[0] + (ng == 2 ? nc[1] : 0);
+  };
+  if (!rows_outer) {
+    for (int64_t g = g0; g < g1; g += 2) {
+      const int ncols = pack(0, g, g1);
+      for (int64_t m0 = 0; m0 < M16; m0 += kAmxRows)
+        amx_tile<KIND>(xq + m0 * K, dt + m0 * nb, st + m0 * nb, K, nb, wb(0), dw(0), mw(0), out + m0 * N + 8 * g, N,
+                       ncols);
+    }
+  } else {
+    for (int64_t c0 = g0; c0 < g1; c0 += 2 * chunk) {
+      const int64_t c1 = std::min<int64_t>(g1, c0 + 2 * chunk);
+      const int64_t np = (c1 - c0 + 1) / 2;
+      for (int64_t p = 0; p < np; ++p) ncol[p] = pack(p, c0 + 2 * p, c1);
+      for (int64_t m0 = 0; m0 < M16; m0 += kAmxRows)
+        for (int64_t p = 0; p < np; ++p)
+          amx_tile<KIND>(xq + m0 * K, dt + m0 * nb, st + m0 * nb, K, nb, wb(p), dw(p), mw(p),
+                         out + m0 * N + 8 * (c0 + 2 * p), N, ncol[p]);
+    }
   }
   _tile_release();
 }
