@@ -184,6 +184,7 @@ struct KeyVec {
 struct Prefetch {
   const char* k[8];
   int n;
+  int64_t voff;  // bytes from a key block to its value block; 0: keys only
 };
 
 template <int NR, int NV, typename C>
@@ -202,8 +203,11 @@ inline void score_kt(const float* const* q, const KeyVec* kv, int D, int BS, flo
   if constexpr (std::is_same_v<C, bf16_t>) {
     // rows d, d + 1 interleaved: one load of L pairs, the even halves then the odd ones
     const int64_t row = 2 * static_cast<int64_t>(BS) * sizeof(C);  // bytes a pair of rows
+    const int64_t voff = npf ? pf->voff : 0;
     for (int d = 0; d < D; d += 2) {
       for (int i = 0; i < npf; ++i) _mm_prefetch(pf->k[i] + (d / 2) * row, _MM_HINT_T0);
+      if (voff)
+        for (int i = 0; i < npf; ++i) _mm_prefetch(pf->k[i] + voff + (d / 2) * row, _MM_HINT_T1);
       v::vf ev[NV], od[NV];
       for (int c = 0; c < NV; ++c) {
         load_pairs(k[c] + (int64_t)d * BS, ev[c], od[c], full ? L : kv[c].cnt);
@@ -218,8 +222,11 @@ inline void score_kt(const float* const* q, const KeyVec* kv, int D, int BS, flo
     }
   } else {
     const int64_t row = static_cast<int64_t>(BS) * sizeof(C);
+    const int64_t voff = npf ? pf->voff : 0;
     for (int d = 0; d < D; ++d) {
       for (int i = 0; i < npf; ++i) _mm_prefetch(pf->k[i] + d * row, _MM_HINT_T0);
+      if (voff)
+        for (int i = 0; i < npf; ++i) _mm_prefetch(pf->k[i] + voff + d * row, _MM_HINT_T1);
       v::vf kd[NV];
       for (int c = 0; c < NV; ++c) {
         kd[c] = full ? v::load(k[c] + (int64_t)d * BS) : v::load_first(k[c] + (int64_t)d * BS, kv[c].cnt);
@@ -246,12 +253,17 @@ inline void score_kt(const float* const* q, const KeyVec* kv, int D, int BS, flo
 // chains); with read_ahead each tile asks for the next one's keys.
 template <int NR, typename C>
 inline void score_rows_kt(const float* const* q, const KeyVec* kv, int n, int D, int BS, float scale,
-                          float* const* out, bool read_ahead) {
+                          float* const* out, bool read_ahead, int64_t voff) {
   constexpr int NV = NR == 1 ? 8 : 12 / NR;
   const int tiles = (n + NV - 1) / NV;
+  if (read_ahead && voff) {  // the first tile's value blocks (the loop asks for the later tiles')
+    const int64_t bytes = static_cast<int64_t>(BS) * D * sizeof(C);
+    for (int j = 0; j < std::min(n, NV); ++j)
+      for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(kv[j].k) + voff + o, _MM_HINT_T1);
+  }
   for (int i = 0, c = 0; i < tiles; ++i) {
     const int m = (n - c) / (tiles - i);  // the rest, evenly
-    Prefetch pf{{}, 0};
+    Prefetch pf{{}, 0, voff};
     if (read_ahead && i + 1 < tiles) {
       const int nn = std::min(8, (n - c - m) / (tiles - i - 1));
       for (int j = 0; j < nn; ++j) pf.k[pf.n++] = static_cast<const char*>(kv[c + m + j].k);
@@ -469,6 +481,9 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
     const int64_t bsz = (int64_t)BS * D;  // values a key block (of one kv head)
     auto block_of = [&](int b) { return kc + ((int64_t)tb[b] * KV + kh) * bsz; };
     const int gb = nt > 1 ? kGroupBlocks : nblk;
+    // decode: the next tile's value blocks are asked for (into L2) beside
+    // its keys, so the weighted sum's pass finds them on its way
+    const int64_t voff = nt == 1 ? (vc - kc) * static_cast<int64_t>(sizeof(C)) : 0;
     w.kv.resize((size_t)gb * nvk);
     for (int b0 = 0; b0 < nblk; b0 += gb) {
       const int b1 = std::min(nblk, b0 + gb);
@@ -497,10 +512,10 @@ void attend_item(const Geometry& ge, const C* kc, const C* vc, const int* mt, co
           const int nv = v1 - v0;
           const bool ahead = t == t0 && g0 == 0;  // the item's first pass over its keys
           switch (nr) {
-            case 1: score_rows_kt<1, C>(q, kv, nv, D, BS, ge.scale, out, ahead); break;
-            case 2: score_rows_kt<2, C>(q, kv, nv, D, BS, ge.scale, out, ahead); break;
-            case 3: score_rows_kt<3, C>(q, kv, nv, D, BS, ge.scale, out, ahead); break;
-            default: score_rows_kt<4, C>(q, kv, nv, D, BS, ge.scale, out, ahead); break;
+            case 1: score_rows_kt<1, C>(q, kv, nv, D, BS, ge.scale, out, ahead, voff); break;
+            case 2: score_rows_kt<2, C>(q, kv, nv, D, BS, ge.scale, out, ahead, voff); break;
+            case 3: score_rows_kt<3, C>(q, kv, nv, D, BS, ge.scale, out, ahead, voff); break;
+            default: score_rows_kt<4, C>(q, kv, nv, D, BS, ge.scale, out, ahead, voff); break;
           }
         }
       }
