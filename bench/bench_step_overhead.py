@@ -14,6 +14,10 @@ busy machine better than absolute times.
 each kernel is timed on its own: qgemm by output width, attention, norms,
 SwiGLU) and prints each one's share of the step.
 
+The prompts' prefill is timed too (prompt tokens a second, before the
+decode steps): at ``--concurrency 32 --prompt-len 192`` it is the
+three-way table's c32 prefill.
+
 ``--seconds S`` keeps ``--concurrency`` requests of ``--prompt-len`` tokens
 going for S seconds instead, each replaced by a new prompt when its
 ``--tokens`` are out: a served stream's mix of prefills and contexts, long
@@ -113,9 +117,15 @@ def main() -> None:
                 add()
         print(f"{steps} steps, {(time.perf_counter() - t0) / steps * 1000:.2f} ms a step (prefills included)")
         return
-    # prefill first, then time only steps where every sequence decodes
+    # prefill first (timed on its own: the prompts' tokens a second), then
+    # time only steps where every sequence decodes
+    t0, psteps = time.perf_counter(), 0
     while any(r is not None and r.num_output_tokens == 0 for r in map(eng.scheduler.get, eng.scheduler.request_ids())):
         eng.step()
+        psteps += 1
+    took = time.perf_counter() - t0
+    print(f"prefill: {args.concurrency} prompts of {args.prompt_len} tokens in {psteps} steps, {took:.3f} s "
+          f"({args.concurrency * args.prompt_len / took:.0f} prompt tok/s)")
     for k in timers:
         timers[k] = 0.0
     op_times.clear()
