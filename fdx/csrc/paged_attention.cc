@@ -61,6 +61,7 @@
 // the same bits on every kernel set and thread count, batch-invariant.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -659,6 +660,9 @@ void attention(const fdx::AttnShape& sh, const float* x, C* kc, const float* rp,
   // and omp_get_thread_num/num_threads are used, which Paddle's libiomp5
   // (the runtime this op links against, shared with MKL) implements.
   // Which thread computes a row never changes its bits (see above).
+  // phase 2 hands out items in order from a counter: a thread that finishes
+  // early (shorter contexts) or starts late takes the next one
+  std::atomic<int64_t> next_item{0};
 #pragma omp parallel if (items >= 2 && work >= 2048)
   {
     const int nth = omp_get_num_threads();
@@ -683,7 +687,7 @@ void attention(const fdx::AttnShape& sh, const float* x, C* kc, const float* rp,
 #pragma omp barrier
     // phase 2: attention, item by item
     static thread_local Scratch scratch;
-    for (int64_t it = tid; it < items; it += nth) {
+    for (int64_t it; (it = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t r = it / KV;
       const int kh = static_cast<int>(it % KV);
       const int64_t t0 = runs[r];
