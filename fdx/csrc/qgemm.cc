@@ -745,8 +745,8 @@ void amx_tile(const int8_t* xq, const float* dx, const float* sx, int64_t K, int
 //    e.g. a prefill's gate/up: 512 x 3072 floats): a chunk's B tiles
 //    (kAmxChunkBytes) are made once and stay in L2 while each row tile sweeps
 //    the chunk, so the output is written row by row, contiguous, instead of
-//    16 rows 12 KiB apart per pair (which measured 1.2x slower at 512 x 3072
-//    and 2x at 256 x 49152 on the AMX Xeon, bench/bench_qgemm.py).
+//    16 rows 12 KiB apart per pair (bench/bench_qgemm.py on the AMX VM:
+//    1.15x at 512 x 3072, 1.2-1.5x at 128-512 x 49152; docs/PERFORMANCE.md).
 constexpr int64_t kAmxChunkBytes = 512 * 1024;
 
 template <int KIND>
