@@ -6,7 +6,10 @@ same C++ kernels the per-layer path dispatches one by one, so the two must
 give bit-identical logits.  Checked through the real engine with the real
 model: greedy tokens and logprobs of prompts run alone and batched (prefill
 chunks and decode steps mixed), with a q/k/v bias (Qwen2's) switched in,
-and a malformed call gives a clear error instead of touching memory.
+and a malformed call gives a clear error instead of touching memory.  The
+fused path passes the weights as addresses (``fdx_decoder_stack``, made
+once from the tensors the model keeps): the same bits as passing them as
+tensors (``fdx_decoder_layers``), and the addresses follow a reload.
 """
 
 from __future__ import annotations
@@ -42,6 +45,17 @@ def _run(llm: Any, fused: bool, prompts: list[str], max_tokens: int = 12) -> lis
         model.fused_layers = True
     return [(o.outputs[0].token_ids, [(lp.token_id, lp.logprob, tuple(lp.top)) for lp in o.outputs[0].logprobs])
             for o in out]
+
+
+def test_weights_by_address_give_the_bits_of_weights_as_tensors(llm: Any) -> None:
+    model = llm.engine.runner.model
+    assert model.stack_by_address  # the default fused path takes addresses
+    by_address = _run(llm, True, PROMPTS[:3], max_tokens=8)
+    model.stack_by_address = False
+    try:
+        assert _run(llm, True, PROMPTS[:3], max_tokens=8) == by_address
+    finally:
+        model.stack_by_address = True
 
 
 def test_fused_layers_equal_the_per_layer_path_bit_for_bit(llm: Any) -> None:
@@ -96,6 +110,34 @@ def test_malformed_call_is_a_clear_error(llm: Any) -> None:
         op(x, model.rope, meta, tables, an, wq, bq, wo, fn, wgu, wd, caches, kinds, model.args.num_heads, 1e-5, 0.1, 0, nw[:-1])
 
 
+def test_malformed_stack_call_is_a_clear_error(llm: Any) -> None:
+    import paddle
+
+    model = llm.engine.runner.model
+    caches = list(llm.engine.runner.caches)
+    ptrs, dims = model._stack_args(caches)
+    *_, kinds, windows = model._layer_stack()
+    x = paddle.zeros([1, model.args.hidden_size], dtype="float32")
+    meta = paddle.to_tensor(np.array([[0, 0]], dtype=np.int32))
+    tables = paddle.to_tensor(np.array([[0]], dtype=np.int32))
+    op = model.ops.fdx_decoder_stack
+    a = model.args
+
+    def call(p: list[int], d: list[int], c: list[Any] = caches) -> Any:
+        return op(x, model.rope, meta, tables, c, p, d, kinds, a.num_heads, a.rms_eps, model.scale, 0, windows)
+
+    with pytest.raises(Exception, match="7, 4 and 1 entries a layer"):
+        call(ptrs[:-1], dims)
+    with pytest.raises(Exception, match="7, 4 and 1 entries a layer"):
+        call(ptrs[:-7], dims, caches[:-1])  # one layer fewer, but kinds and windows for all
+    with pytest.raises(Exception, match="address is 0"):
+        call([0] + ptrs[1:], dims)
+    with pytest.raises(Exception, match="dims do not match"):
+        call(ptrs, [dims[0] + 32, dims[1], dims[2]])
+    out, _res = call(ptrs, dims)  # and the well-formed call runs
+    assert np.isfinite(out.numpy()).all()
+
+
 def test_reloaded_weights_reach_the_fused_op(llm: Any) -> None:
     """``update_weights`` loads into the running model without a release:
     the fused op's per-layer lists must follow the new tensors."""
@@ -111,3 +153,6 @@ def test_reloaded_weights_reach_the_fused_op(llm: Any) -> None:
     stack = model._layer_stack()
     assert all(w is layer.p_qkv.data for w, layer in zip(stack[1], model.layers))
     assert all(w is layer.p_down.data for w, layer in zip(stack[6], model.layers))
+    ptrs, _dims = model._stack_args(list(runner.caches))  # the addresses follow the new tensors too
+    assert ptrs[1::7] == [layer.p_qkv.data.data_ptr() for layer in model.layers]
+    assert ptrs[6::7] == [layer.p_down.data.data_ptr() for layer in model.layers]

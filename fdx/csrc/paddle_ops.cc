@@ -38,6 +38,7 @@
 // Outputs: x_out [T, E] (the last layer's output) and residual [T, E] (the
 // residual stream before it), which the final norm adds.
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -100,45 +101,17 @@ void check_weight(const paddle::Tensor& w, int kind, int64_t K, int64_t N, const
 
 }  // namespace
 
-std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& x, const paddle::Tensor& rope, const paddle::Tensor& meta,
-                                          const paddle::Tensor& tables, const Tensors& attn_norm, const Tensors& w_qkv,
-                                          const Tensors& b_qkv, const Tensors& w_o, const Tensors& ffn_norm,
-                                          const Tensors& w_gate_up, const Tensors& w_down, const Tensors& caches,
-                                          const std::vector<int>& kinds, int num_heads, float eps, float scale,
-                                          int64_t tp_comm, const std::vector<int>& windows) {
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2, "x must be float32 [T, E]");
-  PD_CHECK(meta.dtype() == paddle::DataType::INT32 && tables.dtype() == paddle::DataType::INT32,
-           "meta/tables must be int32");
+// The layer loop of fdx_decoder_layers and fdx_decoder_stack, over raw
+// pointers (the callers have checked every shape): layer l's weights are
+// ptrs[7 l .. 7 l + 6] (attn_norm, w_qkv, b_qkv or 0, w_o, ffn_norm,
+// w_gate_up, w_down).
+std::vector<paddle::Tensor> run_layers(const paddle::Tensor& x, const paddle::Tensor& rope, const paddle::Tensor& meta,
+                                       const paddle::Tensor& tables, const std::vector<int64_t>& ptrs,
+                                       const std::vector<void*>& caches, const std::vector<int>& kinds,
+                                       const std::vector<int>& windows, fdx::AttnShape sh, int64_t W, int64_t Q,
+                                       int64_t F2, float eps, int64_t tp_comm) {
+  const int64_t T = x.shape()[0], E = x.shape()[1], F = F2 / 2;
   const size_t L = caches.size();
-  PD_CHECK(L > 0 && attn_norm.size() == L && w_qkv.size() == L && b_qkv.size() == L && w_o.size() == L &&
-               ffn_norm.size() == L && w_gate_up.size() == L && w_down.size() == L && kinds.size() == 4 * L &&
-               windows.size() == L,
-           "every per-layer list must have one entry per layer");
-  const int64_t T = x.shape()[0], E = x.shape()[1];
-  const auto& c0 = caches[0].shape();
-  PD_CHECK(c0.size() == 5 && c0[0] == 2, "caches must be [2, NB, KV, BS, D]");
-  PD_CHECK(kv_cache_dtype_ok(caches[0]), "caches must be float32 or bfloat16");
-  fdx::AttnShape sh{T, num_heads, static_cast<int>(c0[2]), static_cast<int>(c0[4]), static_cast<int>(c0[3]),
-                    c0[1], tables.shape()[0], tables.shape()[1], rope.shape()[0], scale, 0,
-                    caches[0].dtype() == paddle::DataType::BFLOAT16};
-  PD_CHECK(sh.H % sh.KV == 0, "num_heads must be a multiple of the kv heads");
-  PD_CHECK(rope.shape()[1] == sh.D, "rope width mismatch");
-  const int64_t Q = (int64_t)sh.H * sh.D, W = (int64_t)(sh.H + 2 * sh.KV) * sh.D;
-  const int64_t F2 = w_gate_up[0].shape()[0] * 8, F = F2 / 2;
-  PD_CHECK(E % 32 == 0 && Q % 32 == 0 && F % 32 == 0, "layer widths must be multiples of 32");
-  for (size_t l = 0; l < L; ++l) {
-    PD_CHECK(caches[l].dtype() == caches[0].dtype() && caches[l].shape() == c0, "caches differ in shape or dtype");
-    PD_CHECK(attn_norm[l].numel() == E && ffn_norm[l].numel() == E, "norm weight width mismatch");
-    PD_CHECK(b_qkv[l].numel() == 0 || b_qkv[l].numel() == W, "qkv bias width mismatch");
-    check_packed(w_qkv[l], kinds[4 * l], E, W, "w_qkv");
-    check_packed(w_o[l], kinds[4 * l + 1], Q, E, "w_o");
-    check_packed(w_gate_up[l], kinds[4 * l + 2], E, F2, "w_gate_up");
-    check_packed(w_down[l], kinds[4 * l + 3], F, E, "w_down");
-    PD_CHECK(windows[l] >= 0, "windows must be >= 0 (0: no sliding window)");
-  }
-  // the step's metadata is the same for every layer: validated once
-  checked([&] { fdx::check_attention_meta(sh, meta.data<int>(), tables.data<int>()); });
-
   auto x_out = paddle::empty({T, E}, paddle::DataType::FLOAT32, x.place());
   auto res = paddle::empty({T, E}, paddle::DataType::FLOAT32, x.place());
   if (T == 0) return {x_out, res};
@@ -160,27 +133,116 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& x, const paddle:
   float* act = scratch(4, T * F);
   const float* cur = x.data<float>();  // the layer input: x, then x_out
   auto* comm = reinterpret_cast<fdx::TPComm*>(tp_comm);
+  auto f32 = [](int64_t p) { return reinterpret_cast<const float*>(p); };
+  auto u8 = [](int64_t p) { return reinterpret_cast<const uint8_t*>(p); };
   for (size_t l = 0; l < L; ++l) {
-    fdx::add_rms_norm(cur, l == 0 ? nullptr : rb, attn_norm[l].data<float>(), T, E, eps, h, rb);
-    fdx::qgemm(h, w_qkv[l].data<uint8_t>(), kinds[4 * l], qkv, T, E, W);
-    if (b_qkv[l].numel() > 0) {
-      const float* b = b_qkv[l].data<float>();
+    const int64_t* pl = ptrs.data() + 7 * l;
+    fdx::add_rms_norm(cur, l == 0 ? nullptr : rb, f32(pl[0]), T, E, eps, h, rb);
+    fdx::qgemm(h, u8(pl[1]), kinds[4 * l], qkv, T, E, W);
+    if (pl[2] != 0) {
+      const float* b = f32(pl[2]);
       for (int64_t t = 0; t < T; ++t)
         for (int64_t i = 0; i < W; ++i) qkv[t * W + i] += b[i];
     }
     sh.window = windows[l];
-    fdx::paged_attention(sh, qkv, const_cast<void*>(caches[l].data()), rope.data<float>(),
-                         meta.data<int>(), tables.data<int>(), att);
-    fdx::qgemm(att, w_o[l].data<uint8_t>(), kinds[4 * l + 1], xb, T, Q, E);
+    fdx::paged_attention(sh, qkv, caches[l], rope.data<float>(), meta.data<int>(), tables.data<int>(), att);
+    fdx::qgemm(att, u8(pl[3]), kinds[4 * l + 1], xb, T, Q, E);
     all_reduce(comm, xb, T * E);  // row-parallel o: the ranks' partial sums
-    fdx::add_rms_norm(xb, rb, ffn_norm[l].data<float>(), T, E, eps, h, rb);
-    fdx::qgemm(h, w_gate_up[l].data<uint8_t>(), kinds[4 * l + 2], gu, T, E, F2);
+    fdx::add_rms_norm(xb, rb, f32(pl[4]), T, E, eps, h, rb);
+    fdx::qgemm(h, u8(pl[5]), kinds[4 * l + 2], gu, T, E, F2);
     fdx::swiglu(gu, T, F, act);
-    fdx::qgemm(act, w_down[l].data<uint8_t>(), kinds[4 * l + 3], xb, T, F, E);
+    fdx::qgemm(act, u8(pl[6]), kinds[4 * l + 3], xb, T, F, E);
     all_reduce(comm, xb, T * E);  // row-parallel down
     cur = xb;
   }
   return {x_out, res};
+}
+
+// The checks both ops make on the step's own inputs (x, meta, tables, the
+// caches); the geometry they imply.
+fdx::AttnShape check_step(const paddle::Tensor& x, const paddle::Tensor& rope, const paddle::Tensor& meta,
+                          const paddle::Tensor& tables, const Tensors& caches, int num_heads, float scale) {
+  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && x.shape().size() == 2, "x must be float32 [T, E]");
+  PD_CHECK(meta.dtype() == paddle::DataType::INT32 && tables.dtype() == paddle::DataType::INT32,
+           "meta/tables must be int32");
+  PD_CHECK(!caches.empty(), "caches must have one entry per layer");
+  const int64_t T = x.shape()[0];
+  const auto& c0 = caches[0].shape();
+  PD_CHECK(c0.size() == 5 && c0[0] == 2, "caches must be [2, NB, KV, BS, D]");
+  PD_CHECK(kv_cache_dtype_ok(caches[0]), "caches must be float32 or bfloat16");
+  fdx::AttnShape sh{T, num_heads, static_cast<int>(c0[2]), static_cast<int>(c0[4]), static_cast<int>(c0[3]),
+                    c0[1], tables.shape()[0], tables.shape()[1], rope.shape()[0], scale, 0,
+                    caches[0].dtype() == paddle::DataType::BFLOAT16};
+  PD_CHECK(sh.H % sh.KV == 0, "num_heads must be a multiple of the kv heads");
+  PD_CHECK(rope.shape()[1] == sh.D, "rope width mismatch");
+  for (const auto& c : caches)
+    PD_CHECK(c.dtype() == caches[0].dtype() && c.shape() == c0, "caches differ in shape or dtype");
+  // the step's metadata is the same for every layer: validated once
+  checked([&] { fdx::check_attention_meta(sh, meta.data<int>(), tables.data<int>()); });
+  return sh;
+}
+
+std::vector<void*> cache_ptrs(const Tensors& caches) {
+  std::vector<void*> p(caches.size());
+  for (size_t l = 0; l < caches.size(); ++l) p[l] = const_cast<void*>(caches[l].data());
+  return p;
+}
+
+std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& x, const paddle::Tensor& rope, const paddle::Tensor& meta,
+                                          const paddle::Tensor& tables, const Tensors& attn_norm, const Tensors& w_qkv,
+                                          const Tensors& b_qkv, const Tensors& w_o, const Tensors& ffn_norm,
+                                          const Tensors& w_gate_up, const Tensors& w_down, const Tensors& caches,
+                                          const std::vector<int>& kinds, int num_heads, float eps, float scale,
+                                          int64_t tp_comm, const std::vector<int>& windows) {
+  const size_t L = caches.size();
+  PD_CHECK(L > 0 && attn_norm.size() == L && w_qkv.size() == L && b_qkv.size() == L && w_o.size() == L &&
+               ffn_norm.size() == L && w_gate_up.size() == L && w_down.size() == L && kinds.size() == 4 * L &&
+               windows.size() == L,
+           "every per-layer list must have one entry per layer");
+  const fdx::AttnShape sh = check_step(x, rope, meta, tables, caches, num_heads, scale);
+  const int64_t E = x.shape()[1];
+  const int64_t Q = (int64_t)sh.H * sh.D, W = (int64_t)(sh.H + 2 * sh.KV) * sh.D;
+  const int64_t F2 = w_gate_up[0].shape()[0] * 8, F = F2 / 2;
+  PD_CHECK(E % 32 == 0 && Q % 32 == 0 && F % 32 == 0, "layer widths must be multiples of 32");
+  std::vector<int64_t> ptrs(7 * L);
+  auto addr = [](const paddle::Tensor& t) { return reinterpret_cast<int64_t>(t.data()); };
+  for (size_t l = 0; l < L; ++l) {
+    PD_CHECK(attn_norm[l].numel() == E && ffn_norm[l].numel() == E, "norm weight width mismatch");
+    PD_CHECK(b_qkv[l].numel() == 0 || b_qkv[l].numel() == W, "qkv bias width mismatch");
+    check_packed(w_qkv[l], kinds[4 * l], E, W, "w_qkv");
+    check_packed(w_o[l], kinds[4 * l + 1], Q, E, "w_o");
+    check_packed(w_gate_up[l], kinds[4 * l + 2], E, F2, "w_gate_up");
+    check_packed(w_down[l], kinds[4 * l + 3], F, E, "w_down");
+    PD_CHECK(windows[l] >= 0, "windows must be >= 0 (0: no sliding window)");
+    const int64_t p[7] = {addr(attn_norm[l]), addr(w_qkv[l]), b_qkv[l].numel() > 0 ? addr(b_qkv[l]) : 0, addr(w_o[l]),
+                          addr(ffn_norm[l]), addr(w_gate_up[l]), addr(w_down[l])};
+    std::copy(p, p + 7, ptrs.begin() + 7 * l);
+  }
+  return run_layers(x, rope, meta, tables, ptrs, cache_ptrs(caches), kinds, windows, sh, W, Q, F2, eps, tp_comm);
+}
+
+// fdx_decoder_stack: fdx_decoder_layers with the layers' weights given as
+// addresses (the attribute ptrs, 7 a layer as run_layers reads them) and
+// their widths (dims: W, Q, 2F), so a step does not pass 7 x L tensors
+// through Paddle's argument conversion -- 230 us a step for 30 layers with
+// cold caches, ~4% of a single-stream step (docs/PERFORMANCE.md).  The
+// addresses and kinds are fdx/model/llama.py's, made once from the tensors
+// it keeps alive, after one fdx_decoder_layers call checked every weight;
+// this op checks the step's own inputs.
+std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& x, const paddle::Tensor& rope, const paddle::Tensor& meta,
+                                         const paddle::Tensor& tables, const Tensors& caches,
+                                         const std::vector<int64_t>& ptrs, const std::vector<int64_t>& dims,
+                                         const std::vector<int>& kinds, int num_heads, float eps, float scale,
+                                         int64_t tp_comm, const std::vector<int>& windows) {
+  const size_t L = caches.size();
+  PD_CHECK(L > 0 && ptrs.size() == 7 * L && kinds.size() == 4 * L && windows.size() == L && dims.size() == 3,
+           "ptrs, kinds and windows must have 7, 4 and 1 entries a layer, dims 3");
+  for (size_t i = 0; i < ptrs.size(); ++i) PD_CHECK(ptrs[i] != 0 || i % 7 == 2, "a layer weight's address is 0");
+  const fdx::AttnShape sh = check_step(x, rope, meta, tables, caches, num_heads, scale);
+  PD_CHECK(dims[0] == (int64_t)(sh.H + 2 * sh.KV) * sh.D && dims[1] == (int64_t)sh.H * sh.D,
+           "dims do not match the caches' heads");
+  return run_layers(x, rope, meta, tables, ptrs, cache_ptrs(caches), kinds, windows, sh, dims[0], dims[1], dims[2],
+                    eps, tp_comm);
 }
 
 std::vector<std::vector<int64_t>> DecoderLayersShape(
@@ -214,6 +276,30 @@ PD_BUILD_OP(fdx_decoder_layers)
     .SetKernelFn(PD_KERNEL(DecoderLayers))
     .SetInferShapeFn(PD_INFER_SHAPE(DecoderLayersShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(DecoderLayersDtype));
+
+std::vector<std::vector<int64_t>> DecoderStackShape(const std::vector<int64_t>& x, const std::vector<int64_t>& rope,
+                                                    const std::vector<int64_t>& meta, const std::vector<int64_t>& tables,
+                                                    const std::vector<std::vector<int64_t>>& caches,
+                                                    const std::vector<int64_t>& ptrs, const std::vector<int64_t>& dims,
+                                                    const std::vector<int>& kinds, int num_heads, float eps, float scale,
+                                                    int64_t tp_comm, const std::vector<int>& windows) {
+  return {x, x};
+}
+
+std::vector<paddle::DataType> DecoderStackDtype(const paddle::DataType& x, const paddle::DataType& rope,
+                                                const paddle::DataType& meta, const paddle::DataType& tables,
+                                                const std::vector<paddle::DataType>& caches) {
+  return {x, x};
+}
+
+PD_BUILD_OP(fdx_decoder_stack)
+    .Inputs({"x", "rope", "meta", "tables", paddle::Vec("caches")})
+    .Outputs({"x_out", "residual"})
+    .Attrs({"ptrs: std::vector<int64_t>", "dims: std::vector<int64_t>", "kinds: std::vector<int>", "num_heads: int",
+            "eps: float", "scale: float", "tp_comm: int64_t", "windows: std::vector<int>"})
+    .SetKernelFn(PD_KERNEL(DecoderStack))
+    .SetInferShapeFn(PD_INFER_SHAPE(DecoderStackShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(DecoderStackDtype));
 
 // ---------------------------------------------------------------- fdx_add_rms_norm (small_ops.cc)
 std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x, const paddle::Tensor& residual,

@@ -294,7 +294,14 @@ class LlamaModel:
                              and not self.long_rope  # nor per-row rope factors
                              and (comm is None or bool(comm.handle))  # shm's all-reduce only (gloo's handle is 0)
                              and os.environ.get("FDX_FUSED_LAYERS", "1") != "0")  # 0: the per-layer path (tests)
+        #: the fused layers take the weights' addresses (``fdx_decoder_stack``) instead of
+        #: 7 tensors a layer (``fdx_decoder_layers``: the same kernels and bits, ~230 us more a
+        #: step in Paddle's argument conversion); FDX_DECODER_STACK=0 keeps the tensors (benchmarks)
+        self.stack_by_address = (self.fused_layers and hasattr(native_ops, "fdx_decoder_stack")
+                                 and os.environ.get("FDX_DECODER_STACK", "1") != "0")
         self._stack: tuple[Any, ...] | None = None
+        #: (the stack, its weight addresses, widths) for ``fdx_decoder_stack`` (:meth:`_stack_args`)
+        self._stack_ptrs: tuple[Any, list[int], list[int]] | None = None
 
     # ------------------------------------------------------------------ weights
 
@@ -321,7 +328,7 @@ class LlamaModel:
         check_shape(ckpt.embed, (a.vocab_size, a.hidden_size), "embedding", ckpt.source.path)
         check_shape(ckpt.final_norm, (a.hidden_size,), "final norm", ckpt.source.path)
         self.layers = layers
-        self._stack = None  # the fused op's lists point at the old layers
+        self._stack = self._stack_ptrs = None  # the fused op's lists point at the old layers
         self.embed = paddle.to_tensor(np.ascontiguousarray(ckpt.embed, dtype=np.float32))
         self.final_norm = paddle.to_tensor(ckpt.final_norm.astype(np.float32))
         self.lm_head = self.q_lm_head = self.p_lm_head = None
@@ -350,8 +357,29 @@ class LlamaModel:
         self.lm_head = None
         self.q_lm_head = None
         self.p_lm_head = None
-        self._stack = None
+        self._stack = self._stack_ptrs = None
         self._arena = HugePageArena()  # the old one's mappings go with the last tensor in them
+
+    def _stack_args(self, caches: list[paddle.Tensor]) -> tuple[list[int], list[int]]:
+        """``fdx_decoder_stack``'s weight addresses (7 a layer: attn_norm,
+        w_qkv, b_qkv or 0, w_o, ffn_norm, w_gate_up, w_down) and widths (W,
+        Q, 2F), made once from :meth:`_layer_stack`'s tensors -- which this
+        keeps alive -- after one ``fdx_decoder_layers`` call with no rows has
+        run every check on them."""
+        stack = self._layer_stack()
+        if self._stack_ptrs is None or self._stack_ptrs[0] is not stack:
+            an, wq, bq, wo, fn, wgu, wd, kinds, windows = stack
+            a = self.args
+            self.ops.fdx_decoder_layers(  # the weights' checks (shapes, kinds), on no rows
+                paddle.zeros([0, a.hidden_size], dtype="float32"), self.rope, paddle.zeros([0, 2], dtype="int32"),
+                paddle.zeros([1, 1], dtype="int32"), an, wq, bq, wo, fn, wgu, wd, list(caches), kinds, a.num_heads,
+                a.rms_eps, self.scale, 0, windows)
+            ptrs = [p for i in range(len(an)) for p in (
+                an[i].data_ptr(), wq[i].data_ptr(), bq[i].data_ptr() if int(bq[i].numel()) else 0, wo[i].data_ptr(),
+                fn[i].data_ptr(), wgu[i].data_ptr(), wd[i].data_ptr())]
+            dims = [int(wq[0].shape[0]) * 8, int(wo[0].shape[1]) * 32, int(wgu[0].shape[0]) * 8]
+            self._stack_ptrs = (stack, ptrs, dims)
+        return self._stack_ptrs[1], self._stack_ptrs[2]
 
     def _layer_stack(self) -> tuple[Any, ...]:
         """The per-layer lists ``fdx_decoder_layers`` takes (built once after load)."""
@@ -649,8 +677,14 @@ class CPUKernels:
         if not (self.packed and m.fused_layers):
             return None
         a, step, comm = m.args, self.step, m.comm
+        tp = comm.handle if comm is not None else 0
+        if m.stack_by_address:  # the weights as addresses: no 7 x L tensors to convert a step
+            ptrs, dims = m._stack_args(caches)
+            *_, kinds, windows = m._layer_stack()
+            return tuple(m.ops.fdx_decoder_stack(x, m.rope, step.meta, step.tables, list(caches), ptrs, dims, kinds,
+                                                 a.num_heads, a.rms_eps, m.scale, tp, windows))
         an, wq, bq, wo, fn, wgu, wd, kinds, windows = m._layer_stack()
         x, residual = m.ops.fdx_decoder_layers(
             x, m.rope, step.meta, step.tables, an, wq, bq, wo, fn, wgu, wd, list(caches), kinds,
-            a.num_heads, a.rms_eps, m.scale, comm.handle if comm is not None else 0, windows)
+            a.num_heads, a.rms_eps, m.scale, tp, windows)
         return x, residual
