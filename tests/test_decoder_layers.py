@@ -133,7 +133,12 @@ def test_malformed_stack_call_is_a_clear_error(llm: Any) -> None:
     with pytest.raises(Exception, match="address is 0"):
         call([0] + ptrs[1:], dims)
     with pytest.raises(Exception, match="dims do not match"):
-        call(ptrs, [dims[0] + 32, dims[1], dims[2]])
+        call(ptrs, [dims[0], dims[1] + 32, dims[2], dims[3]])
+    with pytest.raises(Exception, match="dims do not match"):
+        call(ptrs, [dims[0] + 32, *dims[1:]])  # x's width is not the weights'
+    with pytest.raises(Exception, match="windows must be >= 0"):
+        op(x, model.rope, meta, tables, caches, ptrs, dims, kinds, a.num_heads, a.rms_eps, model.scale, 0,
+           [-1] * len(windows))
     out, _res = call(ptrs, dims)  # and the well-formed call runs
     assert np.isfinite(out.numpy()).all()
 

@@ -223,7 +223,7 @@ std::vector<paddle::Tensor> DecoderLayers(const paddle::Tensor& x, const paddle:
 
 // fdx_decoder_stack: fdx_decoder_layers with the layers' weights given as
 // addresses (the attribute ptrs, 7 a layer as run_layers reads them) and
-// their widths (dims: W, Q, 2F), so a step does not pass 7 x L tensors
+// their widths (dims: E, W, Q, 2F), so a step does not pass 7 x L tensors
 // through Paddle's argument conversion -- 230 us a step for 30 layers with
 // cold caches, ~4% of a single-stream step (docs/PERFORMANCE.md).  The
 // addresses and kinds are fdx/model/llama.py's, made once from the tensors
@@ -235,13 +235,15 @@ std::vector<paddle::Tensor> DecoderStack(const paddle::Tensor& x, const paddle::
                                          const std::vector<int>& kinds, int num_heads, float eps, float scale,
                                          int64_t tp_comm, const std::vector<int>& windows) {
   const size_t L = caches.size();
-  PD_CHECK(L > 0 && ptrs.size() == 7 * L && kinds.size() == 4 * L && windows.size() == L && dims.size() == 3,
-           "ptrs, kinds and windows must have 7, 4 and 1 entries a layer, dims 3");
+  PD_CHECK(L > 0 && ptrs.size() == 7 * L && kinds.size() == 4 * L && windows.size() == L && dims.size() == 4,
+           "ptrs, kinds and windows must have 7, 4 and 1 entries a layer, dims 4");
   for (size_t i = 0; i < ptrs.size(); ++i) PD_CHECK(ptrs[i] != 0 || i % 7 == 2, "a layer weight's address is 0");
+  for (int w : windows) PD_CHECK(w >= 0, "windows must be >= 0 (0: no sliding window)");
   const fdx::AttnShape sh = check_step(x, rope, meta, tables, caches, num_heads, scale);
-  PD_CHECK(dims[0] == (int64_t)(sh.H + 2 * sh.KV) * sh.D && dims[1] == (int64_t)sh.H * sh.D,
-           "dims do not match the caches' heads");
-  return run_layers(x, rope, meta, tables, ptrs, cache_ptrs(caches), kinds, windows, sh, dims[0], dims[1], dims[2],
+  PD_CHECK(dims[0] == x.shape()[1] && dims[1] == (int64_t)(sh.H + 2 * sh.KV) * sh.D && dims[2] == (int64_t)sh.H * sh.D &&
+               dims[3] % 64 == 0 && dims[3] > 0,
+           "dims do not match x's width and the caches' heads");
+  return run_layers(x, rope, meta, tables, ptrs, cache_ptrs(caches), kinds, windows, sh, dims[1], dims[2], dims[3],
                     eps, tp_comm);
 }
 

@@ -362,8 +362,8 @@ class LlamaModel:
 
     def _stack_args(self, caches: list[paddle.Tensor]) -> tuple[list[int], list[int]]:
         """``fdx_decoder_stack``'s weight addresses (7 a layer: attn_norm,
-        w_qkv, b_qkv or 0, w_o, ffn_norm, w_gate_up, w_down) and widths (W,
-        Q, 2F), made once from :meth:`_layer_stack`'s tensors -- which this
+        w_qkv, b_qkv or 0, w_o, ffn_norm, w_gate_up, w_down) and widths (E,
+        W, Q, 2F), made once from :meth:`_layer_stack`'s tensors -- which this
         keeps alive -- after one ``fdx_decoder_layers`` call with no rows has
         run every check on them."""
         stack = self._layer_stack()
@@ -377,7 +377,7 @@ class LlamaModel:
             ptrs = [p for i in range(len(an)) for p in (
                 an[i].data_ptr(), wq[i].data_ptr(), bq[i].data_ptr() if int(bq[i].numel()) else 0, wo[i].data_ptr(),
                 fn[i].data_ptr(), wgu[i].data_ptr(), wd[i].data_ptr())]
-            dims = [int(wq[0].shape[0]) * 8, int(wo[0].shape[1]) * 32, int(wgu[0].shape[0]) * 8]
+            dims = [a.hidden_size, int(wq[0].shape[0]) * 8, int(wo[0].shape[1]) * 32, int(wgu[0].shape[0]) * 8]
             self._stack_ptrs = (stack, ptrs, dims)
         return self._stack_ptrs[1], self._stack_ptrs[2]
 
