@@ -786,23 +786,15 @@ void gemm_range_amx(const int8_t* xq, const float* dx, const float* sx, const ui
     amx_pack_pair<KIND>(blk, ng, nb, wb(p), dw(p), mw(p));
     return nc[0] + (ng == 2 ? nc[1] : 0);
   };
-  if (!rows_outer) {
-    for (int64_t g = g0; g < g1; g += 2) {
-      const int ncols = pack(0, g, g1);
-      for (int64_t m0 = 0; m0 < M16; m0 += kAmxRows)
-        amx_tile<KIND>(xq + m0 * K, dt + m0 * nb, st + m0 * nb, K, nb, wb(0), dw(0), mw(0), out + m0 * N + 8 * g, N,
-                       ncols);
-    }
-  } else {
-    for (int64_t c0 = g0; c0 < g1; c0 += 2 * chunk) {
-      const int64_t c1 = std::min<int64_t>(g1, c0 + 2 * chunk);
-      const int64_t np = (c1 - c0 + 1) / 2;
-      for (int64_t p = 0; p < np; ++p) ncol[p] = pack(p, c0 + 2 * p, c1);
-      for (int64_t m0 = 0; m0 < M16; m0 += kAmxRows)
-        for (int64_t p = 0; p < np; ++p)
-          amx_tile<KIND>(xq + m0 * K, dt + m0 * nb, st + m0 * nb, K, nb, wb(p), dw(p), mw(p),
-                         out + m0 * N + 8 * (c0 + 2 * p), N, ncol[p]);
-    }
+  // (a chunk of one pair is the pair-outer order)
+  for (int64_t c0 = g0; c0 < g1; c0 += 2 * chunk) {
+    const int64_t c1 = std::min<int64_t>(g1, c0 + 2 * chunk);
+    const int64_t np = (c1 - c0 + 1) / 2;
+    for (int64_t p = 0; p < np; ++p) ncol[p] = pack(p, c0 + 2 * p, c1);
+    for (int64_t m0 = 0; m0 < M16; m0 += kAmxRows)
+      for (int64_t p = 0; p < np; ++p)
+        amx_tile<KIND>(xq + m0 * K, dt + m0 * nb, st + m0 * nb, K, nb, wb(p), dw(p), mw(p),
+                       out + m0 * N + 8 * (c0 + 2 * p), N, ncol[p]);
   }
   _tile_release();
 }
