@@ -115,8 +115,7 @@ def test_malformed_stack_call_is_a_clear_error(llm: Any) -> None:
 
     model = llm.engine.runner.model
     caches = list(llm.engine.runner.caches)
-    ptrs, dims = model._stack_args(caches)
-    *_, kinds, windows = model._layer_stack()
+    ptrs, dims, kinds, windows = model._stack_args(caches)
     x = paddle.zeros([1, model.args.hidden_size], dtype="float32")
     meta = paddle.to_tensor(np.array([[0, 0]], dtype=np.int32))
     tables = paddle.to_tensor(np.array([[0]], dtype=np.int32))
@@ -158,6 +157,6 @@ def test_reloaded_weights_reach_the_fused_op(llm: Any) -> None:
     stack = model._layer_stack()
     assert all(w is layer.p_qkv.data for w, layer in zip(stack[1], model.layers))
     assert all(w is layer.p_down.data for w, layer in zip(stack[6], model.layers))
-    ptrs, _dims = model._stack_args(list(runner.caches))  # the addresses follow the new tensors too
+    ptrs, *_ = model._stack_args(list(runner.caches))  # the addresses follow the new tensors too
     assert ptrs[1::7] == [layer.p_qkv.data.data_ptr() for layer in model.layers]
     assert ptrs[6::7] == [layer.p_down.data.data_ptr() for layer in model.layers]

@@ -360,10 +360,10 @@ class LlamaModel:
         self._stack = self._stack_ptrs = None
         self._arena = HugePageArena()  # the old one's mappings go with the last tensor in them
 
-    def _stack_args(self, caches: list[paddle.Tensor]) -> tuple[list[int], list[int]]:
+    def _stack_args(self, caches: list[paddle.Tensor]) -> tuple[list[int], list[int], list[int], list[int]]:
         """``fdx_decoder_stack``'s weight addresses (7 a layer: attn_norm,
-        w_qkv, b_qkv or 0, w_o, ffn_norm, w_gate_up, w_down) and widths (E,
-        W, Q, 2F), made once from :meth:`_layer_stack`'s tensors -- which this
+        w_qkv, b_qkv or 0, w_o, ffn_norm, w_gate_up, w_down), widths (E,
+        W, Q, 2F), kinds and windows, made once from :meth:`_layer_stack`'s tensors -- which this
         keeps alive -- after one ``fdx_decoder_layers`` call with no rows has
         run every check on them."""
         stack = self._layer_stack()
@@ -379,7 +379,7 @@ class LlamaModel:
                 fn[i].data_ptr(), wgu[i].data_ptr(), wd[i].data_ptr())]
             dims = [a.hidden_size, int(wq[0].shape[0]) * 8, int(wo[0].shape[1]) * 32, int(wgu[0].shape[0]) * 8]
             self._stack_ptrs = (stack, ptrs, dims)
-        return self._stack_ptrs[1], self._stack_ptrs[2]
+        return self._stack_ptrs[1], self._stack_ptrs[2], stack[7], stack[8]
 
     def _layer_stack(self) -> tuple[Any, ...]:
         """The per-layer lists ``fdx_decoder_layers`` takes (built once after load)."""
@@ -679,8 +679,7 @@ class CPUKernels:
         a, step, comm = m.args, self.step, m.comm
         tp = comm.handle if comm is not None else 0
         if m.stack_by_address:  # the weights as addresses: no 7 x L tensors to convert a step
-            ptrs, dims = m._stack_args(caches)
-            *_, kinds, windows = m._layer_stack()
+            ptrs, dims, kinds, windows = m._stack_args(caches)
             return tuple(m.ops.fdx_decoder_stack(x, m.rope, step.meta, step.tables, list(caches), ptrs, dims, kinds,
                                                  a.num_heads, a.rms_eps, m.scale, tp, windows))
         an, wq, bq, wo, fn, wgu, wd, kinds, windows = m._layer_stack()
