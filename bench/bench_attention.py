@@ -147,6 +147,9 @@ def main() -> None:
         "decode c=32 ctx ~300": (mk([(s, 285 + s) for s in range(32)]), 20),
         "decode c=1 ctx 80": (mk([(0, 79)]), 300),
         "decode c=32 ctx ~80": (mk([(s, 64 + s) for s in range(32)]), 50),
+        # a c=32 run's mixed step: 32 decoding sequences and 3 prompts' chunks of 160
+        "mixed: 3 x 160 prefill + 32 decode": (mk([(s, 285 + s) for s in range(32)]
+                                                  + [(32 + s, p) for s in range(3) for p in range(160)]), 5),
     }
     print(f"{'case':30s} {'old':>10s} {'new':>10s} {'old/new':>8s} {'same bits':>10s}")
     for name, (c, reps) in cases.items():

@@ -9,10 +9,15 @@ busy machine better than absolute times.
 
     .venv/bin/python bench/bench_step_overhead.py [--concurrency 32] [--tokens 96] [--dtype auto]
     .venv/bin/python bench/bench_step_overhead.py --by-op [--concurrency 1]
+    .venv/bin/python bench/bench_step_overhead.py --by-kernel --prompt-len 192 [--num-threads 1]
 
 ``--by-op`` also times every native op call (the per-layer path, so that
 each kernel is timed on its own: qgemm by output width, attention, norms,
-SwiGLU) and prints each one's share of the step.
+SwiGLU) and prints each one's share of the step.  ``--by-kernel`` splits
+the default fused path instead, from the layer loop's own clocks
+(``fdx_stack_profile``: the wall time of each kernel inside the one op
+call, every layer), for the prefill steps and the decode steps apart; run
+it with ``--num-threads 1`` and 2 to see how each kernel scales.
 
 The prompts' prefill is timed too (prompt tokens a second, before the
 decode steps): at ``--concurrency 32 --prompt-len 192`` it is the
@@ -35,6 +40,24 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+KERNELS = ("attn_norm (add_rms_norm)", "qkv (qgemm, + bias)", "attention (paged_attention)", "o (qgemm, + all-reduce)",
+           "ffn_norm (add_rms_norm)", "gate_up (qgemm)", "swiglu", "down (qgemm, + all-reduce)")
+
+
+def kernel_table(title: str, clocks, forward: float, wall: float) -> None:  # type: ignore[no-untyped-def]
+    """The fused layer loop's clocks (fdx_stack_profile: ns by kernel, the
+    whole calls, calls, rows) as ms a step and shares of the steps' wall time."""
+    calls = max(float(clocks[-2]), 1.0)
+    print(f"\n{title}: {int(clocks[-2])} layer-loop calls, {clocks[-1] / calls:.0f} rows each\n"
+          "| kernel (fused layer loop, every layer) | ms a step | share of the step |\n|---|---|---|")
+    for name, ns in zip(KERNELS, clocks[:len(KERNELS)]):
+        print(f"| {name} | {ns / calls / 1e6:.2f} | {ns / 1e9 / wall:.3f} |")
+    loop = clocks[len(KERNELS)] / 1e9
+    print(f"| the layer loop, whole | {loop / calls * 1e3:.2f} | {loop / wall:.3f} |")
+    print(f"| rest of the forward (embedding, final norm, LM head, dispatch) | {(forward - loop) / calls * 1e3:.2f} | "
+          f"{(forward - loop) / wall:.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, default=32)
@@ -44,6 +67,8 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--by-op", action="store_true", help="time each native op (runs the per-layer path)")
     ap.add_argument("--time-ops", action="store_true", help="time each native op call on the default (fused) path")
+    ap.add_argument("--by-kernel", action="store_true",
+                    help="split the fused layer loop by kernel (fdx_stack_profile), for the prefill and the decode steps")
     ap.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seconds", type=float, default=0.0,
@@ -93,6 +118,16 @@ def main() -> None:
                 return call
 
         model.ops = TimedOps(model.ops)
+    stack_profile = None
+    if args.by_kernel:
+        ops = getattr(getattr(runner, "model", None), "ops", None)
+        if ops is None or not hasattr(ops, "fdx_stack_profile"):
+            sys.exit("--by-kernel needs fdx's native ops (the fused int8 layer loop)")
+        import paddle
+
+        place = paddle.zeros([1], "float32")
+        stack_profile = lambda start: ops.fdx_stack_profile(place, start).numpy()  # noqa: E731
+        stack_profile(1)
     rng = np.random.default_rng(0)
     vocab = 40000
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.tokens, ignore_eos=True)
@@ -126,6 +161,8 @@ def main() -> None:
     took = time.perf_counter() - t0
     print(f"prefill: {args.concurrency} prompts of {args.prompt_len} tokens in {psteps} steps, {took:.3f} s "
           f"({args.concurrency * args.prompt_len / took:.0f} prompt tok/s)")
+    prefill_kernels = stack_profile(1) if stack_profile else None
+    prefill_forward = timers["forward"]
     for k in timers:
         timers[k] = 0.0
     op_times.clear()
@@ -142,6 +179,9 @@ def main() -> None:
     print(f"| rest of runner.execute (layout, sampling) | {(e - f) / total:.3f} |")
     print(f"| engine Python (schedule, update, outputs) | {(total - e) / total:.3f} |")
     print(f"| host time an overlapped loop could hide | {(total - f) / total:.3f} |")
+    if stack_profile is not None:
+        kernel_table("prefill steps", prefill_kernels, prefill_forward, took)
+        kernel_table("decode steps", stack_profile(0), f, total)
     if op_times:
         print(f"\n| native op ({'per-layer' if args.by_op else 'fused'} path) | ms a step | share of the step |\n|---|---|---|")
         for key, v in sorted(op_times.items(), key=lambda kv: -kv[1]):

@@ -160,3 +160,26 @@ def test_reloaded_weights_reach_the_fused_op(llm: Any) -> None:
     ptrs, *_ = model._stack_args(list(runner.caches))  # the addresses follow the new tensors too
     assert ptrs[1::7] == [layer.p_qkv.data.data_ptr() for layer in model.layers]
     assert ptrs[6::7] == [layer.p_down.data.data_ptr() for layer in model.layers]
+
+
+def test_stack_profile_clocks_every_kernel_of_the_loop_only_while_on(llm: Any) -> None:
+    import paddle
+
+    model = llm.engine.runner.model
+    prof = lambda start: model.ops.fdx_stack_profile(paddle.zeros([1], "float32"), start).numpy()  # noqa: E731
+    prof(1)  # zeroed, on
+    try:
+        _run(llm, True, PROMPTS[:2], max_tokens=4)
+        clocks = prof(0)  # the figures so far; off
+    finally:
+        prof(0)
+    parts, whole, calls, rows = clocks[:8], clocks[8], clocks[9], clocks[10]
+    # 2 prompts (a prefill step or more, then decode steps of 2 rows): one loop call a step
+    assert calls >= 4 and rows >= calls * 2
+    assert (parts > 0).all()  # every kernel of every layer was clocked
+    assert parts.sum() <= whole and parts.sum() > 0.9 * whole  # the laps cover the loop, nothing twice
+    _run(llm, True, PROMPTS[:1], max_tokens=3)
+    assert (prof(0) == clocks).all()  # off: the clocks stand still
+    zeroed = prof(1)
+    assert (zeroed == clocks).all()  # start returns the figures before zeroing them
+    assert (prof(0) == 0).all()

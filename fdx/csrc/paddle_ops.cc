@@ -4,8 +4,9 @@
 // build parses them).  The ops and what they compute are documented at
 // their kernels: fdx_add_rms_norm, fdx_swiglu (small_ops.cc),
 // fdx_paged_attention (paged_attention.cc), fdx_qgemv (qgemv.cc), fdx_qgemm,
-// fdx_qgemm_dot (qgemm.cc), fdx_moe, fdx_fgemm (moe.cc); fdx_decoder_layers
-// is here, as it is only a loop over those kernels.
+// fdx_qgemm_dot (qgemm.cc), fdx_moe, fdx_fgemm (moe.cc); fdx_decoder_layers,
+// fdx_decoder_stack and fdx_stack_profile (the loop's own clocks) are here,
+// as the loop is only a sequence of those kernels.
 //
 // fdx_decoder_layers: every decoder layer of an int8 step in one call.
 //
@@ -39,6 +40,8 @@
 // residual stream before it), which the final norm adds.
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -101,6 +104,18 @@ void check_weight(const paddle::Tensor& w, int kind, int64_t K, int64_t N, const
 
 }  // namespace
 
+// The layer loop's own clocks (fdx_stack_profile, for
+// bench/bench_step_overhead.py --by-kernel): wall time of each kernel of the
+// loop, summed over layers and calls, while switched on.  One steady_clock
+// read a kernel when on, one relaxed load a call when off.  The loop runs on
+// the model's one Python thread, so the sums need no atomics.
+namespace stack_profile {
+enum Part { kAttnNorm, kQkv, kAttention, kOProj, kFfnNorm, kGateUp, kSwiglu, kDown, kParts };
+std::atomic<bool> on{false};
+double ns[kParts + 1] = {};  // the parts, then whole calls
+double calls = 0, rows = 0;
+}  // namespace stack_profile
+
 // The layer loop of fdx_decoder_layers and fdx_decoder_stack, over raw
 // pointers (the callers have checked every shape): layer l's weights are
 // ptrs[7 l .. 7 l + 6] (attn_norm, w_qkv, b_qkv or 0, w_o, ffn_norm,
@@ -135,25 +150,49 @@ std::vector<paddle::Tensor> run_layers(const paddle::Tensor& x, const paddle::Te
   auto* comm = reinterpret_cast<fdx::TPComm*>(tp_comm);
   auto f32 = [](int64_t p) { return reinterpret_cast<const float*>(p); };
   auto u8 = [](int64_t p) { return reinterpret_cast<const uint8_t*>(p); };
+  namespace sp = stack_profile;
+  using Clock = std::chrono::steady_clock;
+  const bool prof = sp::on.load(std::memory_order_relaxed);
+  const Clock::time_point t_call = prof ? Clock::now() : Clock::time_point{};
+  Clock::time_point t_last = t_call;
+  auto lap = [&](sp::Part part) {
+    if (!prof) return;
+    const Clock::time_point now = Clock::now();
+    sp::ns[part] += std::chrono::duration<double, std::nano>(now - t_last).count();
+    t_last = now;
+  };
   for (size_t l = 0; l < L; ++l) {
     const int64_t* pl = ptrs.data() + 7 * l;
     fdx::add_rms_norm(cur, l == 0 ? nullptr : rb, f32(pl[0]), T, E, eps, h, rb);
+    lap(sp::kAttnNorm);
     fdx::qgemm(h, u8(pl[1]), kinds[4 * l], qkv, T, E, W);
     if (pl[2] != 0) {
       const float* b = f32(pl[2]);
       for (int64_t t = 0; t < T; ++t)
         for (int64_t i = 0; i < W; ++i) qkv[t * W + i] += b[i];
     }
+    lap(sp::kQkv);
     sh.window = windows[l];
     fdx::paged_attention(sh, qkv, caches[l], rope.data<float>(), meta.data<int>(), tables.data<int>(), att);
+    lap(sp::kAttention);
     fdx::qgemm(att, u8(pl[3]), kinds[4 * l + 1], xb, T, Q, E);
     all_reduce(comm, xb, T * E);  // row-parallel o: the ranks' partial sums
+    lap(sp::kOProj);
     fdx::add_rms_norm(xb, rb, f32(pl[4]), T, E, eps, h, rb);
+    lap(sp::kFfnNorm);
     fdx::qgemm(h, u8(pl[5]), kinds[4 * l + 2], gu, T, E, F2);
+    lap(sp::kGateUp);
     fdx::swiglu(gu, T, F, act);
+    lap(sp::kSwiglu);
     fdx::qgemm(act, u8(pl[6]), kinds[4 * l + 3], xb, T, F, E);
     all_reduce(comm, xb, T * E);  // row-parallel down
+    lap(sp::kDown);
     cur = xb;
+  }
+  if (prof) {
+    sp::ns[sp::kParts] += std::chrono::duration<double, std::nano>(Clock::now() - t_call).count();
+    sp::calls += 1;
+    sp::rows += static_cast<double>(T);
   }
   return {x_out, res};
 }
@@ -302,6 +341,41 @@ PD_BUILD_OP(fdx_decoder_stack)
     .SetKernelFn(PD_KERNEL(DecoderStack))
     .SetInferShapeFn(PD_INFER_SHAPE(DecoderStackShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(DecoderStackDtype));
+
+// ---------------------------------------------------------------- fdx_stack_profile
+// fdx_stack_profile(x, start): the layer loop's clocks so far, float64 [11]:
+// ns in attn_norm, qkv (+ bias), attention, o (+ its all-reduce), ffn_norm,
+// gate_up, swiglu, down (+ its all-reduce), whole calls; then the calls and
+// the rows (tokens) they ran.  start 1 zeroes them and switches them on, 0
+// switches them off (the figures stay readable).  x only names the place.
+std::vector<paddle::Tensor> StackProfile(const paddle::Tensor& x, int start) {
+  namespace sp = stack_profile;
+  auto out = paddle::empty({sp::kParts + 3}, paddle::DataType::FLOAT64, x.place());
+  double* o = out.data<double>();
+  for (int i = 0; i <= sp::kParts; ++i) o[i] = sp::ns[i];
+  o[sp::kParts + 1] = sp::calls;
+  o[sp::kParts + 2] = sp::rows;
+  if (start == 1) {
+    for (double& v : sp::ns) v = 0;
+    sp::calls = sp::rows = 0;
+  }
+  sp::on.store(start == 1, std::memory_order_relaxed);
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> StackProfileShape(const std::vector<int64_t>& x, int start) {
+  return {{stack_profile::kParts + 3}};
+}
+
+std::vector<paddle::DataType> StackProfileDtype(const paddle::DataType& x) { return {paddle::DataType::FLOAT64}; }
+
+PD_BUILD_OP(fdx_stack_profile)
+    .Inputs({"x"})
+    .Outputs({"out"})
+    .Attrs({"start: int"})
+    .SetKernelFn(PD_KERNEL(StackProfile))
+    .SetInferShapeFn(PD_INFER_SHAPE(StackProfileShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(StackProfileDtype));
 
 // ---------------------------------------------------------------- fdx_add_rms_norm (small_ops.cc)
 std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x, const paddle::Tensor& residual,
