@@ -443,6 +443,49 @@ void tile_q4_zmm(const int8_t* const* xq, const float* const* dx, const float* c
   const __mmask16 mask = static_cast<__mmask16>(0xFFu | (((1u << ncols[1]) - 1u) << 8));
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out[r], mask, acc[r]);
 }
+// Q8_0, R (1..MR) rows x a full pair of column groups (16 columns) in zmm,
+// for the LM head at 2-15 rows (a decode step of a few sequences, and the
+// rows past the AMX tiles): tile_g1<8>'s integers and float sequence
+// (acc = fma(isum, dw*dx, acc), block by block), a quarter of its vector
+// instructions.  vpdpbusd multiplies unsigned by signed bytes; the
+// activations go in as x + 128 (x ^ 0x80) against the signed weights, and
+// 128 times the block's column sums (one vpdpbusd of ones a chunk, shared
+// by the rows) come off: the exact isum, so the same bits.  (tile_g1 makes
+// the weights unsigned instead, |w| and sign(x, w): two sign ops a row and
+// chunk, on 8 columns.)  |sum of (x + 128) w| <= 32 * 255 * 128 < 2^31.
+template <int R>
+void tile_q8_zmm(const int8_t* const* xq, const float* const* dx, const uint8_t* const* blk, int64_t nb,
+                 float* const* out, const int* ncols) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q0 = blk[0] + b * kQ8Bytes;
+    const uint8_t* q1 = blk[1] + b * kQ8Bytes;
+    prefetch_ahead<kQ8Bytes>(q0);
+    prefetch_ahead<kQ8Bytes>(q1);
+    __m512i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+    __m512i cs = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      const __m512i wv = pair_bytes32(q0 + 32 * c, q1 + 32 * c);
+      cs = _mm512_dpbusd_epi32(cs, ones, wv);
+      for (int r = 0; r < R; ++r) {
+        uint32_t xk;
+        std::memcpy(&xk, xq[r] + b * 32 + 4 * c, 4);
+        s[r] = _mm512_dpbusd_epi32(s[r], _mm512_set1_epi32(static_cast<int>(xk ^ 0x80808080u)), wv);
+      }
+    }
+    const __m512i off = _mm512_slli_epi32(cs, 7);
+    const __m512 dw = pair_scales16(q0 + 256, q1 + 256);
+    for (int r = 0; r < R; ++r) {
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], off));
+      acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(dx[r][b])), acc[r]);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>(0xFFu | (((1u << ncols[1]) - 1u) << 8));
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out[r], mask, acc[r]);
+}
 #endif
 
 template <int KIND, int G>
@@ -540,6 +583,22 @@ void gemm_range_g1(const int8_t* xq, const float* dx, const float* sx, const uin
       float* orow[MR];
       row_ptrs(m0, R, xq, dx, sx, K, nb, xr, dr, sr);
       for (int64_t g = gt; g < gt1; ++g) {
+#ifdef FDX_QGEMM_ZMM
+        if (KIND == 8 && M > 1 && g + 1 < gt1) {  // a full pair of Q8_0 groups: the zmm tile (the same bits)
+          const uint8_t* bp[2];
+          int nc[2];
+          group_ptrs(w, g, 2, nb, BB, N, bp, nc);
+          for (int r = 0; r < R; ++r) orow[r] = out + (m0 + r) * N + 8 * g;
+          switch (R) {
+            case 1: tile_q8_zmm<1>(xr, dr, bp, nb, orow, nc); break;
+            case 2: tile_q8_zmm<2>(xr, dr, bp, nb, orow, nc); break;
+            case 3: tile_q8_zmm<3>(xr, dr, bp, nb, orow, nc); break;
+            default: tile_q8_zmm<4>(xr, dr, bp, nb, orow, nc); break;
+          }
+          ++g;
+          continue;
+        }
+#endif
         const int ncols = static_cast<int>(std::min<int64_t>(8, N - 8 * g));
         for (int r = 0; r < R; ++r) orow[r] = out + (m0 + r) * N + 8 * g;
         const uint8_t* blk = w + g * nb * BB;
