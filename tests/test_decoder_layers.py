@@ -9,7 +9,8 @@ chunks and decode steps mixed), with a q/k/v bias (Qwen2's) switched in,
 and a malformed call gives a clear error instead of touching memory.  The
 fused path passes the weights as addresses (``fdx_decoder_stack``, made
 once from the tensors the model keeps): the same bits as passing them as
-tensors (``fdx_decoder_layers``), and the addresses follow a reload.
+tensors (``fdx_decoder_layers``), and the addresses follow a reload.  The
+loop's own clocks (``fdx_stack_profile``) time every kernel only while on.
 """
 
 from __future__ import annotations

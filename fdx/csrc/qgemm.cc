@@ -443,6 +443,7 @@ void tile_q4_zmm(const int8_t* const* xq, const float* const* dx, const float* c
   const __mmask16 mask = static_cast<__mmask16>(0xFFu | (((1u << ncols[1]) - 1u) << 8));
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out[r], mask, acc[r]);
 }
+
 // Q8_0, R (1..MR) rows x a full pair of column groups (16 columns) in zmm,
 // for the LM head at 2-15 rows (a decode step of a few sequences, and the
 // rows past the AMX tiles): tile_g1<8>'s integers and float sequence
@@ -584,7 +585,8 @@ void gemm_range_g1(const int8_t* xq, const float* dx, const float* sx, const uin
       row_ptrs(m0, R, xq, dx, sx, K, nb, xr, dr, sr);
       for (int64_t g = gt; g < gt1; ++g) {
 #ifdef FDX_QGEMM_ZMM
-        if (KIND == 8 && M > 1 && g + 1 < gt1) {  // a full pair of Q8_0 groups: the zmm tile (the same bits)
+        // a full pair of Q8_0 groups, 2+ rows: the zmm tile (the same bits; one row keeps tile_g1, memory-bound)
+        if (KIND == 8 && M > 1 && g + 1 < gt1) {
           const uint8_t* bp[2];
           int nc[2];
           group_ptrs(w, g, 2, nb, BB, N, bp, nc);
