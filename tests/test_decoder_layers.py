@@ -184,3 +184,23 @@ def test_stack_profile_clocks_every_kernel_of_the_loop_only_while_on(llm: Any) -
     zeroed = prof(1)
     assert (zeroed == clocks).all()  # start returns the figures before zeroing them
     assert (prof(0) == 0).all()
+
+
+def test_release_scratch_frees_the_kernels_buffers_and_steps_grow_them_again(llm: Any) -> None:
+    model = llm.engine.runner.model
+    runner = llm.engine.runner
+    a = model.args
+    prompts = PROMPTS[:2] + [" ".join(["water"] * 100)]  # > 64 tokens: a step of the whole 64-token budget
+    before = _run(llm, True, prompts, max_tokens=4)
+    freed = model.release_scratch()
+    # at least the layer loop's intermediates (h, qkv, attention out, gate_up, act) of a 64-row step
+    width = a.hidden_size + (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + a.num_heads * a.head_dim + 3 * a.intermediate_size
+    assert freed >= 64 * width * 4
+    assert model.release_scratch() == 0  # nothing is held any more
+    assert _run(llm, True, prompts, max_tokens=4) == before  # grown again; the same bits
+    runner.release(["kv_cache"])  # sleep frees them too
+    try:
+        assert model.release_scratch() == 0
+    finally:
+        runner.restore(["kv_cache"])
+    assert _run(llm, True, prompts[:1], max_tokens=4) == before[:1]

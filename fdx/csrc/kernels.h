@@ -57,6 +57,14 @@ constexpr int packed_block_bytes(int kind) {
 // kind 16 in bfloat16 (x rounded to bf16, fp32 accumulation).
 void qgemm(const float* x, const uint8_t* w, int kind, float* out, int64_t M, int64_t K, int64_t N);
 
+// The kernels keep per-thread scratch between calls, grown to the largest
+// call so far and never shrunk (a 16k-token prefill leaves hundreds of MB).
+// Each frees the calling thread's scratch of its file and returns the bytes
+// it held; fdx_release_scratch runs them on every thread (sleep).
+int64_t release_qgemm_scratch();
+int64_t release_attention_scratch();
+int64_t release_moe_scratch();
+
 // Which dot products this build's qgemm uses: out[0] int8 (1 = vpdpbusd, 0 =
 // vpmaddubsw), out[1] bf16 (1 = vdpbf16ps, 0 = two fmas), out[2] 1 where the
 // int8 tiles of 16 rows run on AMX now (FDX_NATIVE_AMX).

@@ -249,6 +249,8 @@ struct MoeScratch {
   std::vector<int64_t> offs, order;
 };
 
+thread_local MoeScratch moe_scratch;  // the calling thread's, between calls (fdx::release_moe_scratch)
+
 template <typename V>
 inline auto* grow(V& v, size_t n) {
   if (v.size() < n) v.resize(n);
@@ -257,12 +259,22 @@ inline auto* grow(V& v, size_t n) {
 
 }  // namespace
 
+int64_t fdx::release_moe_scratch() {
+  MoeScratch& s = moe_scratch;
+  int64_t bytes = 0;
+  for (auto* v : {&s.logits, &s.probs, &s.wts, &s.xs, &s.gu, &s.act, &s.ye, &s.y})
+    bytes += static_cast<int64_t>(v->capacity() * sizeof(float));
+  bytes += static_cast<int64_t>((s.offs.capacity() + s.order.capacity()) * sizeof(int64_t));
+  s = MoeScratch{};
+  return bytes;
+}
+
 void fdx::moe(const MoeDims& sh, const float* hp, const float* router, const void* const* gate_up,
               const void* const* down, float* op, int32_t* ids) {
   const int64_t T = sh.T, H = sh.H, F = sh.F, F2 = 2 * sh.F, n_held = sh.n_held;
   const int E = sh.E, k = sh.k, first = sh.first, kind = sh.kind;
   if (T == 0) return;
-  thread_local MoeScratch s;
+  MoeScratch& s = moe_scratch;
   const int64_t P = T * k;  // (token, slot) pairs: pair t * k + j
 
   float* logits = grow(s.logits, T * E);

@@ -5,8 +5,9 @@
 // their kernels: fdx_add_rms_norm, fdx_swiglu (small_ops.cc),
 // fdx_paged_attention (paged_attention.cc), fdx_qgemv (qgemv.cc), fdx_qgemm,
 // fdx_qgemm_dot (qgemm.cc), fdx_moe, fdx_fgemm (moe.cc); fdx_decoder_layers,
-// fdx_decoder_stack and fdx_stack_profile (the loop's own clocks) are here,
-// as the loop is only a sequence of those kernels.
+// fdx_decoder_stack, fdx_stack_profile (the loop's own clocks) and
+// fdx_release_scratch (the kernels' kept buffers) are here, as the loop is
+// only a sequence of those kernels.
 //
 // fdx_decoder_layers: every decoder layer of an int8 step in one call.
 //
@@ -116,6 +117,31 @@ double ns[kParts + 1] = {};  // the parts, then whole calls
 double calls = 0, rows = 0;
 }  // namespace stack_profile
 
+// The layers' intermediates (h, qkv, att, gate_up, act), the calling
+// thread's: grown, never shrunk but by fdx_release_scratch, never zeroed
+// (each is written whole before it is read) -- a prefill step's are ~12 MB,
+// which fresh zeroed vectors paged in and cleared on every call.
+namespace {
+struct LayerScratch {
+  std::unique_ptr<float[]> bufs[5];
+  int64_t sizes[5] = {};
+  float* get(int i, int64_t n) {
+    if (n > sizes[i]) bufs[i].reset(new float[sizes[i] = n]);
+    return bufs[i].get();
+  }
+  int64_t release() {
+    int64_t bytes = 0;
+    for (int i = 0; i < 5; ++i) {
+      bytes += sizes[i] * static_cast<int64_t>(sizeof(float));
+      bufs[i].reset();
+      sizes[i] = 0;
+    }
+    return bytes;
+  }
+};
+thread_local LayerScratch layer_scratch;
+}  // namespace
+
 // The layer loop of fdx_decoder_layers and fdx_decoder_stack, over raw
 // pointers (the callers have checked every shape): layer l's weights are
 // ptrs[7 l .. 7 l + 6] (attn_norm, w_qkv, b_qkv or 0, w_o, ffn_norm,
@@ -132,15 +158,7 @@ std::vector<paddle::Tensor> run_layers(const paddle::Tensor& x, const paddle::Te
   if (T == 0) return {x_out, res};
   float* xb = x_out.data<float>();
   float* rb = res.data<float>();
-  // the layers' intermediates: grown, never shrunk, never zeroed (each is
-  // written whole before it is read) -- a prefill step's are ~12 MB, which
-  // fresh zeroed vectors paged in and cleared on every call
-  thread_local std::vector<std::unique_ptr<float[]>> bufs(5);
-  thread_local std::vector<int64_t> sizes(5, 0);
-  auto scratch = [&](int i, int64_t n) {
-    if (n > sizes[i]) bufs[i].reset(new float[sizes[i] = n]);
-    return bufs[i].get();
-  };
+  auto scratch = [](int i, int64_t n) { return layer_scratch.get(i, n); };
   float* h = scratch(0, T * E);
   float* qkv = scratch(1, T * W);
   float* att = scratch(2, T * Q);
@@ -376,6 +394,32 @@ PD_BUILD_OP(fdx_stack_profile)
     .SetKernelFn(PD_KERNEL(StackProfile))
     .SetInferShapeFn(PD_INFER_SHAPE(StackProfileShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(StackProfileDtype));
+
+// ---------------------------------------------------------------- fdx_release_scratch
+// fdx_release_scratch(x): frees the scratch the kernels keep between calls
+// (the layer loop's intermediates on this thread; the GEMM's, the
+// attention's and the MoE's on every thread of an OpenMP region, each
+// thread its own) and returns the bytes freed, int64 [1].  The runner
+// calls it on sleep.  x only names the place.
+std::vector<paddle::Tensor> ReleaseScratch(const paddle::Tensor& x) {
+  std::atomic<int64_t> freed{layer_scratch.release()};
+#pragma omp parallel
+  { freed += fdx::release_qgemm_scratch() + fdx::release_attention_scratch() + fdx::release_moe_scratch(); }
+  auto out = paddle::empty({1}, paddle::DataType::INT64, x.place());
+  out.data<int64_t>()[0] = freed.load();
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> ReleaseScratchShape(const std::vector<int64_t>& x) { return {{1}}; }
+
+std::vector<paddle::DataType> ReleaseScratchDtype(const paddle::DataType& x) { return {paddle::DataType::INT64}; }
+
+PD_BUILD_OP(fdx_release_scratch)
+    .Inputs({"x"})
+    .Outputs({"freed"})
+    .SetKernelFn(PD_KERNEL(ReleaseScratch))
+    .SetInferShapeFn(PD_INFER_SHAPE(ReleaseScratchShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(ReleaseScratchDtype));
 
 // ---------------------------------------------------------------- fdx_add_rms_norm (small_ops.cc)
 std::vector<paddle::Tensor> AddRmsNorm(const paddle::Tensor& x, const paddle::Tensor& residual,

@@ -414,6 +414,8 @@ inline void widen_rows(const bf16_t* c, const int64_t* off, int j0, int j1, int 
   }
 }
 
+thread_local Scratch attn_scratch;  // each thread's, between calls (fdx::release_attention_scratch)
+
 struct Geometry {
   int H, KV, D, BS, G;
   int64_t MAXB;
@@ -686,7 +688,7 @@ void attention(const fdx::AttnShape& sh, const float* x, C* kc, const float* rp,
     }
 #pragma omp barrier
     // phase 2: attention, item by item
-    static thread_local Scratch scratch;
+    Scratch& scratch = attn_scratch;
     for (int64_t it; (it = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t r = it / KV;
       const int kh = static_cast<int>(it % KV);
@@ -701,6 +703,15 @@ void attention(const fdx::AttnShape& sh, const float* x, C* kc, const float* rp,
 }
 
 }  // namespace
+
+int64_t fdx::release_attention_scratch() {
+  Scratch& w = attn_scratch;
+  const int64_t bytes = static_cast<int64_t>((w.sc.capacity() + w.acc.capacity() + w.wide.capacity()) * sizeof(float) +
+                                             (w.off.capacity() + w.offw.capacity()) * sizeof(int64_t) +
+                                             w.kv.capacity() * sizeof(KeyVec));
+  w = Scratch{};
+  return bytes;
+}
 
 void fdx::paged_attention(const AttnShape& sh, const float* x, void* kcache, const float* rp, const int* mt,
                           const int* bt, float* o) {

@@ -810,6 +810,15 @@ void amx_tile(const int8_t* xq, const float* dx, const float* sx, int64_t K, int
 //    1.15x at 512 x 3072, 1.2-1.5x at 128-512 x 49152; docs/PERFORMANCE.md).
 constexpr int64_t kAmxChunkBytes = 512 * 1024;
 
+// A thread's B tiles (64-byte aligned: full-line stores and tile loads),
+// their scales, the rows' scales by tile, the chunk's column counts.
+struct AmxScratch {
+  std::vector<__m512i> wbv;
+  std::vector<float> sc, rs;
+  std::vector<int> ncol;
+};
+thread_local AmxScratch amx_scratch;
+
 template <int KIND>
 void gemm_range_amx(const int8_t* xq, const float* dx, const float* sx, const uint8_t* w, float* out, int64_t M16,
                     int64_t K, int64_t N, int64_t g0, int64_t g1) {
@@ -817,9 +826,7 @@ void gemm_range_amx(const int8_t* xq, const float* dx, const float* sx, const ui
   const int64_t BB = KIND == 4 ? kQ4Bytes : kQ8Bytes;
   const bool rows_outer = M16 >= 128 && M16 * N >= (int64_t{3} << 17);
   const int64_t chunk = rows_outer ? std::max<int64_t>(1, kAmxChunkBytes / (nb * 512)) : 1;  // pairs
-  thread_local std::vector<__m512i> wbv;  // B tiles, 64-byte aligned (full-line stores and tile loads)
-  thread_local std::vector<float> sc, rs;
-  thread_local std::vector<int> ncol;
+  auto& [wbv, sc, rs, ncol] = amx_scratch;
   if (static_cast<int64_t>(wbv.size()) < chunk * nb * 8) wbv.resize(chunk * nb * 8);
   if (static_cast<int64_t>(sc.size()) < chunk * nb * 32) sc.resize(chunk * nb * 32);
   if (static_cast<int64_t>(ncol.size()) < chunk) ncol.resize(chunk);
@@ -998,11 +1005,13 @@ struct Scratch {
   }
 };
 
+thread_local Scratch run_scratch;  // the calling thread's, whatever the kind (calls never overlap on a thread)
+
 template <int KIND>
 void run(const float* x, const uint8_t* w, float* out, int64_t M, int64_t K, int64_t N) {
   const int64_t nb = K / 32;
   const int64_t G = (N + 7) / 8;
-  thread_local Scratch scratch;
+  Scratch& scratch = run_scratch;
   if constexpr (KIND == 16) {
     if (static_cast<int64_t>(scratch.xr.size()) < M * K) scratch.xr.resize(M * K);
   } else {
@@ -1068,6 +1077,20 @@ void fdx::qgemm(const float* x, const uint8_t* w, int kind, float* out, int64_t 
   if (kind == 4) run<4>(x, w, out, M, K, N);
   else if (kind == 16) run<16>(x, w, out, M, K, N);
   else run<8>(x, w, out, M, K, N);
+}
+
+int64_t fdx::release_qgemm_scratch() {
+  Scratch& r = run_scratch;
+  int64_t bytes = r.nq + 2 * r.ns * static_cast<int64_t>(sizeof(float)) +
+                  static_cast<int64_t>(r.xr.capacity() * sizeof(float));
+  r = Scratch{};
+#ifdef FDX_QGEMM_AMX
+  AmxScratch& a = amx_scratch;
+  bytes += static_cast<int64_t>(a.wbv.capacity() * sizeof(__m512i) + (a.sc.capacity() + a.rs.capacity()) * sizeof(float) +
+                                a.ncol.capacity() * sizeof(int));
+  a = AmxScratch{};
+#endif
+  return bytes;
 }
 
 void fdx::qgemm_kernels(int32_t* out) {

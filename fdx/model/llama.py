@@ -360,6 +360,14 @@ class LlamaModel:
         self._stack = self._stack_ptrs = None
         self._arena = HugePageArena()  # the old one's mappings go with the last tensor in them
 
+    def release_scratch(self) -> int:
+        """Free the buffers the C++ kernels keep between calls, grown to the
+        largest step so far (``fdx_release_scratch``: ~27 KB a batched token
+        for SmolLM2); the bytes freed.  The next step grows them again."""
+        if self.ops is None or not hasattr(self.ops, "fdx_release_scratch"):
+            return 0
+        return int(self.ops.fdx_release_scratch(paddle.zeros([1], "float32")).numpy()[0])
+
     def _stack_args(self, caches: list[paddle.Tensor]) -> tuple[list[int], list[int], list[int], list[int]]:
         """``fdx_decoder_stack``'s weight addresses (7 a layer: attn_norm,
         w_qkv, b_qkv or 0, w_o, ffn_norm, w_gate_up, w_down), widths (E,

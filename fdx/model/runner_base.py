@@ -599,6 +599,9 @@ class PagedRunnerBase(ModelRunner):
             self.model.release()
         if "kv_cache" in tags:
             self.caches = None
+        release_scratch = getattr(self.model, "release_scratch", None)
+        if release_scratch is not None:  # the kernels' kept buffers (a long prefill's, hundreds of MB)
+            release_scratch()
         self.device.trim_memory()  # cpu: malloc_trim, RSS really drops; cuda: empty Paddle's allocator cache
 
     def restore(self, tags: Sequence[str]) -> None:
