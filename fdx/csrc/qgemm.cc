@@ -401,91 +401,95 @@ inline __m512 pair_scales16(const uint8_t* lo, const uint8_t* hi) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define FDX_QGEMM_ZMM 1
-// Q4, R (1..MR) rows x a full pair of column groups (16 columns) in zmm
-// registers: tile<4, R, 2>'s integers (the pair's 32-byte chunks side by
+// R (1..MR) rows x a full pair of column groups (16 columns) in zmm
+// registers, one template for both int8 kinds.  The pair's two groups are
+// adjacent columns, so group 0 has all 8 (the caller gives a pair only
+// then).  One pass: R <= 4 rows' sums and accumulators fit the 32 registers.
+//
+// Q4 (KIND 4): tile<4, R, 2>'s integers (the pair's 32-byte chunks side by
 // side, one vpdpbusd serves both groups) and its per-lane float sequence
 // (acc = fma(isum, dw*dx, acc), then fma(mw, sx, acc), block by block), so
-// the same bits with half the instructions.  One pass: R <= 4 rows' sums and
-// accumulators fit the 32 registers.  The pair's two groups are adjacent
-// columns, so group 0 has all 8 (the caller gives a pair only then).
-template <int R>
-void tile_q4_zmm(const int8_t* const* xq, const float* const* dx, const float* const* sx, const uint8_t* const* blk,
-                 int64_t nb, float* const* out, const int* ncols) {
+// the same bits with half the instructions.
+//
+// Q8_0 (KIND 8), for the LM head at 2-15 rows (a decode step of a few
+// sequences, and the rows past the AMX tiles): tile_g1<8>'s integers and
+// float sequence (acc = fma(isum, dw*dx, acc), block by block), a quarter
+// of its vector instructions.  vpdpbusd multiplies unsigned by signed
+// bytes; the activations go in as x + 128 (x ^ 0x80) against the signed
+// weights, and 128 times the block's column sums (one vpdpbusd of ones a
+// chunk, shared by the rows) come off: the exact isum, so the same bits.
+// (tile_g1 makes the weights unsigned instead, |w| and sign(x, w): two sign
+// ops a row and chunk, on 8 columns.)  |sum of (x + 128) w| <= 32 * 255 *
+// 128 < 2^31.
+template <int KIND, int R>
+void tile_pair_zmm(const int8_t* const* xq, const float* const* dx, const float* const* sx, const uint8_t* const* blk,
+                   int64_t nb, float* const* out, const int* ncols) {
+  constexpr int64_t BB = KIND == 4 ? kQ4Bytes : kQ8Bytes;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i ones = _mm512_set1_epi8(1);
+  (void)low4;
+  (void)ones;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* q0 = blk[0] + b * kQ4Bytes;
-    const uint8_t* q1 = blk[1] + b * kQ4Bytes;
-    prefetch_ahead<kQ4Bytes>(q0);
-    prefetch_ahead<kQ4Bytes>(q1);
+    const uint8_t* q0 = blk[0] + b * BB;
+    const uint8_t* q1 = blk[1] + b * BB;
+    prefetch_ahead<BB>(q0);
+    prefetch_ahead<BB>(q1);
     __m512i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
-    for (int c = 0; c < 4; ++c) {
-      const __m512i raw = pair_bytes32(q0 + 32 * c, q1 + 32 * c);
-      const __m512i lo = _mm512_and_si512(raw, low4);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xb = xq[r] + b * 32 + 8 * c;
-        int32_t xl, xh;
-        std::memcpy(&xl, xb, 4);
-        std::memcpy(&xh, xb + 4, 4);
-        s[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(xl)), hi, _mm512_set1_epi32(xh));
+    if constexpr (KIND == 4) {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i raw = pair_bytes32(q0 + 32 * c, q1 + 32 * c);
+        const __m512i lo = _mm512_and_si512(raw, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xb = xq[r] + b * 32 + 8 * c;
+          int32_t xl, xh;
+          std::memcpy(&xl, xb, 4);
+          std::memcpy(&xh, xb + 4, 4);
+          s[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(xl)), hi, _mm512_set1_epi32(xh));
+        }
       }
-    }
-    const __m512 dw = pair_scales16(q0 + 128, q1 + 128), mw = pair_scales16(q0 + 144, q1 + 144);
-    for (int r = 0; r < R; ++r) {
-      const __m512 f = _mm512_cvtepi32_ps(s[r]);
-      acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(dx[r][b])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r][b]), acc[r]);
+      const __m512 dw = pair_scales16(q0 + 128, q1 + 128), mw = pair_scales16(q0 + 144, q1 + 144);
+      for (int r = 0; r < R; ++r) {
+        const __m512 f = _mm512_cvtepi32_ps(s[r]);
+        acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(dx[r][b])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r][b]), acc[r]);
+      }
+    } else {
+      __m512i cs = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) {
+        const __m512i wv = pair_bytes32(q0 + 32 * c, q1 + 32 * c);
+        cs = _mm512_dpbusd_epi32(cs, ones, wv);
+        for (int r = 0; r < R; ++r) {
+          uint32_t xk;
+          std::memcpy(&xk, xq[r] + b * 32 + 4 * c, 4);
+          s[r] = _mm512_dpbusd_epi32(s[r], _mm512_set1_epi32(static_cast<int>(xk ^ 0x80808080u)), wv);
+        }
+      }
+      const __m512i off = _mm512_slli_epi32(cs, 7);
+      const __m512 dw = pair_scales16(q0 + 256, q1 + 256);
+      for (int r = 0; r < R; ++r) {
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], off));
+        acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(dx[r][b])), acc[r]);
+      }
     }
   }
   const __mmask16 mask = static_cast<__mmask16>(0xFFu | (((1u << ncols[1]) - 1u) << 8));
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out[r], mask, acc[r]);
 }
 
-// Q8_0, R (1..MR) rows x a full pair of column groups (16 columns) in zmm,
-// for the LM head at 2-15 rows (a decode step of a few sequences, and the
-// rows past the AMX tiles): tile_g1<8>'s integers and float sequence
-// (acc = fma(isum, dw*dx, acc), block by block), a quarter of its vector
-// instructions.  vpdpbusd multiplies unsigned by signed bytes; the
-// activations go in as x + 128 (x ^ 0x80) against the signed weights, and
-// 128 times the block's column sums (one vpdpbusd of ones a chunk, shared
-// by the rows) come off: the exact isum, so the same bits.  (tile_g1 makes
-// the weights unsigned instead, |w| and sign(x, w): two sign ops a row and
-// chunk, on 8 columns.)  |sum of (x + 128) w| <= 32 * 255 * 128 < 2^31.
-template <int R>
-void tile_q8_zmm(const int8_t* const* xq, const float* const* dx, const uint8_t* const* blk, int64_t nb,
-                 float* const* out, const int* ncols) {
-  const __m512i ones = _mm512_set1_epi8(1);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* q0 = blk[0] + b * kQ8Bytes;
-    const uint8_t* q1 = blk[1] + b * kQ8Bytes;
-    prefetch_ahead<kQ8Bytes>(q0);
-    prefetch_ahead<kQ8Bytes>(q1);
-    __m512i s[R];
-    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
-    __m512i cs = _mm512_setzero_si512();
-    for (int c = 0; c < 8; ++c) {
-      const __m512i wv = pair_bytes32(q0 + 32 * c, q1 + 32 * c);
-      cs = _mm512_dpbusd_epi32(cs, ones, wv);
-      for (int r = 0; r < R; ++r) {
-        uint32_t xk;
-        std::memcpy(&xk, xq[r] + b * 32 + 4 * c, 4);
-        s[r] = _mm512_dpbusd_epi32(s[r], _mm512_set1_epi32(static_cast<int>(xk ^ 0x80808080u)), wv);
-      }
-    }
-    const __m512i off = _mm512_slli_epi32(cs, 7);
-    const __m512 dw = pair_scales16(q0 + 256, q1 + 256);
-    for (int r = 0; r < R; ++r) {
-      const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], off));
-      acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, _mm512_set1_ps(dx[r][b])), acc[r]);
-    }
+// tile_pair_zmm for R (1..MR) rows.
+template <int KIND>
+void tile_pair_rows(int R, const int8_t* const* xr, const float* const* dr, const float* const* sr,
+                    const uint8_t* const* blk, int64_t nb, float* const* orow, const int* ncols) {
+  switch (R) {
+    case 1: tile_pair_zmm<KIND, 1>(xr, dr, sr, blk, nb, orow, ncols); break;
+    case 2: tile_pair_zmm<KIND, 2>(xr, dr, sr, blk, nb, orow, ncols); break;
+    case 3: tile_pair_zmm<KIND, 3>(xr, dr, sr, blk, nb, orow, ncols); break;
+    default: tile_pair_zmm<KIND, 4>(xr, dr, sr, blk, nb, orow, ncols); break;
   }
-  const __mmask16 mask = static_cast<__mmask16>(0xFFu | (((1u << ncols[1]) - 1u) << 8));
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out[r], mask, acc[r]);
 }
 #endif
 
@@ -494,12 +498,8 @@ void tile_rows(int R, const int8_t* const* xr, const float* const* dr, const flo
                int64_t nb, float* const* orow, const int* ncols) {
 #ifdef FDX_QGEMM_ZMM
   if constexpr (KIND == 4 && G == 2) {  // a full pair of Q4 groups: the zmm tile (the same bits)
-    switch (R) {
-      case 1: tile_q4_zmm<1>(xr, dr, sr, blk, nb, orow, ncols); return;
-      case 2: tile_q4_zmm<2>(xr, dr, sr, blk, nb, orow, ncols); return;
-      case 3: tile_q4_zmm<3>(xr, dr, sr, blk, nb, orow, ncols); return;
-      default: tile_q4_zmm<4>(xr, dr, sr, blk, nb, orow, ncols); return;
-    }
+    tile_pair_rows<4>(R, xr, dr, sr, blk, nb, orow, ncols);
+    return;
   }
 #endif
   switch (R) {
@@ -591,12 +591,7 @@ void gemm_range_g1(const int8_t* xq, const float* dx, const float* sx, const uin
           int nc[2];
           group_ptrs(w, g, 2, nb, BB, N, bp, nc);
           for (int r = 0; r < R; ++r) orow[r] = out + (m0 + r) * N + 8 * g;
-          switch (R) {
-            case 1: tile_q8_zmm<1>(xr, dr, bp, nb, orow, nc); break;
-            case 2: tile_q8_zmm<2>(xr, dr, bp, nb, orow, nc); break;
-            case 3: tile_q8_zmm<3>(xr, dr, bp, nb, orow, nc); break;
-            default: tile_q8_zmm<4>(xr, dr, bp, nb, orow, nc); break;
-          }
+          tile_pair_rows<8>(R, xr, dr, sr, bp, nb, orow, nc);
           ++g;
           continue;
         }
