@@ -584,20 +584,19 @@ void gemm_range_g1(const int8_t* xq, const float* dx, const float* sx, const uin
       float* orow[MR];
       row_ptrs(m0, R, xq, dx, sx, K, nb, xr, dr, sr);
       for (int64_t g = gt; g < gt1; ++g) {
+        for (int r = 0; r < R; ++r) orow[r] = out + (m0 + r) * N + 8 * g;
 #ifdef FDX_QGEMM_ZMM
         // a full pair of Q8_0 groups, 2+ rows: the zmm tile (the same bits; one row keeps tile_g1, memory-bound)
         if (KIND == 8 && M > 1 && g + 1 < gt1) {
           const uint8_t* bp[2];
           int nc[2];
           group_ptrs(w, g, 2, nb, BB, N, bp, nc);
-          for (int r = 0; r < R; ++r) orow[r] = out + (m0 + r) * N + 8 * g;
           tile_pair_rows<8>(R, xr, dr, sr, bp, nb, orow, nc);
           ++g;
           continue;
         }
 #endif
         const int ncols = static_cast<int>(std::min<int64_t>(8, N - 8 * g));
-        for (int r = 0; r < R; ++r) orow[r] = out + (m0 + r) * N + 8 * g;
         const uint8_t* blk = w + g * nb * BB;
         switch (R) {
           case 1: tile_g1<KIND, 1>(xr, dr, sr, blk, nb, orow, ncols); break;
