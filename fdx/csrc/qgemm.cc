@@ -764,15 +764,23 @@ inline void amx_store_any(int64_t b, int32_t* c) {
   }
 }
 
+// Cache lines to ask for while a tile runs: lines [0, n) from p, spread
+// over its blocks (a hint only: no bit depends on it).
+struct PrefetchLines {
+  const char* p = nullptr;
+  int64_t n = 0;
+};
+
 // 16 rows x the pair's 16 columns (ncols of them stored), every block.
-//   xq: the rows' int8 activations (K apart), dx/sx [nb][16]: their block scales and scaled sums.
+//   xq: the rows' int8 activations (K apart), dx/sx [nb][16]: their block scales and scaled sums;
+//   pf: the lines of weights the next chunk packs (gemm_range_amx), asked into L2 a few a block.
 // Software pipelined over the four C tiles: while the vector units run block
 // b's epilogue, block b + 1's sums are being stored (they are read one
 // epilogue later: a tile store does not forward to loads) and blocks b + 2,
 // b + 3 are on the tile unit.  The epilogues run in block order.
 template <int KIND>
 void amx_tile(const int8_t* xq, const float* dx, const float* sx, int64_t K, int64_t nb, const int8_t* wb,
-              const float* dw, const float* mw, float* out, int64_t N, int ncols) {
+              const float* dw, const float* mw, float* out, int64_t N, int ncols, PrefetchLines pf) {
   __asm__ volatile("" ::: "memory");  // the packed B tiles are written before the tile loads read them
   alignas(64) int32_t c[2][256];      // block b's stored sums in c[b % 2]
   __m512 acc[kAmxRows];               // 16 zmm, in registers throughout
@@ -780,7 +788,9 @@ void amx_tile(const int8_t* xq, const float* dx, const float* sx, int64_t K, int
   for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < std::min<int64_t>(3, nb); ++b) amx_issue_any(xq, K, wb, b);
   amx_stored<0>(c[0]);
+  const int64_t pf_step = (pf.n + nb - 1) / nb;
   for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t l = b * pf_step; l < std::min(pf.n, (b + 1) * pf_step); ++l) _mm_prefetch(pf.p + 64 * l, _MM_HINT_T1);
     if (b + 3 < nb) amx_issue_any(xq, K, wb, b + 3);
     if (b + 1 < nb) amx_store_any(b + 1, c[(b + 1) & 1]);
     amx_epilogue<KIND>(c[b & 1], dx + 16 * b, sx + 16 * b, _mm512_loadu_ps(dw + 16 * b), _mm512_loadu_ps(mw + 16 * b),
@@ -802,6 +812,10 @@ void amx_tile(const int8_t* xq, const float* dx, const float* sx, int64_t K, int
 //    the chunk, so the output is written row by row, contiguous, instead of
 //    16 rows 12 KiB apart per pair (bench/bench_qgemm.py on the AMX VM:
 //    1.15x at 512 x 3072, 1.2-1.5x at 128-512 x 49152; docs/PERFORMANCE.md).
+// Either way a chunk's tile calls ask for the next chunk's weights, spread
+// evenly over them: the pack reads them from L2 instead of waiting on memory
+// (a decode step of 32 sequences: the LM head 1.13x, the step 1.04x;
+// docs/PERFORMANCE.md).
 constexpr int64_t kAmxChunkBytes = 512 * 1024;
 
 // A thread's B tiles (64-byte aligned: full-line stores and tile loads),
@@ -853,10 +867,17 @@ void gemm_range_amx(const int8_t* xq, const float* dx, const float* sx, const ui
     const int64_t c1 = std::min<int64_t>(g1, c0 + 2 * chunk);
     const int64_t np = (c1 - c0 + 1) / 2;
     for (int64_t p = 0; p < np; ++p) ncol[p] = pack(p, c0 + 2 * p, c1);
+    // the next chunk's groups [c1, min(g1, c1 + 2 chunk)) are contiguous packed blocks
+    const char* next = reinterpret_cast<const char*>(w + c1 * nb * BB);
+    const int64_t lines = ((std::min<int64_t>(g1, c1 + 2 * chunk) - c1) * nb * BB + 63) / 64;
+    const int64_t calls = M16 / kAmxRows * np;
+    int64_t call = 0;
     for (int64_t m0 = 0; m0 < M16; m0 += kAmxRows)
-      for (int64_t p = 0; p < np; ++p)
+      for (int64_t p = 0; p < np; ++p, ++call) {
+        const int64_t l0 = lines * call / calls, l1 = lines * (call + 1) / calls;
         amx_tile<KIND>(xq + m0 * K, dt + m0 * nb, st + m0 * nb, K, nb, wb(p), dw(p), mw(p),
-                       out + m0 * N + 8 * (c0 + 2 * p), N, ncol[p]);
+                       out + m0 * N + 8 * (c0 + 2 * p), N, ncol[p], PrefetchLines{next + 64 * l0, l1 - l0});
+      }
   }
   _tile_release();
 }
