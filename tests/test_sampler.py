@@ -456,3 +456,31 @@ def test_native_logprobs_equal_numpy_s(kernel: object, sampler_kernel: str) -> N
         assert np.allclose([a.top[j][1] for j in fin], [b.top[j][1] for j in fin], atol=2e-5)
     assert lb[1] is not None and [t for t, _ in lb[1].top[:10]] == list(range(100, 110))
     assert lb[2] is not None and np.isinf([v for _, v in lb[2].top[7:]]).all()
+
+
+@pytest.mark.parametrize("width", [49152, 37, 16, 1])
+def test_native_argmax_is_numpys(kernel: object, sampler_kernel: str, width: int) -> None:
+    """The C++ greedy rows (fdx_argmax_rows, the Sampler's from 16 rows) give NumPy's argmax: the first
+    of tied maxima, the first NaN of a row that has one, index 0 of an
+    all -inf row, +0.0 and -0.0 as equals, a padded row stride (a view)."""
+    if sampler_kernel != "native":
+        pytest.skip("the kernel itself: once")
+    rng = np.random.default_rng(width)
+    x = (rng.normal(size=(20, width + 5)) * 3).astype(np.float32)  # 20 rows: the Sampler's native argmax
+    x[1, :] = x[1].max()  # every value tied: index 0
+    x[2, width // 2:] = np.float32(x[2].max() + 1)  # a tie from the middle on
+    x[3, :] = -np.inf
+    x[4, width - 1] = np.nan  # NaN wins wherever it is
+    x[5, width // 3] = np.nan
+    x[5, (2 * width) // 3] = np.nan
+    x[6, :] = -1.0
+    x[6, width - 1] = 0.0
+    x[6, max(0, width - 2)] = -0.0  # -0.0 == 0.0: the first of the two
+    x[7, :] = np.float32(3.0e38)
+    x[7, width - 1] = np.inf
+    view = x[:, :width]  # the padded vocabulary's view: rows width + 5 apart
+    got = kernel.argmax(view)  # type: ignore[attr-defined]
+    assert got.dtype == np.int64
+    assert got.tolist() == view.argmax(axis=1).tolist()
+    assert Sampler(width, native=kernel).sample(x, [req(str(i), temperature=0.0) for i in range(20)])[0].tolist() \
+        == view.argmax(axis=1).tolist()  # type: ignore[arg-type]

@@ -353,6 +353,52 @@ extern "C" int fdx_sample_rows(const float* logits, int64_t ld, const int64_t* r
   return 0;
 }
 
+namespace {
+
+constexpr int L = v::kLanes;
+constexpr unsigned kAll = (1u << L) - 1u;
+
+// One row's greedy token, as NumPy's argmax: the first index of the
+// largest value, or of the first NaN when the row has one (two vector
+// passes: the max of the ordered values and whether any is NaN, then the
+// first index that holds it).
+int64_t argmax_row(const float* z, int64_t V) {
+  v::vf m = v::set1(-INFINITY);
+  unsigned nan = 0;
+  int64_t j = 0;
+  for (; j + L <= V; j += L) {
+    const v::vf x = v::load(z + j);
+    m = v::max(x, m);                 // a NaN lane keeps m
+    nan |= ~v::ge_mask(x, x) & kAll;  // x >= x fails only for NaN
+  }
+  float mx = v::reduce_max(m);
+  for (int64_t k = j; k < V; ++k) {
+    nan |= std::isnan(z[k]);
+    if (z[k] > mx) mx = z[k];
+  }
+  if (nan) {
+    for (int64_t k = 0; k < V; ++k)
+      if (std::isnan(z[k])) return k;
+  }
+  const v::vf t = v::set1(mx);
+  for (j = 0; j + L <= V; j += L)
+    if (const unsigned hit = v::ge_mask(v::load(z + j), t)) return j + __builtin_ctz(hit);
+  for (; j < V; ++j)
+    if (z[j] >= mx) return j;
+  return 0;  // V == 0
+}
+
+}  // namespace
+
+// fdx_argmax_rows: the greedy token of each of n rows (ld floats apart) of
+// V logits, out[r] (Sampler.sample's greedy rows).  Returns 0.
+extern "C" int fdx_argmax_rows(const float* logits, int64_t ld, int64_t n, int64_t V, int64_t* out) {
+  std::atomic<int64_t> next{0};
+#pragma omp parallel if (n > 1)
+  for (int64_t r = next++; r < n; r = next++) out[r] = argmax_row(logits + r * ld, V);
+  return 0;
+}
+
 // fdx_logprobs_rows: the logprobs of a step's rows that asked for them
 // (Sampler._logprobs), from the RAW logits z (before penalties and
 // temperature, as vLLM and the NumPy path report them): lse = m + log(sum

@@ -164,11 +164,12 @@ def _float32_rows(raw: Any) -> Any:
 
 
 class SamplingKernel:
-    """``fdx_sample_rows`` and ``fdx_logprobs_rows`` (fdx/csrc/sampling.cc)
-    of the loaded ops, called with ctypes on NumPy buffers: the temperature /
-    min_p / top_k / top_p rows of a step, one token each
-    (:meth:`fdx.model.sampler.Sampler._sample_random`), and the logprobs of
-    the rows that ask for them (:meth:`fdx.model.sampler.Sampler._logprobs`)."""
+    """``fdx_sample_rows``, ``fdx_logprobs_rows`` and ``fdx_argmax_rows``
+    (fdx/csrc/sampling.cc) of the loaded ops, called with ctypes on NumPy
+    buffers: the temperature / min_p / top_k / top_p rows of a step, one
+    token each (:meth:`fdx.model.sampler.Sampler._sample_random`), the
+    logprobs of the rows that ask for them
+    (:meth:`fdx.model.sampler.Sampler._logprobs`), and the greedy rows."""
 
     def __init__(self, so_path: str) -> None:
         import ctypes
@@ -181,6 +182,9 @@ class SamplingKernel:
         self._lp = lib.fdx_logprobs_rows
         self._lp.argtypes = [p, i64, p, i64, i64, p, i64, p, p, p]
         self._lp.restype = ctypes.c_int
+        self._am = lib.fdx_argmax_rows
+        self._am.argtypes = [p, i64, i64, i64, p]
+        self._am.restype = ctypes.c_int
 
     def __call__(self, raw: Any, rows: Any, inv_t: Any, top_k: Any, top_p: Any, min_p: Any, u: Any) -> Any:
         """Tokens ``int64[len(rows)]``: row ``j`` samples ``raw[rows[j]]``
@@ -198,6 +202,18 @@ class SamplingKernel:
         if n:
             self._fn(raw.ctypes.data, raw.strides[0] // 4, args[0].ctypes.data, n, raw.shape[1],
                      *(a.ctypes.data for a in args[1:]), out.ctypes.data)
+        return out
+
+    def argmax(self, raw: Any) -> Any:
+        """Each row's greedy token, ``int64[n]``, as ``raw.argmax(axis=1)``
+        (the first largest value, or the first NaN), the rows spread over
+        the OpenMP team (``raw``: float32 ``[n, V]``)."""
+        import numpy as np
+
+        raw = _float32_rows(raw)
+        out = np.empty(raw.shape[0], dtype=np.int64)
+        if raw.shape[0]:
+            self._am(raw.ctypes.data, raw.strides[0] // 4, raw.shape[0], raw.shape[1], out.ctypes.data)
         return out
 
     def logprobs(self, raw: Any, rows: Any, tokens: Any, k: int) -> tuple[Any, Any, Any]:
