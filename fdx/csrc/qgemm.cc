@@ -814,7 +814,7 @@ void amx_tile(const int8_t* xq, const float* dx, const float* sx, int64_t K, int
 //    1.15x at 512 x 3072, 1.2-1.5x at 128-512 x 49152; docs/PERFORMANCE.md).
 // Either way a chunk's tile calls ask for the next chunk's weights, spread
 // evenly over them: the pack reads them from L2 instead of waiting on memory
-// (a decode step of 32 sequences: the LM head 1.13x, the step 1.04x;
+// (a decode step of 32 sequences: the LM head 1.17x, the step 1.03x;
 // docs/PERFORMANCE.md).
 constexpr int64_t kAmxChunkBytes = 512 * 1024;
 
