@@ -204,3 +204,25 @@ def test_release_scratch_frees_the_kernels_buffers_and_steps_grow_them_again(llm
     finally:
         runner.restore(["kv_cache"])
     assert _run(llm, True, prompts[:1], max_tokens=4) == before[:1]
+
+
+def test_release_scratch_frees_the_samplers_rows(llm: Any) -> None:
+    """The native sampler's per-thread vocabulary row (fdx_sample_rows,
+    fdx_logprobs_rows) is freed with the kernels' scratch, and grows again."""
+    import numpy as np
+
+    from fdx.model import native
+
+    model = llm.engine.runner.model
+    kernel = native.sampling_kernel()
+    if kernel is None:
+        pytest.skip("fdx's native CPU ops are not loaded here")
+    V = model.args.vocab_size
+    logits = np.random.default_rng(0).normal(size=(2, V)).astype(np.float32)
+    rows, tokens = np.arange(2), np.array([3, 5])
+    model.release_scratch()
+    first = kernel.logprobs(logits, rows, tokens, 4)
+    assert model.release_scratch() >= V * 4  # at least one thread's row of V floats
+    assert model.release_scratch() == 0
+    again = kernel.logprobs(logits, rows, tokens, 4)  # grown again: the same answers
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))

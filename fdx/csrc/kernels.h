@@ -64,6 +64,7 @@ void qgemm(const float* x, const uint8_t* w, int kind, float* out, int64_t M, in
 int64_t release_qgemm_scratch();
 int64_t release_attention_scratch();
 int64_t release_moe_scratch();
+int64_t release_sampling_scratch();  // sampling.cc: a vocabulary row and the selections' buffers
 
 // Which dot products this build's qgemm uses: out[0] int8 (1 = vpdpbusd, 0 =
 // vpmaddubsw), out[1] bf16 (1 = vdpbf16ps, 0 = two fmas), out[2] 1 where the

@@ -398,13 +398,16 @@ PD_BUILD_OP(fdx_stack_profile)
 // ---------------------------------------------------------------- fdx_release_scratch
 // fdx_release_scratch(x): frees the scratch the kernels keep between calls
 // (the layer loop's intermediates on this thread; the GEMM's, the
-// attention's and the MoE's on every thread of an OpenMP region, each
-// thread its own) and returns the bytes freed, int64 [1].  The runner
+// attention's, the MoE's and the sampler's on every thread of an OpenMP
+// region, each thread its own) and returns the bytes freed, int64 [1].  The runner
 // calls it on sleep.  x only names the place.
 std::vector<paddle::Tensor> ReleaseScratch(const paddle::Tensor& x) {
   std::atomic<int64_t> freed{layer_scratch.release()};
 #pragma omp parallel
-  { freed += fdx::release_qgemm_scratch() + fdx::release_attention_scratch() + fdx::release_moe_scratch(); }
+  {
+    freed += fdx::release_qgemm_scratch() + fdx::release_attention_scratch() + fdx::release_moe_scratch() +
+             fdx::release_sampling_scratch();
+  }
   auto out = paddle::empty({1}, paddle::DataType::INT64, x.place());
   out.data<int64_t>()[0] = freed.load();
   return {out};

@@ -51,6 +51,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels.h"
 #include "simd_math.h"
 
 namespace {
@@ -304,10 +305,9 @@ int64_t draw(const float* p, int64_t V, float thr, double u, bool few, Scratch& 
   return 0;
 }
 
-Scratch& thread_scratch() {
-  thread_local Scratch s;  // one per thread, shared by both entry points
-  return s;
-}
+thread_local Scratch sampling_scratch;  // one per thread, shared by the entry points (fdx::release_sampling_scratch)
+
+Scratch& thread_scratch() { return sampling_scratch; }
 
 // Calls f(r, s, p) for every row r in [0, n): the rows spread over the
 // OpenMP team, each thread with its own Scratch s and s.p (V floats) as p.
@@ -397,6 +397,18 @@ extern "C" int fdx_argmax_rows(const float* logits, int64_t ld, int64_t n, int64
 #pragma omp parallel if (n > 1)
   for (int64_t r = next++; r < n; r = next++) out[r] = argmax_row(logits + r * ld, V);
   return 0;
+}
+
+int64_t fdx::release_sampling_scratch() {
+  Scratch& s = sampling_scratch;
+  const int64_t bytes = static_cast<int64_t>((s.p.capacity() + s.vals.capacity()) * sizeof(float) +
+                                             s.bsum.capacity() * sizeof(double) +
+                                             s.best.capacity() * sizeof(std::pair<float, int64_t>));
+  std::vector<float>().swap(s.p);  // (assigning {} would keep the capacity)
+  std::vector<float>().swap(s.vals);
+  std::vector<double>().swap(s.bsum);
+  std::vector<std::pair<float, int64_t>>().swap(s.best);
+  return bytes;
 }
 
 // fdx_logprobs_rows: the logprobs of a step's rows that asked for them
