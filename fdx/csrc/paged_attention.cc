@@ -191,7 +191,8 @@ struct Prefetch {
 // The d loop of score_kt: FULL (every vector's L values readable) hoisted
 // out of it, and every loop over the sums unrolled, so the NR x NV sums stay
 // in registers (GCC kept the array's stack copy and stored all of them at
-// each d otherwise: store-bound, ~11 MACs a cycle in a prefill).
+// each d otherwise; a 512-token prefill's attention 1.07x without the
+// stores, docs/PERFORMANCE.md).
 template <int NR, int NV, typename C, bool FULL>
 inline void score_kt_loop(const float* const* q, const KeyVec* kv, const C* const* k, int D, int BS,
                           const Prefetch* pf, v::vf (&acc)[NR][NV]) {
